@@ -1,0 +1,161 @@
+"""HF / GGUF weights -> a pact NVFP4 artifact, streaming one fused group at a time."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import logging
+import math
+import os
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from pact import __version__
+from pact.formats import ArtifactError, ArtifactWriter, PactError, classify, family_of
+from pact.formats.families import VISION_FAMILIES
+from pact.formats.nvfp4 import BLOCK, SCALINGS, dequantize, global_scale_from_amax, quantize_weight
+
+from .sources import Source, open_source, remove_tree
+
+log = logging.getLogger(__name__)
+
+
+def relative_error(w: torch.Tensor, w_hat: torch.Tensor) -> float:
+    """||W - W_hat||_F / ||W||_F (0 for an all-zero W)."""
+    w = w.float()
+    den = float(w.norm())
+    return float((w - w_hat).norm()) / den if den > 0 else 0.0
+
+
+def _plan(source: Source, scaling: str) -> list[list[str]]:
+    """Units of work in file order: a fused group of frozen projections, or one tensor.
+
+    Checks every frozen projection's shape from the headers before anything is written.
+    """
+    groups: dict[str, list[str]] = defaultdict(list)
+    units: list[list[str]] = []
+    for name in source.names():
+        role = classify(name)
+        if not role.frozen_projection:
+            units.append([name])
+            continue
+        shape = source.shape(name)
+        if len(shape) != 2 or shape[0] % BLOCK or shape[1] % BLOCK:
+            raise PactError(
+                f"{source.file_of(name)}: {name} has shape {shape}; NVFP4 ({scaling}) needs both "
+                f"dimensions divisible by {BLOCK}: this model cannot be converted"
+            )
+        if role.group not in groups:
+            units.append(groups[role.group])  # the group's list, filled as names arrive
+        groups[role.group].append(name)
+    return units
+
+
+def _load_checked(source: Source, name: str) -> torch.Tensor:
+    t = source.load(name)
+    if not t.is_floating_point():
+        raise PactError(f"{source.file_of(name)}: {name} has dtype {t.dtype}; pact stores float tensors only")
+    flat = t.reshape(-1)
+    step = 1 << 22  # in pieces: a whole-embedding bool mask would be the converter's peak
+    bad = sum(int((~torch.isfinite(flat[i : i + step])).sum()) for i in range(0, flat.numel(), step))
+    if bad:
+        raise PactError(
+            f"{source.file_of(name)}: {name} has {bad} NaN/Inf values: the checkpoint is damaged; re-download or re-export it"
+        )
+    return t
+
+
+def convert(
+    src: str,
+    out: str | os.PathLike,
+    *,
+    scaling: str = "2d",
+    keep_bf16: float = 0.0,
+    overwrite: bool = False,
+    revision: str | None = None,
+    progress: bool = True,
+) -> Path:
+    """Convert ``src`` (HF folder, .gguf file or hub id) into an artifact at ``out``.
+
+    Frozen projections become NVFP4 (forward + backward layouts; q/k/v and gate/up share a
+    global scale); everything else is stored bf16. ``keep_bf16`` keeps that fraction of the
+    frozen projections, those with the largest relative NVFP4 error, in bf16.
+    """
+    if scaling not in SCALINGS:
+        raise PactError(f"--scaling must be one of {', '.join(SCALINGS)}, got {scaling!r}")
+    if not 0.0 <= keep_bf16 < 1.0:
+        raise PactError(f"--keep-bf16 is a fraction in [0, 1), got {keep_bf16}")
+    out = Path(out)
+    if out.exists() and not overwrite:
+        raise ArtifactError(f"output {out} already exists: pass --overwrite to replace it")
+    workdir = out.parent / f".{out.name}.gguf-{os.getpid()}" if str(src).endswith(".gguf") else None
+    try:
+        source = open_source(str(src), revision=revision, workdir=workdir)
+        return _convert(source, out, scaling=scaling, keep_bf16=keep_bf16, overwrite=overwrite, progress=progress)
+    finally:
+        remove_tree(workdir)
+
+
+def _convert(source: Source, out: Path, *, scaling: str, keep_bf16: float, overwrite: bool, progress: bool) -> Path:
+    family = family_of(source.config, str(source.folder / "config.json"))
+    units = _plan(source, scaling)
+    errors: dict[str, float] = {}
+    with ArtifactWriter(out, overwrite=overwrite) as writer:
+        for unit in tqdm(units, desc=f"convert -> {out.name}", unit="group", disable=not progress):
+            tensors = {name: _load_checked(source, name) for name in unit}
+            first = classify(unit[0])
+            if not first.frozen_projection:
+                name, t = unit[0], tensors[unit[0]]
+                writer.add_dense(name, t.to(torch.bfloat16), role=first.role, layer=first.layer, source_dtype=str(t.dtype))
+                continue
+            # fused group: one global scale from the amax over all members
+            g = global_scale_from_amax(max(float(t.float().abs().amax()) for t in tensors.values()))
+            for name, w in tensors.items():
+                role = classify(name)
+                fwd, bwd = quantize_weight(w, global_scale=g, scaling=scaling)
+                errors[name] = relative_error(w, dequantize(fwd))
+                writer.add_nvfp4(
+                    name, fwd, bwd, role=role.role, layer=role.layer, group=role.group,
+                    scaling=scaling, error=errors[name], source_dtype=str(w.dtype),
+                )
+            del tensors
+        protected = _protect(source, writer, errors, keep_bf16)
+        for f in source.side_files():
+            writer.add_file(f)
+        meta = dict(
+            architecture=(source.config.get("architectures") or [None])[0],
+            family=family,
+            vision=family in VISION_FAMILIES,
+            hf_config=source.config,
+            provenance={
+                **source.provenance,
+                "source_fingerprint": source.fingerprint(),
+                "scaling": scaling,
+                "keep_bf16": keep_bf16,
+                "kept_bf16": protected,
+                "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+                "pact_version": __version__,
+                "torch_version": torch.__version__,
+            },
+        )
+        return writer.commit(**meta)
+
+
+def _protect(source: Source, writer: ArtifactWriter, errors: dict[str, float], fraction: float) -> list[str]:
+    """AQLoRA-style protected layers: rewrite the worst ``fraction`` of projections in bf16."""
+    k = math.floor(fraction * len(errors) + 0.5)
+    if k == 0:
+        return []
+    worst = sorted(errors, key=errors.get, reverse=True)[:k]
+    for name in worst:
+        entry = writer.tensors[name]
+        writer.remove(name)
+        w = source.load(name)
+        writer.add_dense(
+            name, w.to(torch.bfloat16), role=entry["role"], layer=entry["layer"], group=entry["group"],
+            kept_bf16=True, nvfp4_error=entry["error"], global_scale=entry["global_scale"], source_dtype=str(w.dtype),
+        )
+    log.info("kept %d of %d projections in bf16 (largest NVFP4 error)", k, len(errors))
+    return worst

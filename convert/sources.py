@@ -1,0 +1,223 @@
+"""Where weights come from: a local HF folder, a hub id, or a GGUF file.
+
+Every source ends as a folder of config.json + safetensors, read one tensor at a time
+through safetensors' memory map (never pickle).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+import shutil
+import struct
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from pact.formats import PactError
+from pact.formats.artifact import sha256_file
+
+log = logging.getLogger(__name__)
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".ckpt")
+_SIDE_FILE_MAX = 64 << 20  # tokenizer/config/processor files; anything larger is not one
+_ST_DTYPES = {
+    "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "BOOL": torch.bool,
+    "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64,
+}
+
+
+class SafetensorsFile:
+    """Reads one tensor at a time with plain file reads into memory the tensor owns.
+
+    safetensors' own loader memory-maps the file, and every page it touches then counts
+    in the converter's resident memory until the file is closed; plain reads keep the
+    peak at the tensors in flight. The format is an 8-byte little-endian header length,
+    a JSON header {name: {dtype, shape, data_offsets}}, then the data.
+    """
+
+    def __init__(self, path: Path):
+        self.path = path
+        size = path.stat().st_size
+        try:
+            with open(path, "rb") as f:
+                (n,) = struct.unpack("<Q", f.read(8))
+                if n > size - 8:
+                    raise ValueError(f"header length {n} exceeds the file")
+                self.header_bytes = f.read(n)
+            header = json.loads(self.header_bytes)
+        except (struct.error, ValueError, UnicodeDecodeError) as e:
+            raise PactError(f"{path}: not a readable safetensors file ({e}): re-download it") from None
+        header.pop("__metadata__", None)
+        self.base = 8 + n
+        self.entries = header
+        for name, e in header.items():
+            start, end = e["data_offsets"]
+            if self.base + end > size:
+                raise PactError(f"{path}: {name} ends past the end of the file (truncated): re-download it")
+            if e["dtype"] not in _ST_DTYPES:
+                raise PactError(f"{path}: {name} has dtype {e['dtype']}, which pact does not read")
+
+    def shape(self, name: str) -> list[int]:
+        return list(self.entries[name]["shape"])
+
+    def get(self, name: str) -> torch.Tensor:
+        e = self.entries[name]
+        start, end = e["data_offsets"]
+        dtype, shape = _ST_DTYPES[e["dtype"]], e["shape"]
+        if end == start:
+            return torch.empty(shape, dtype=dtype)
+        buf = bytearray(end - start)
+        with open(self.path, "rb") as f:
+            f.seek(self.base + start)
+            f.readinto(buf)
+        return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).reshape(shape)
+
+
+@dataclass
+class Source:
+    """An HF-layout folder opened for streaming reads."""
+
+    folder: Path
+    provenance: dict
+    config: dict = field(init=False)
+    _index: dict[str, SafetensorsFile] = field(init=False)
+
+    def __post_init__(self) -> None:
+        cfg = self.folder / "config.json"
+        if not cfg.is_file():
+            raise PactError(
+                f"{self.folder} has no config.json: point pact-convert at a Hugging Face model "
+                "folder (config.json + *.safetensors), a .gguf file, or a hub id"
+            )
+        try:
+            self.config = json.loads(cfg.read_text())
+        except json.JSONDecodeError as e:
+            raise PactError(f"{cfg} is not valid JSON ({e}): re-download the model") from None
+        files = sorted(self.folder.glob("*.safetensors"))
+        if not files:
+            found = sorted(p.name for p in self.folder.iterdir() if p.suffix in _WEIGHT_SUFFIXES)
+            hint = f" (found {', '.join(found)})" if found else ""
+            raise PactError(
+                f"{self.folder} has no *.safetensors files{hint}: pact reads safetensors only "
+                "(pickle files are never loaded); re-save with save_pretrained(safe_serialization=True)"
+            )
+        self._index = {}
+        for f in files:
+            st = SafetensorsFile(f)
+            for name in st.entries:
+                self._index[name] = st
+        index_json = self.folder / "model.safetensors.index.json"
+        if index_json.is_file():
+            wanted = json.loads(index_json.read_text()).get("weight_map", {})
+            missing = sorted({v for k, v in wanted.items() if k not in self._index})
+            if missing:
+                raise PactError(f"{index_json} names shards that are missing or incomplete: {missing[:3]}: re-download them")
+
+    def names(self) -> list[str]:
+        return list(self._index)
+
+    def file_of(self, name: str) -> Path:
+        return self._index[name].path
+
+    def shape(self, name: str) -> list[int]:
+        return self._index[name].shape(name)
+
+    def load(self, name: str) -> torch.Tensor:
+        return self._index[name].get(name)
+
+    def side_files(self) -> list[Path]:
+        """config, tokenizer, chat template and processor files to ship in the artifact."""
+        out = []
+        for p in sorted(self.folder.iterdir()):
+            if not p.is_file() or p.suffix in _WEIGHT_SUFFIXES or p.name.endswith(".index.json"):
+                continue
+            if p.stat().st_size <= _SIDE_FILE_MAX:
+                out.append(p)
+        return out
+
+    def fingerprint(self) -> str:
+        """sha256 of config.json, each safetensors file's name, size and header (dtypes,
+        shapes, offsets): identifies the source without reading its weights again."""
+        h = hashlib.sha256((self.folder / "config.json").read_bytes())
+        for st in sorted(set(self._index.values()), key=lambda st: st.path.name):
+            h.update(st.path.name.encode())
+            h.update(str(st.path.stat().st_size).encode())
+            h.update(st.header_bytes)
+        return h.hexdigest()
+
+
+def _from_hub(repo_id: str, revision: str | None) -> tuple[Path, dict]:
+    try:
+        from huggingface_hub import snapshot_download
+
+        folder = Path(
+            snapshot_download(
+                repo_id,
+                revision=revision,
+                allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"],
+            )
+        )
+    except Exception as e:
+        raise PactError(
+            f"{repo_id!r} is not a local path and could not be fetched from the hub ({type(e).__name__}: {e}): "
+            "check the path, or the hub id and your network"
+        ) from None
+    return folder, {"source_kind": "hub", "revision": folder.name}
+
+
+def _from_gguf(path: Path, workdir: Path) -> tuple[Path, dict]:
+    """Dequantize a GGUF file through transformers' loader and save an HF folder in workdir."""
+    try:
+        import gguf  # noqa: F401  (transformers needs it to read .gguf)
+        from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+    except ImportError as e:
+        raise PactError(f"{path}: reading .gguf needs the gguf package ({e}): pip install gguf") from None
+    try:
+        kw = dict(gguf_file=path.name)
+        model = AutoModelForCausalLM.from_pretrained(
+            str(path.parent), dtype=torch.bfloat16, quantization_config=GgufConfig(dequantize=True), **kw
+        )
+        tok = AutoTokenizer.from_pretrained(str(path.parent), **kw)
+    except Exception as e:
+        raise PactError(f"{path}: transformers could not load this GGUF file ({type(e).__name__}: {e})") from None
+    model.save_pretrained(workdir)
+    tok.save_pretrained(workdir)
+    del model
+    return workdir, {"source_kind": "gguf", "gguf_sha256": sha256_file(path)}
+
+
+def open_source(src: str, *, revision: str | None = None, workdir: Path | None = None) -> Source:
+    """Resolve SRC (folder, .gguf, or hub id) to a streaming Source.
+
+    ``workdir`` receives the HF folder a GGUF file is dequantized into (caller removes it).
+    """
+    path = Path(src)
+    if path.is_dir():
+        if not any(path.iterdir()):
+            raise PactError(f"source folder {path} is empty: point at a Hugging Face model folder (config.json + *.safetensors)")
+        return Source(path, {"source": str(path.resolve()), "source_kind": "folder", "revision": revision})
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise PactError(
+                f"source {path} is a file but not .gguf: give a model folder (config.json + *.safetensors), a .gguf file or a hub id"
+            )
+        if workdir is None:
+            workdir = Path(tempfile.mkdtemp(prefix="pact-gguf-"))
+        folder, prov = _from_gguf(path, workdir)
+        return Source(folder, {"source": str(path.resolve()), **prov})
+    if _HUB_ID.match(src) and not src.startswith((".", "/")):
+        folder, prov = _from_hub(src, revision)
+        return Source(folder, {"source": src, **prov})
+    raise PactError(f"source {src!r} does not exist: give a local model folder, a .gguf file, or a hub id like org/name")
+
+
+def remove_tree(path: Path | None) -> None:
+    if path is not None:
+        shutil.rmtree(path, ignore_errors=True)

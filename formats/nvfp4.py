@@ -1,0 +1,223 @@
+"""NVFP4, defined once: E2M1 elements, E4M3 block scales, one FP32 per-tensor scale.
+
+Numerics match torchao 0.18 ``nvfp4_quantize`` bit for bit (and so NVIDIA's definition):
+
+    g      = amax(W) / (6 * 448)                                  # fp32, decode direction
+    s_b    = e4m3(clamp(block_amax / 6 / g, 2**-6, 448))          # one per 16 elements
+    q      = rne_e2m1(clamp(x * ((1 / g) / s_b), -6, 6))           # reciprocal multiply
+    x_hat  = q * s_b * g
+
+An element code is 4 bits: bit 3 is the sign (taken from the float's sign bit, so -0.1 may
+encode as "negative zero", 0b1000), bits 0-2 index the magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6.
+Two codes share a byte, the first element in the low nibble: ``byte = q[0::2] | q[1::2] << 4``.
+
+Weights have two scaling modes:
+- ``1d``: a scale per 1x16 block along K (the contraction dim). The backward layout is
+  W^T quantized along N, so forward and backward see slightly different weights.
+- ``2d``: a scale per 16x16 block. Every element of a block shares the scale, so W^T holds
+  exactly the same codes: the backward layout is a lossless re-pack of the forward one.
+Both store scales as [rows, cols/16] (2d repeats each block's scale over its 16 rows) so
+kernels read one layout whatever the mode.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+BLOCK = 16  # elements per scale along the contraction dim (NVFP4 fixes it at 16)
+E2M1_MAX = 6.0
+E4M3_MAX = 448.0
+# torchao clamps block scales to e4m3's smallest *normal* (finfo.tiny), never a subnormal.
+E4M3_MIN_SCALE = 2.0**-6
+SCALINGS = ("1d", "2d")
+
+# Code -> value, codes 0..15 (bit 3 = sign).
+E2M1_VALUES = torch.tensor(
+    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+    dtype=torch.float32,
+)
+# Round-to-nearest-even onto the magnitudes: the code is the number of midpoints passed.
+# At a midpoint the even code wins, so the comparison is strict (>) where the code below
+# the midpoint is even and inclusive (>=) where it is odd. Seven compare-and-adds run
+# about 2x faster on the CPU than one torch.bucketize or an exponent/round formulation.
+_MIDPOINTS = (  # (midpoint, inclusive)
+    (0.25, False),  # 0 | 0.5   tie -> 0   (code 0)
+    (0.75, True),  # 0.5 | 1   tie -> 1   (code 2)
+    (1.25, False),  # 1 | 1.5   tie -> 1   (code 2)
+    (1.75, True),  # 1.5 | 2   tie -> 2   (code 4)
+    (2.5, False),  # 2 | 3     tie -> 2   (code 4)
+    (3.5, True),  # 3 | 4     tie -> 4   (code 6)
+    (5.0, False),  # 4 | 6     tie -> 4   (code 6)
+)
+# byte -> its two values (low nibble first): decoding reads bytes, never unpacked codes
+_BYTE_VALUES = torch.stack((E2M1_VALUES.repeat(16), E2M1_VALUES.repeat_interleave(16)), dim=-1)  # [256, 2]
+# Rows quantized per step: keeps temporaries near 16 MB, which malloc reuses instead of
+# mapping fresh pages for every call (page faults dominated the converter's time).
+_CHUNK_ELEMENTS = 1 << 22
+
+
+@dataclass(frozen=True)
+class NVFP4Tensor:
+    """A 2-D tensor [rows, cols] in NVFP4, blocked along cols.
+
+    packed: uint8 [rows, cols/2]; scales: float8_e4m3fn [rows, cols/16];
+    global_scale: float32 scalar tensor (decode direction, ``g`` above).
+    """
+
+    packed: torch.Tensor
+    scales: torch.Tensor
+    global_scale: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.packed.shape[0], self.packed.shape[1] * 2)
+
+
+def global_scale_from_amax(amax: torch.Tensor | float) -> torch.Tensor:
+    """g = amax / (6 * 448) in fp32; an all-zero tensor gets g = 1 (any g decodes zeros)."""
+    amax = torch.as_tensor(amax, dtype=torch.float32)
+    g = amax / (E4M3_MAX * E2M1_MAX)
+    return torch.where(g > 0, g, torch.ones_like(g))
+
+
+def encode_e2m1(x: torch.Tensor) -> torch.Tensor:
+    """fp32 values already scaled into [-6, 6] -> uint8 codes (RNE, sign from the sign bit)."""
+    mag = x.abs()
+    code = torch.zeros(x.shape, dtype=torch.uint8, device=x.device)
+    for m, inclusive in _MIDPOINTS:
+        code += (mag >= m) if inclusive else (mag > m)
+    return code | (torch.signbit(x).to(torch.uint8) << 3)
+
+
+def decode_e2m1(codes: torch.Tensor) -> torch.Tensor:
+    return E2M1_VALUES.to(codes.device)[codes.long()]
+
+
+def decode_packed(packed: torch.Tensor) -> torch.Tensor:
+    """[..., n] bytes -> [..., 2n] fp32 values."""
+    return _BYTE_VALUES.to(packed.device)[packed.long()].flatten(-2)
+
+
+def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:
+    """[..., 2n] uint8 codes -> [..., n] bytes, first element in the low nibble."""
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
+    """[..., n] bytes -> [..., 2n] uint8 codes."""
+    return torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(-2)
+
+
+def block_scales(block_amax: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
+    """fp32 block amax -> e4m3 block scales relative to the global scale (torchao's order)."""
+    s = (block_amax.float() / E2M1_MAX) / global_scale
+    return s.clamp(E4M3_MIN_SCALE, E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+def encode_with_scales(x: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
+    """x [rows, cols] with e4m3 scales [rows, cols/16] -> packed [rows, cols/2]."""
+    rows, cols = x.shape
+    recip = (1.0 / global_scale) / scales.float()  # [rows, cols/16]
+    scaled = x.float().reshape(rows, cols // BLOCK, BLOCK) * recip.unsqueeze(-1)
+    codes = encode_e2m1(scaled.clamp_(-E2M1_MAX, E2M1_MAX).reshape(rows, cols))
+    return pack_e2m1(codes)
+
+
+def _check_2d(x: torch.Tensor, what: str, need_rows16: bool) -> None:
+    if x.dim() != 2:
+        raise ValueError(f"{what}: expected a 2-D tensor, got shape {tuple(x.shape)}")
+    rows, cols = x.shape
+    if cols % BLOCK or (need_rows16 and rows % BLOCK):
+        dims = "both dimensions" if need_rows16 else "the last dimension"
+        raise ValueError(f"{what}: shape {tuple(x.shape)}: NVFP4 needs {dims} divisible by {BLOCK}")
+
+
+def _row_step(rows: int, cols: int) -> int:
+    return max(BLOCK, min(rows, _CHUNK_ELEMENTS // cols) // BLOCK * BLOCK)
+
+
+def quantize(
+    x: torch.Tensor,
+    *,
+    global_scale: torch.Tensor | None = None,
+    scaling: str = "1d",
+) -> NVFP4Tensor:
+    """Quantize a 2-D tensor along its last dim (1x16 blocks, or 16x16 with ``scaling="2d"``).
+
+    ``global_scale`` defaults to this tensor's own amax; pass a shared one for fused groups.
+    """
+    if scaling not in SCALINGS:
+        raise ValueError(f"scaling must be one of {SCALINGS}, got {scaling!r}")
+    _check_2d(x, "quantize", need_rows16=scaling == "2d")
+    if global_scale is None:
+        global_scale = global_scale_from_amax(x.abs().amax())
+    global_scale = torch.as_tensor(global_scale, dtype=torch.float32, device=x.device)
+    rows, cols = x.shape
+    packed = torch.empty(rows, cols // 2, dtype=torch.uint8, device=x.device)
+    scales = torch.empty(rows, cols // BLOCK, dtype=torch.float8_e4m3fn, device=x.device)
+    step = _row_step(rows, cols)
+    for r in range(0, rows, step):
+        xc = x[r : r + step].float()
+        n = xc.shape[0]
+        if scaling == "1d":
+            amax = xc.reshape(n, cols // BLOCK, BLOCK).abs().amax(-1)
+            sc = block_scales(amax, global_scale)
+        else:
+            amax = xc.reshape(n // BLOCK, BLOCK, cols // BLOCK, BLOCK).abs().amax(dim=(1, 3))
+            sc = block_scales(amax, global_scale).repeat_interleave(BLOCK, dim=0)
+        scales[r : r + n] = sc
+        packed[r : r + n] = encode_with_scales(xc, sc, global_scale)
+    return NVFP4Tensor(packed, scales, global_scale)
+
+
+def dequantize(t: NVFP4Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """x_hat = (q * s_b) * g in fp32; q * s_b is exact (at most 6 significant bits), so the
+    only rounding is the multiply by g. Kernels decode in this order to match bit for bit."""
+    rows, cols = t.shape
+    out = torch.empty(rows, cols, dtype=dtype, device=t.packed.device)
+    g = t.global_scale.float()
+    for r in range(0, rows, _row_step(rows, cols)):
+        p = t.packed[r : r + _row_step(rows, cols)]
+        n = p.shape[0]
+        q = decode_packed(p).reshape(n, cols // BLOCK, BLOCK)
+        out[r : r + n] = ((q * t.scales[r : r + n].float().unsqueeze(-1)) * g).reshape(n, cols).to(dtype)
+    return out
+
+
+def transpose_2d(t: NVFP4Tensor) -> NVFP4Tensor:
+    """The exact re-pack of a 2d-scaled [N, K] tensor as [K, N] (the backward layout)."""
+    n, k = t.shape
+    if n % BLOCK:
+        raise ValueError(f"transpose_2d: {n} rows is not a multiple of {BLOCK}")
+    block = t.scales[::BLOCK]  # [N/16, K/16]: one scale per 16x16 block
+    if not torch.equal(block.repeat_interleave(BLOCK, 0).view(torch.uint8), t.scales.view(torch.uint8)):
+        raise ValueError("transpose_2d: scales are not constant over 16-row blocks (not 2d-scaled)")
+    codes_t = unpack_e2m1(t.packed).t().contiguous()
+    scales_t = block.t().contiguous().repeat_interleave(BLOCK, dim=0)
+    return NVFP4Tensor(pack_e2m1(codes_t), scales_t, t.global_scale)
+
+
+def quantize_weight(
+    w: torch.Tensor,
+    *,
+    global_scale: torch.Tensor | None = None,
+    scaling: str = "2d",
+) -> tuple[NVFP4Tensor, NVFP4Tensor]:
+    """A frozen weight W [N, K] -> (forward [N, K] blocked along K, backward [K, N] along N)."""
+    if scaling not in SCALINGS:
+        raise ValueError(f"scaling must be one of {SCALINGS}, got {scaling!r}")
+    _check_2d(w, "quantize_weight", need_rows16=True)
+    if global_scale is None:
+        global_scale = global_scale_from_amax(w.float().abs().amax())
+    fwd = quantize(w, global_scale=global_scale, scaling=scaling)
+    if scaling == "2d":
+        return fwd, transpose_2d(fwd)
+    return fwd, quantize(w.t().contiguous(), global_scale=global_scale, scaling="1d")
+
+
+def sqnr_db(x: torch.Tensor, y: torch.Tensor) -> float:
+    """Signal-to-quantization-noise ratio 20*log10(|x| / |x - y|) in dB."""
+    x, y = x.double(), y.double()
+    return float(20 * torch.log10(x.norm() / (x - y).norm()))

@@ -1,0 +1,1 @@
+"""Command-line entry points (click). Thin: build a config, call one library function."""

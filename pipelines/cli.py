@@ -1,0 +1,18 @@
+"""`pact`: one entry point grouping the stage commands (each also has its own pact-* script)."""
+
+import click
+
+from .convert import main as convert
+from .demo import demo
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def main() -> None:
+    """LoRA fine-tuning on NVFP4 frozen weights: convert, calibrate, train."""
+
+
+main.add_command(convert, "convert")
+main.add_command(demo, "demo")
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,34 @@
+"""`pact-convert SRC OUT`: pack Hugging Face weights into an NVFP4 artifact."""
+
+from __future__ import annotations
+
+import click
+
+from pact.convert import convert
+from pact.formats import open_artifact
+
+from .common import cli_errors
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("src")
+@click.argument("out", type=click.Path(file_okay=False))
+@click.option("--scaling", type=click.Choice(["1d", "2d"]), default="2d", show_default=True,
+              help="NVFP4 weight scale blocks: 2d = 16x16 (forward and backward use identical weights), 1d = 1x16.")
+@click.option("--keep-bf16", type=float, default=0.0, show_default=True, metavar="FRACTION",
+              help="Keep this fraction of frozen projections (largest NVFP4 error first) in bf16.")
+@click.option("--revision", default=None, help="Hub revision (branch, tag or commit) when SRC is a hub id.")
+@click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+@cli_errors
+def main(src: str, out: str, scaling: str, keep_bf16: float, revision: str | None, overwrite: bool, quiet: bool) -> None:
+    """Convert SRC (a Hugging Face model folder, a .gguf file or a hub id) into the artifact OUT."""
+    path = convert(src, out, scaling=scaling, keep_bf16=keep_bf16, overwrite=overwrite, revision=revision, progress=not quiet)
+    art = open_artifact(path)
+    kept = art.meta["provenance"]["kept_bf16"]
+    click.echo(f"wrote {path}: {art.meta['architecture']}, {len(art.names('nvfp4'))} NVFP4 projections "
+               f"({scaling}), {len(kept)} kept bf16, {len(art.names('dense'))} dense tensors")
+
+
+if __name__ == "__main__":
+    main()
