@@ -254,3 +254,9 @@ def test_compressed_array_is_refused(tmp_path, tiny_llama):
     zj.write_text(json.dumps(doc))
     with pytest.raises(ArtifactError, match="cannot be memory-mapped"):
         open_artifact(path).dense(name)
+
+
+def test_hub_id_offline(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(PactError, match="'nosuch-org/nosuch-model' is not a local path and could not be fetched"):
+        convert("nosuch-org/nosuch-model", tmp_path / "art")
