@@ -186,6 +186,45 @@ def dequantize(t: NVFP4Tensor, dtype: torch.dtype = torch.float32) -> torch.Tens
     return out
 
 
+@dataclass(frozen=True)
+class NVFP4Rows:
+    """Activations [rows, cols] in NVFP4 with one fp32 scale per row instead of per tensor.
+
+    A per-row (per-token) scale needs no reduction across the tensor, so a kernel that
+    holds a row in registers (RMSNorm, SiLU-mul) quantizes it in the same pass.
+    packed: uint8 [rows, cols/2]; scales: float8_e4m3fn [rows, cols/16]; row_scale: fp32 [rows].
+    """
+
+    packed: torch.Tensor
+    scales: torch.Tensor
+    row_scale: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.packed.shape[0], self.packed.shape[1] * 2)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.packed, self.scales, self.row_scale))
+
+
+def quantize_rows(x: torch.Tensor) -> NVFP4Rows:
+    """Per row: g_r = amax(row) / (6 * 448), then 1x16 blocks exactly as ``quantize``."""
+    _check_2d(x, "quantize_rows", need_rows16=False)
+    rows, cols = x.shape
+    xf = x.float()
+    g = global_scale_from_amax(xf.abs().amax(-1, keepdim=True))  # [rows, 1]
+    scales = block_scales(xf.reshape(rows, cols // BLOCK, BLOCK).abs().amax(-1), g)
+    return NVFP4Rows(encode_with_scales(xf, scales, g), scales, g.squeeze(-1))
+
+
+def dequantize_rows(t: NVFP4Rows, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """(q * s_b) * g_r in fp32, then cast."""
+    rows, cols = t.shape
+    q = decode_packed(t.packed).reshape(rows, cols // BLOCK, BLOCK)
+    x = (q * t.scales.float().unsqueeze(-1)) * t.row_scale.float().reshape(rows, 1, 1)
+    return x.reshape(rows, cols).to(dtype)
+
+
 def transpose_2d(t: NVFP4Tensor) -> NVFP4Tensor:
     """The exact re-pack of a 2d-scaled [N, K] tensor as [K, N] (the backward layout)."""
     n, k = t.shape

@@ -1,1 +1,1 @@
-"""Placeholder: see ARCHITECTURE.md for what lands here."""
+"""Online: memory-mapped NVFP4 artifact -> LoRA training (kernels, autograd, model, trainer)."""

@@ -1,0 +1,282 @@
+"""Autograd Functions of the PACT data flow: what each saves for backward is decided here.
+
+Notation per decoder layer: T tokens, H hidden, A = heads * head_dim, I intermediate,
+N = output width of a fused group (q|k|v: A + 2 * kv_heads * head_dim; gate|up: 2I).
+NVFP4 rows of width K cost K/2 + K/16 + 4 bytes per token (codes, e4m3 scales, fp32 row scale).
+
+    attention input  x [T,H] -> RMSNorm -> quantize (one NVFP4 copy: GEMM input and saved)
+                     qkv [T,N] = Xq [T,H] @ Wqkv[N,H]^T  (+ bias)  + LoRA per member
+    attention output o [T,A] -> quantize -> o_proj [T,H] = Oq @ Wo[H,A]^T + LoRA
+    MLP              x -> RMSNorm -> quantize -> gate|up [T,2I] = Xq @ Wgu[2I,H]^T + LoRA
+                     h = silu(gate) * up -> quantize -> down [T,H] = Hq @ Wd[H,I]^T + LoRA
+                     saved: Xq, rstd, NVFP4 copies of gate and up (h is recomputed from them)
+
+Backward, per frozen group (W in NVFP4; dgrad through the backward layout W^T blocked
+along N):  dX [T,K] = dY [T,N] @ W [N,K]   (computed as dY @ (W^T)^T with W^T [K,N])
+LoRA member i (A_i [r,K], B_i [N_i,r], scale s, input X_hat = dequant(Xq) in bf16):
+    xa = drop(X_hat) @ A_i^T          [T,K] @ [K,r] -> [T,r]    (saved, bf16)
+    y_i += s * xa @ B_i^T             [T,r] @ [r,N_i] -> [T,N_i]
+    dB_i = s * dY_i^T @ xa            [N_i,T] @ [T,r] -> [N_i,r]
+    dxa  = s * dY_i @ B_i             [T,N_i] @ [N_i,r] -> [T,r]
+    dA_i = dxa^T @ drop(X_hat)        [r,T] @ [T,K] -> [r,K]
+    dX  += drop'(dxa @ A_i)           [T,r] @ [r,K] -> [T,K]
+RMSNorm backward from the saved NVFP4 output Y_hat (= x * rstd * w, quantized), in fp32:
+    n = Y_hat / w;  g = dY * w;  dx = rstd * (g - n * mean(g * n))
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from pact.formats.nvfp4 import NVFP4Rows, NVFP4Tensor
+
+
+@dataclass
+class Lora:
+    """One adapter on one member of a frozen group (parameters live in the model)."""
+
+    A: torch.nn.Parameter  # [r, K] fp32 master weights
+    B: torch.nn.Parameter  # [N_i, r] fp32, starts at zero
+    scale: float  # alpha / r
+    dropout: float
+
+
+@dataclass
+class FrozenGroup:
+    """Frozen projections sharing one input: q|k|v, o, gate|up, down.
+
+    ``weight`` is the fused forward layout [N, K] and ``weight_t`` the fused backward layout
+    [K, N]; a group with a member kept in bf16 holds ``dense`` [N, K] bf16 instead.
+    """
+
+    names: list[str]
+    sizes: list[int]
+    weight: NVFP4Tensor | None = None
+    weight_t: NVFP4Tensor | None = None
+    dense: torch.Tensor | None = None
+    bias: torch.Tensor | None = None
+    loras: list[Lora | None] = field(default_factory=list)
+
+    def lora_params(self) -> list[torch.nn.Parameter]:
+        return [p for lo in self.loras if lo is not None for p in (lo.A, lo.B)]
+
+
+def _dropout_mask(x: torch.Tensor, p: float, seed: int) -> torch.Tensor:
+    # Regenerated from the seed in backward instead of saving a [T,K] mask.
+    gen = torch.Generator(device=x.device).manual_seed(seed)
+    keep = torch.rand(x.shape, generator=gen, device=x.device) >= p
+    return keep.to(x.dtype) / (1.0 - p)
+
+
+def _new_seed() -> int:
+    return int(torch.randint(0, 2**62, (1,)).item())
+
+
+def project(ops, g: FrozenGroup, xq: NVFP4Rows, x_hat: torch.Tensor) -> tuple[torch.Tensor, list, list]:
+    """Frozen GEMM (+bias) + LoRA per member. Returns y [T,N] bf16, saved xa's, dropout seeds."""
+    if g.weight is not None:
+        y = ops.nvfp4_gemm(xq, g.weight)
+    else:
+        y = x_hat @ g.dense.t()
+    if g.bias is not None:
+        y = y + g.bias
+    xas, seeds, off = [], [], 0
+    for lora, n in zip(g.loras, g.sizes):
+        if lora is None:
+            xas.append(None)
+            seeds.append(None)
+        else:
+            seed = _new_seed() if lora.dropout > 0 else None
+            xd = x_hat * _dropout_mask(x_hat, lora.dropout, seed) if seed is not None else x_hat
+            xa = xd @ lora.A.to(x_hat.dtype).t()
+            y[:, off : off + n] += (xa @ lora.B.to(x_hat.dtype).t()) * lora.scale
+            xas.append(xa)
+            seeds.append(seed)
+        off += n
+    return y, xas, seeds
+
+
+def project_backward(ops, g: FrozenGroup, dy: torch.Tensor, x_hat: torch.Tensor, xas: list, seeds: list):
+    """dX (fp32 [T,K]) and the LoRA grads [(dA, dB) or None per member]."""
+    dy = dy.to(torch.bfloat16).contiguous()
+    dx = (ops.nvfp4_gemm(dy, g.weight_t) if g.weight is not None else dy @ g.dense).float()
+    grads, off = [], 0
+    for lora, n, xa, seed in zip(g.loras, g.sizes, xas, seeds):
+        if lora is None:
+            grads.append(None)
+            off += n
+            continue
+        dyi = dy[:, off : off + n]
+        off += n
+        dB = (dyi.t() @ xa).float() * lora.scale
+        dxa = (dyi @ lora.B.to(dy.dtype)) * lora.scale
+        mask = _dropout_mask(x_hat, lora.dropout, seed) if seed is not None else None
+        xd = x_hat * mask if mask is not None else x_hat
+        dA = (dxa.t() @ xd).float()
+        dxl = (dxa @ lora.A.to(dy.dtype)).float()
+        dx += dxl * mask if mask is not None else dxl
+        grads.append((dA, dB))
+    return dx, grads
+
+
+def _flat_grads(groups: list[FrozenGroup], grads: list[list]) -> list:
+    out = []
+    for g, gg in zip(groups, grads):
+        for lora, pair in zip(g.loras, gg):
+            if lora is not None:
+                out.extend(pair)
+    return out
+
+
+def rmsnorm_backward(dy: torch.Tensor, y_hat: torch.Tensor, rstd: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """dx from the reconstructed RMSNorm output (fp32); see the module docstring."""
+    wf = w.float()
+    safe = torch.where(wf == 0, torch.ones_like(wf), wf)
+    n = torch.where(wf == 0, torch.zeros_like(y_hat), y_hat / safe)
+    gw = dy.float() * wf
+    return rstd[:, None] * (gw - n * (gw * n).mean(-1, keepdim=True))
+
+
+@dataclass(frozen=True)
+class DenseRows:
+    """Activations kept in bf16 instead of NVFP4 (the switch that measures what NVFP4
+    activations cost: ``dense_activation_ops``)."""
+
+    data: torch.Tensor
+
+
+def _rows_tensors(q) -> tuple[torch.Tensor, ...]:
+    return (q.data,) if isinstance(q, DenseRows) else (q.packed, q.scales, q.row_scale)
+
+
+def _rows_from(kind: type, tensors: list[torch.Tensor]):
+    """Rebuild a rows object of ``kind`` from the front of ``tensors``; returns (rows, rest)."""
+    n = 1 if kind is DenseRows else 3
+    return kind(*tensors[:n]), tensors[n:]
+
+
+def dense_activation_ops(ops):
+    """``ops`` with every saved/GEMM-input activation kept in bf16 (weights stay NVFP4)."""
+    from types import SimpleNamespace
+
+    def rmsnorm_quant(x, w, eps):
+        xf = x.float()
+        rstd = torch.rsqrt(xf.pow(2).mean(-1) + eps)
+        return DenseRows((xf * rstd[:, None] * w.float()).to(torch.bfloat16)), rstd
+
+    def silu_mul_quant(gu):
+        g, u = gu.float().chunk(2, dim=-1)
+        return tuple(DenseRows(t.to(torch.bfloat16)) for t in (F.silu(g) * u, g, u))
+
+    def dequant_rows(q, dtype=torch.bfloat16):
+        return q.data.to(dtype) if isinstance(q, DenseRows) else ops.dequant_rows(q, dtype)
+
+    def nvfp4_gemm(a, w):
+        return ops.nvfp4_gemm(a.data if isinstance(a, DenseRows) else a, w)
+
+    return SimpleNamespace(name=ops.name + "+bf16-activations", rmsnorm_quant=rmsnorm_quant,
+                           silu_mul_quant=silu_mul_quant, quant_rows=lambda x: DenseRows(x.to(torch.bfloat16)),
+                           dequant_rows=dequant_rows, nvfp4_gemm=nvfp4_gemm)
+
+
+class NormProjectionFn(torch.autograd.Function):
+    """y = RMSNorm(x) quantized -> frozen group + LoRA. Saves Xq and rstd (and LoRA xa's)."""
+
+    @staticmethod
+    def forward(ctx, x, norm_w, eps, group, ops, *params):
+        xq, rstd = ops.rmsnorm_quant(x, norm_w, eps)
+        y, xas, seeds = project(ops, group, xq, ops.dequant_rows(xq))
+        ctx.ops, ctx.group, ctx.norm_w, ctx.seeds, ctx.kind = ops, group, norm_w, seeds, type(xq)
+        ctx.save_for_backward(*_rows_tensors(xq), rstd, *[xa for xa in xas if xa is not None])
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        xq, (rstd, *xas_kept) = _rows_from(ctx.kind, list(ctx.saved_tensors))
+        it = iter(xas_kept)
+        xas = [next(it) if lo is not None else None for lo in ctx.group.loras]
+        dxn, grads = project_backward(ctx.ops, ctx.group, dy, ctx.ops.dequant_rows(xq), xas, ctx.seeds)
+        dx = None
+        if ctx.needs_input_grad[0]:
+            y_hat = ctx.ops.dequant_rows(xq, torch.float32)
+            dx = rmsnorm_backward(dxn, y_hat, rstd, ctx.norm_w).to(dy.dtype)
+        return (dx, None, None, None, None, *_flat_grads([ctx.group], [grads]))
+
+
+class ProjectionFn(torch.autograd.Function):
+    """y = quantize(x) -> frozen group + LoRA (o_proj). Saves Xq (and LoRA xa's)."""
+
+    @staticmethod
+    def forward(ctx, x, group, ops, *params):
+        xq = ops.quant_rows(x)
+        y, xas, seeds = project(ops, group, xq, ops.dequant_rows(xq))
+        ctx.ops, ctx.group, ctx.seeds, ctx.kind = ops, group, seeds, type(xq)
+        ctx.save_for_backward(*_rows_tensors(xq), *[xa for xa in xas if xa is not None])
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        xq, xas_kept = _rows_from(ctx.kind, list(ctx.saved_tensors))
+        it = iter(xas_kept)
+        xas = [next(it) if lo is not None else None for lo in ctx.group.loras]
+        dx, grads = project_backward(ctx.ops, ctx.group, dy, ctx.ops.dequant_rows(xq), xas, ctx.seeds)
+        dx = dx.to(dy.dtype) if ctx.needs_input_grad[0] else None
+        return (dx, None, None, *_flat_grads([ctx.group], [grads]))
+
+
+class MlpFn(torch.autograd.Function):
+    """out = down(silu(gate) * up) on RMSNorm(x), all frozen GEMMs NVFP4, LoRA on each.
+
+    Saves Xq, rstd, NVFP4 gate and up (h for down's LoRA is recomputed from them).
+    """
+
+    @staticmethod
+    def forward(ctx, x, norm_w, eps, gate_up, down, ops, *params):
+        xq, rstd = ops.rmsnorm_quant(x, norm_w, eps)
+        gu, xas1, seeds1 = project(ops, gate_up, xq, ops.dequant_rows(xq))
+        hq, gq, uq = ops.silu_mul_quant(gu)
+        out, xas2, seeds2 = project(ops, down, hq, ops.dequant_rows(hq))
+        ctx.ops, ctx.groups, ctx.norm_w, ctx.seeds = ops, (gate_up, down), norm_w, (seeds1, seeds2)
+        ctx.n_xa1 = sum(xa is not None for xa in xas1)
+        ctx.kinds = (type(xq), type(gq), type(uq))
+        kept = [xa for xa in xas1 + xas2 if xa is not None]
+        ctx.save_for_backward(*_rows_tensors(xq), rstd, *_rows_tensors(gq), *_rows_tensors(uq), *kept)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        ops, (gate_up, down) = ctx.ops, ctx.groups
+        xq, (rstd, *rest) = _rows_from(ctx.kinds[0], list(ctx.saved_tensors))
+        gq, rest = _rows_from(ctx.kinds[1], rest)
+        uq, kept = _rows_from(ctx.kinds[2], rest)
+        g = ops.dequant_rows(gq, torch.float32)
+        u = ops.dequant_rows(uq, torch.float32)
+        sig = torch.sigmoid(g)
+        silu = g * sig
+        it1, it2 = iter(kept[: ctx.n_xa1]), iter(kept[ctx.n_xa1 :])
+        xas1 = [next(it1) if lo is not None else None for lo in gate_up.loras]
+        xas2 = [next(it2) if lo is not None else None for lo in down.loras]
+        h_hat = (silu * u).to(torch.bfloat16)
+        dh, grads2 = project_backward(ops, down, dout, h_hat, xas2, ctx.seeds[1])
+        # d silu(g) / dg = sig * (1 + g * (1 - sig))
+        dgu = torch.cat((dh * u * sig * (1 + g * (1 - sig)), dh * silu), dim=-1)
+        dxn, grads1 = project_backward(ops, gate_up, dgu, ops.dequant_rows(xq), xas1, ctx.seeds[0])
+        dx = None
+        if ctx.needs_input_grad[0]:
+            dx = rmsnorm_backward(dxn, ops.dequant_rows(xq, torch.float32), rstd, ctx.norm_w).to(dout.dtype)
+        return (dx, None, None, None, None, None, *_flat_grads([gate_up, down], [grads1, grads2]))
+
+
+def saved_bytes_per_token(hidden: int, attn: int, inter: int, rank_members: dict[str, int]) -> int:
+    """What the three Functions of one layer save per token (the attention core not included).
+
+    ``rank_members``: LoRA rank per target (q_proj..down_proj), 0 for none; xa is bf16 [T, r].
+    """
+    def rows(k: int) -> int:
+        return k // 2 + k // 16 + 4
+
+    lora = sum(2 * r for r in rank_members.values())
+    return (rows(hidden) + 4) + rows(attn) + (rows(hidden) + 4) + 2 * rows(inter) + lora

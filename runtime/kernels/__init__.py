@@ -1,0 +1,5 @@
+"""Triton kernels and their launchers (twins in runtime/reference.py)."""
+
+from .nvfp4 import dequant_rows, nvfp4_gemm, quant_rows, rmsnorm_quant, silu_mul_quant
+
+__all__ = ["dequant_rows", "nvfp4_gemm", "quant_rows", "rmsnorm_quant", "silu_mul_quant"]

