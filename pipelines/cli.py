@@ -4,6 +4,7 @@ import click
 
 from .convert import main as convert
 from .demo import demo
+from .train import main as train
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -13,6 +14,7 @@ def main() -> None:
 
 main.add_command(convert, "convert")
 main.add_command(demo, "demo")
+main.add_command(train, "train")
 
 if __name__ == "__main__":
     main()

@@ -135,3 +135,23 @@ def tiny_qwen2(tmp_path):
     folder = tmp_path / "qwen2"
     make_model(folder, "qwen2")
     return folder
+
+
+POSITIVE = ["fresh", "bright", "keep", "learn", "share"]
+NEGATIVE = ["rotten", "tired", "low", "plot", "cast"]
+
+
+def make_sentiment_jsonl(path: Path, n: int, seed: int = 0) -> Path:
+    """A small learnable task: the verdict follows from which word list the review draws on."""
+    import json
+    import random
+
+    rng = random.Random(seed)
+    with open(path, "w") as f:
+        for _ in range(n):
+            good = rng.random() < 0.5
+            words = rng.sample(POSITIVE if good else NEGATIVE, 3) + rng.sample(["the", "a", "movie", "with", "and"], 2)
+            rng.shuffle(words)
+            f.write(json.dumps({"prompt": f"review: {' '.join(words)}\nverdict:",
+                                "completion": " fresh" if good else " rotten"}) + "\n")
+    return path

@@ -1,0 +1,154 @@
+"""Training data: JSONL / HF datasets folder -> token ids with completion-only targets.
+
+Accepted records: ``{"prompt", "completion"}`` or ``{"messages": [...]}`` (the chat
+template of the artifact's tokenizer; the last message must be the assistant's and is
+the target). Loss is only on completion tokens (and the end-of-sequence token after them).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pact.formats import PactError
+
+log = logging.getLogger(__name__)
+IGNORE = -100
+
+
+@dataclass
+class Example:
+    ids: list[int]
+    labels: list[int]  # IGNORE on prompt tokens
+    completion: str  # the raw target text (labels for classification-style evaluation)
+    prompt_ids: list[int]
+
+
+def read_records(path: str | Path) -> list[dict]:
+    """Records from a .jsonl file or a `datasets.save_to_disk` folder; errors name the line."""
+    p = Path(path)
+    if not p.exists():
+        raise PactError(f"--data {p}: no such file or folder")
+    if p.is_dir():
+        try:
+            import datasets
+
+            ds = datasets.load_from_disk(str(p))
+        except Exception as e:
+            raise PactError(f"--data {p}: not a datasets.save_to_disk folder ({e})") from None
+        if isinstance(ds, datasets.DatasetDict):
+            if "train" not in ds:
+                raise PactError(f"--data {p}: a DatasetDict without a 'train' split ({list(ds)})")
+            ds = ds["train"]
+        records = [dict(r) for r in ds]
+        where = [f"{p} row {i}" for i in range(len(records))]
+    else:
+        records, where = [], []
+        with open(p, encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise PactError(f"{p}:{n}: not valid JSON ({e.msg}): one JSON object per line") from None
+                if not isinstance(rec, dict):
+                    raise PactError(f"{p}:{n}: expected a JSON object, got {type(rec).__name__}")
+                records.append(rec)
+                where.append(f"{p}:{n}")
+    if not records:
+        raise PactError(f"--data {p}: no records (empty file)")
+    for rec, w in zip(records, where):
+        rec["_where"] = w
+    return records
+
+
+def _split(tokenizer, rec: dict) -> tuple[str, str]:
+    w = rec["_where"]
+    if "messages" in rec:
+        msgs = rec["messages"]
+        if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) and "role" in m and "content" in m for m in msgs):
+            raise PactError(f"{w}: 'messages' must be a non-empty list of {{role, content}} objects")
+        if msgs[-1]["role"] != "assistant":
+            raise PactError(f"{w}: the last message must be the assistant's (it is the training target)")
+        if tokenizer.chat_template is None:
+            raise PactError(f"{w}: the artifact's tokenizer has no chat template: use prompt/completion records")
+        full = tokenizer.apply_chat_template(msgs, tokenize=False)
+        prompt = tokenizer.apply_chat_template(msgs[:-1], tokenize=False, add_generation_prompt=True)
+        if not full.startswith(prompt):
+            raise PactError(f"{w}: the chat template renders the conversation inconsistently; use prompt/completion")
+        return prompt, full[len(prompt):]
+    if "prompt" not in rec or "completion" not in rec:
+        missing = "completion" if "prompt" in rec else "prompt"
+        raise PactError(f"{w}: record has no '{missing}' (expected prompt/completion or messages)")
+    if not isinstance(rec["prompt"], str) or not isinstance(rec["completion"], str) or not rec["completion"]:
+        raise PactError(f"{w}: prompt and completion must be strings, completion non-empty")
+    return rec["prompt"], rec["completion"]
+
+
+def tokenize(records: list[dict], tokenizer, *, max_len: int, overlong: str = "truncate",
+             vocab_size: int | None = None) -> list[Example]:
+    """Token ids with prompt tokens masked. ``overlong``: "truncate" (prompt from the left,
+    then the completion's tail; one warning with the count) or "refuse" (error naming it)."""
+    if overlong not in ("truncate", "refuse"):
+        raise PactError(f"--overlong must be truncate or refuse, got {overlong!r}")
+    eos = tokenizer.eos_token_id
+    out, cut = [], 0
+    for rec in records:
+        prompt, completion = _split(tokenizer, rec)
+        p = tokenizer(prompt, add_special_tokens="messages" not in rec)["input_ids"]
+        c = tokenizer(completion, add_special_tokens=False)["input_ids"]
+        if eos is not None and (not c or c[-1] != eos):
+            c = c + [eos]
+        if len(p) + len(c) > max_len:
+            if overlong == "refuse":
+                raise PactError(f"{rec['_where']}: {len(p) + len(c)} tokens > --max-len {max_len} "
+                                "(raise --max-len or pass --overlong truncate)")
+            cut += 1
+            c = c[: max(1, max_len - 1)]
+            p = p[len(p) - (max_len - len(c)):] if max_len - len(c) > 0 else []
+        ids = p + c
+        if vocab_size is not None and max(ids) >= vocab_size:
+            raise PactError(f"{rec['_where']}: token id {max(ids)} >= the model's vocabulary {vocab_size}: "
+                            "the artifact's tokenizer does not match its weights")
+        out.append(Example(ids, [IGNORE] * len(p) + c, completion, p))
+    if cut:
+        log.warning("truncated %d of %d examples to --max-len %d", cut, len(out), max_len)
+    return out
+
+
+def batches(examples: list[Example], batch_size: int, *, seed: int, epoch: int, shuffle: bool = True) -> list[list[int]]:
+    """Length-bucketed batches of example indices, the same for the same (seed, epoch).
+
+    Shuffle, sort by length inside windows of 50 batches (little padding), then shuffle
+    the batches so lengths do not trend through the epoch.
+    """
+    idx = list(range(len(examples)))
+    rng = random.Random(seed * 1_000_003 + epoch)
+    if shuffle:
+        rng.shuffle(idx)
+    window = batch_size * 50
+    out = []
+    for i in range(0, len(idx), window):
+        chunk = sorted(idx[i : i + window], key=lambda j: len(examples[j].ids))
+        out.extend(chunk[k : k + batch_size] for k in range(0, len(chunk), batch_size))
+    if shuffle:
+        rng.shuffle(out)
+    return out
+
+
+def collate(examples: list[Example], index: list[int], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded ids and labels (padding is never a target; causal attention ignores it)."""
+    seqs = [examples[i] for i in index]
+    width = max(len(e.ids) for e in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(seqs), width), IGNORE, dtype=torch.long)
+    for r, e in enumerate(seqs):
+        ids[r, : len(e.ids)] = torch.tensor(e.ids)
+        labels[r, : len(e.labels)] = torch.tensor(e.labels)
+    return ids.to(device), labels.to(device)
