@@ -175,7 +175,7 @@ def _dequant_rows_kernel(packed_ptr, scales_ptr, rs_ptr, out_ptr, K, BLOCK_K: tl
 
 
 @triton.jit
-def _nvfp4_gemm_kernel(a_ptr, a_scales_ptr, a_rs_ptr, stride_am, b_ptr, b_scales_ptr, b_gs, c_ptr, stride_cm,
+def _nvfp4_gemm_kernel(a_ptr, a_scales_ptr, a_rs_ptr, stride_am, b_ptr, b_scales_ptr, b_gs_ptr, c_ptr, stride_cm,
                        M, N, K: tl.constexpr, A_NVFP4: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_DTYPE: tl.constexpr):
     """C [M,N] = A [M,K] @ B [N,K]^T; B NVFP4 (blocked along K), A NVFP4 rows or bf16.
@@ -218,7 +218,7 @@ def _nvfp4_gemm_kernel(a_ptr, a_scales_ptr, a_rs_ptr, stride_am, b_ptr, b_scales
         acc = tl.dot(a, tl.trans(b), acc)
     if A_NVFP4:
         acc = acc * tl.load(a_rs_ptr + offs_m, mask=mask_m, other=0.0)[:, None]
-    acc = _rne_bf16(acc * b_gs)
+    acc = _rne_bf16(acc * tl.load(b_gs_ptr))
     tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :], acc.to(tl.bfloat16),
              mask=mask_m[:, None] & mask_n[None, :])
 
@@ -319,6 +319,7 @@ def nvfp4_gemm(a: NVFP4Rows | torch.Tensor, w: NVFP4Tensor) -> torch.Tensor:
         return c
     cfg = _gemm_blocks(M, N, K)
     grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
-    _nvfp4_gemm_kernel[grid](*a_args, w.packed, w.scales.view(torch.uint8), float(w.global_scale), c, c.stride(0),
+    gs = w.global_scale.reshape(1)  # read in the kernel: no host sync per call
+    _nvfp4_gemm_kernel[grid](*a_args, w.packed, w.scales.view(torch.uint8), gs, c, c.stride(0),
                              M, N, K, A_NVFP4=a_nvfp4, **cfg, DOT_DTYPE=_DOT_DTYPE, num_warps=8, num_stages=3)
     return c

@@ -1,0 +1,91 @@
+"""Our NVFP4 GEMMs vs cuBLAS bf16 and FP8 (rowwise `torch._scaled_mm`) at projection shapes.
+
+    python benchmarks/bench_gemm.py --tokens 8192 --model llama-1b
+
+Forward: C[T,N] = Xq[T,K] (NVFP4 rows) @ W[N,K]^T (NVFP4); input gradient: dX[T,K] =
+dY[T,N] (bf16) @ (W^T[K,N] NVFP4)^T. Times are medians of CUDA-event timings after warm-up;
+TFLOP/s = 2*T*N*K / time. Needs a CUDA GPU.
+"""
+
+from __future__ import annotations
+
+import csv
+import statistics
+from pathlib import Path
+
+import click
+import torch
+
+SHAPES = {  # (name, N, K) per projection group
+    "llama-1b": [("qkv", 3072, 2048), ("o", 2048, 2048), ("gate_up", 16384, 2048), ("down", 2048, 8192)],
+    "llama-3b": [("qkv", 5120, 3072), ("o", 3072, 3072), ("gate_up", 16384, 3072), ("down", 3072, 8192)],
+}
+
+
+def time_ms(fn, warmup: int = 5, iters: int = 30) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def run(model: str, tokens: int) -> list[dict]:
+    from pact.formats.nvfp4 import quantize_weight
+    from pact.runtime import kernels as K
+
+    rows = []
+    for name, n, k in SHAPES[model]:
+        torch.manual_seed(0)
+        w = torch.randn(n, k, device="cuda") * 0.02
+        fwd, bwd = quantize_weight(w)
+        x = torch.randn(tokens, k, device="cuda").to(torch.bfloat16)
+        dy = torch.randn(tokens, n, device="cuda").to(torch.bfloat16)
+        xq = K.quant_rows(x)
+        wb = w.to(torch.bfloat16)
+        flop = 2 * tokens * n * k
+        xf8, wf8 = x.to(torch.float8_e4m3fn), wb.to(torch.float8_e4m3fn)
+        sa = torch.ones(tokens, 1, device="cuda")
+        sb = torch.ones(1, n, device="cuda")
+        cases = {
+            "pact_fwd_nvfp4xnvfp4": lambda: K.nvfp4_gemm(xq, fwd),
+            "pact_dgrad_bf16xnvfp4": lambda: K.nvfp4_gemm(dy, bwd),
+            "pact_quant_rows": lambda: K.quant_rows(x),
+            "cublas_bf16_fwd": lambda: x @ wb.t(),
+            "cublas_bf16_dgrad": lambda: dy @ wb,
+            "cublas_fp8_rowwise_fwd": lambda: torch._scaled_mm(xf8, wf8.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16),
+        }
+        for case, fn in cases.items():
+            ms = time_ms(fn)
+            rows.append({"model": model, "proj": name, "T": tokens, "N": n, "K": k, "case": case, "ms": round(ms, 4),
+                         "tflops": round(flop / ms / 1e9, 1) if "quant" not in case else None})
+    return rows
+
+
+@click.command()
+@click.option("--model", type=click.Choice(sorted(SHAPES)), default="llama-1b")
+@click.option("--tokens", default=8192, show_default=True)
+@click.option("--csv-out", type=click.Path(dir_okay=False, path_type=Path), default=None)
+def main(model: str, tokens: int, csv_out: Path | None) -> None:
+    print(f"gpu={torch.cuda.get_device_name()} torch={torch.__version__}")
+    rows = run(model, tokens)
+    if csv_out:
+        with open(csv_out, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(rows[0]))
+            w.writeheader()
+            w.writerows(rows)
+    base = {(r["proj"], r["case"]): r["ms"] for r in rows}
+    print(f"{'proj':<8}{'case':<26}{'ms':>9}{'TFLOP/s':>9}{'vs bf16':>9}")
+    for r in rows:
+        ref = base[(r["proj"], "cublas_bf16_dgrad" if "dgrad" in r["case"] else "cublas_bf16_fwd")]
+        print(f"{r['proj']:<8}{r['case']:<26}{r['ms']:>9.3f}{r['tflops'] or 0:>9.1f}{ref / r['ms']:>9.2f}")
+
+
+if __name__ == "__main__":
+    main()
