@@ -23,10 +23,11 @@ import triton.language as tl
 
 from pact.formats.nvfp4 import NVFP4Rows, NVFP4Tensor
 
-E2M1_MAX = 6.0
-E4M3_MAX = 448.0
-E4M3_MIN_SCALE = 0.015625  # 2^-6: smallest e4m3 normal (torchao's clamp)
-GLOBAL_DIV = 2688.0  # 6 * 448
+# Globals read inside @triton.jit must be tl.constexpr.
+E2M1_MAX = tl.constexpr(6.0)
+E4M3_MAX = tl.constexpr(448.0)
+E4M3_MIN_SCALE = tl.constexpr(0.015625)  # 2^-6: smallest e4m3 normal (torchao's clamp)
+GLOBAL_DIV = tl.constexpr(2688.0)  # 6 * 448
 # Triton 3.6's interpreter computes tl.dot wrongly on tiles cast to bf16 in the kernel, so
 # under the interpreter the decoded tiles (exact in bf16, hence also in fp32) meet in fp32.
 _DOT_DTYPE = tl.float32 if os.environ.get("TRITON_INTERPRET") == "1" else tl.bfloat16
