@@ -75,10 +75,16 @@ class NVFP4Tensor:
         return (self.packed.shape[0], self.packed.shape[1] * 2)
 
 
+def _const(value: float, like: torch.Tensor) -> torch.Tensor:
+    # Divide by a *tensor*: on CUDA, torch turns division by a Python scalar into a multiply
+    # by its reciprocal, which rounds differently and would make GPU and CPU codes disagree.
+    return torch.tensor(value, dtype=torch.float32, device=like.device)
+
+
 def global_scale_from_amax(amax: torch.Tensor | float) -> torch.Tensor:
     """g = amax / (6 * 448) in fp32; an all-zero tensor gets g = 1 (any g decodes zeros)."""
     amax = torch.as_tensor(amax, dtype=torch.float32)
-    g = amax / (E4M3_MAX * E2M1_MAX)
+    g = amax / _const(E4M3_MAX * E2M1_MAX, amax)
     return torch.where(g > 0, g, torch.ones_like(g))
 
 
@@ -112,14 +118,14 @@ def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
 
 def block_scales(block_amax: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
     """fp32 block amax -> e4m3 block scales relative to the global scale (torchao's order)."""
-    s = (block_amax.float() / E2M1_MAX) / global_scale
+    s = (block_amax.float() / _const(E2M1_MAX, block_amax)) / global_scale
     return s.clamp(E4M3_MIN_SCALE, E4M3_MAX).to(torch.float8_e4m3fn)
 
 
 def encode_with_scales(x: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
     """x [rows, cols] with e4m3 scales [rows, cols/16] -> packed [rows, cols/2]."""
     rows, cols = x.shape
-    recip = (1.0 / global_scale) / scales.float()  # [rows, cols/16]
+    recip = (_const(1.0, global_scale) / global_scale) / scales.float()  # [rows, cols/16]
     scaled = x.float().reshape(rows, cols // BLOCK, BLOCK) * recip.unsqueeze(-1)
     codes = encode_e2m1(scaled.clamp_(-E2M1_MAX, E2M1_MAX).reshape(rows, cols))
     return pack_e2m1(codes)

@@ -159,19 +159,23 @@ def test_saved_activation_bytes_per_token(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_gpu_triton_matches_cpu_reference(tmp_path, family):
-    """The whole model on the GPU with the Triton kernels against the CPU torch twins."""
+def test_gpu_triton_matches_torch_twins(tmp_path, family):
+    """The whole model on the GPU: Triton kernels against the torch twins (same GPU, same SDPA).
+
+    GPU against CPU is not a useful comparison: SDPA and matmuls round differently there, a
+    rounding difference moves an activation across an NVFP4 midpoint now and then, and the
+    comparison then measures NVFP4 noise (cosine ~0.98 seen on the H200), not the kernels.
+    """
     art = _artifact(tmp_path, family)
     ids, labels = _batch(b=4, s=64)
     out = []
-    for device in ("cpu", "cuda"):
-        model = PactModel(art, LoraConfig(r=R, alpha=ALPHA), device=device)
+    for kernels in ("torch", "triton"):
+        model = PactModel(art, LoraConfig(r=R, alpha=ALPHA), device="cuda", kernels=kernels)
         _random_adapters(model)
-        loss, n = model(ids.to(device), labels.to(device))
+        loss, n = model(ids.cuda(), labels.cuda())
         (loss / n).backward()
-        out.append((loss.item() / n, {k: p.grad.cpu() for k, p in model.lora_params.items()}, model.kernels))
-    (l_c, g_c, k_c), (l_g, g_g, k_g) = out
-    assert (k_c, k_g) == ("torch", "triton")
-    assert l_g == pytest.approx(l_c, rel=2e-3)  # GPU SDPA/matmul kernels round differently from the CPU's
-    for k in g_c:
-        assert F.cosine_similarity(g_c[k].flatten(), g_g[k].flatten(), dim=0) >= 0.99, k
+        out.append((loss.item() / n, {k: p.grad.cpu() for k, p in model.lora_params.items()}))
+    (l_t, g_t), (l_k, g_k) = out
+    assert l_k == pytest.approx(l_t, rel=1e-3)
+    for k in g_t:
+        assert F.cosine_similarity(g_t[k].flatten(), g_k[k].flatten(), dim=0) >= 0.99, k
