@@ -39,6 +39,7 @@ def time_ms(fn, warmup: int = 5, iters: int = 30) -> float:
 def run(model: str, tokens: int) -> list[dict]:
     from pact.formats.nvfp4 import quantize_weight
     from pact.runtime import kernels as K
+    from pact.runtime.kernels.nvfp4 import decode_qs, nvfp4_gemm_cublas, nvfp4_gemm_fused
 
     rows = []
     for name, n, k in SHAPES[model]:
@@ -54,8 +55,11 @@ def run(model: str, tokens: int) -> list[dict]:
         sa = torch.ones(tokens, 1, device="cuda")
         sb = torch.ones(1, n, device="cuda")
         cases = {
-            "pact_fwd_nvfp4xnvfp4": lambda: K.nvfp4_gemm(xq, fwd),
-            "pact_dgrad_bf16xnvfp4": lambda: K.nvfp4_gemm(dy, bwd),
+            "pact_fused_fwd": lambda: nvfp4_gemm_fused(xq, fwd),
+            "pact_fused_dgrad": lambda: nvfp4_gemm_fused(dy, bwd),
+            "pact_cublas_fwd": lambda: nvfp4_gemm_cublas(xq, fwd),
+            "pact_cublas_dgrad": lambda: nvfp4_gemm_cublas(dy, bwd),
+            "pact_decode_w": lambda: decode_qs(fwd.packed, fwd.scales),
             "pact_quant_rows": lambda: K.quant_rows(x),
             "cublas_bf16_fwd": lambda: x @ wb.t(),
             "cublas_bf16_dgrad": lambda: dy @ wb,
@@ -64,7 +68,7 @@ def run(model: str, tokens: int) -> list[dict]:
         for case, fn in cases.items():
             ms = time_ms(fn)
             rows.append({"model": model, "proj": name, "T": tokens, "N": n, "K": k, "case": case, "ms": round(ms, 4),
-                         "tflops": round(flop / ms / 1e9, 1) if "quant" not in case else None})
+                         "tflops": round(flop / ms / 1e9, 1) if "quant" not in case and "decode" not in case else None})
     return rows
 
 

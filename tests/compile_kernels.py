@@ -34,7 +34,7 @@ def main(capability: int) -> None:
                                           "rstd_ptr": "*fp32", "K": "i32"}, {"BLOCK_K": 2048})
     three = {f"{p}{s}": t for p in "hgu" for s, t in (("p", "*u8"), ("s", "*u8"), ("r", "*fp32"))}
     _compile_sm(N._silu_mul_quant_kernel, {"gu_ptr": "*bf16", "stride_gu": "i32", **three, "K": "i32"}, {"BLOCK_K": 8192})
-    _compile_sm(N._dequant_rows_kernel, {**rows, "out_ptr": "*bf16", "K": "i32"}, {"BLOCK_K": 2048, "ROUND_BF16": True})
+    _compile_sm(N._dequant_rows_kernel, {**rows, "out_ptr": "*bf16", "K": "i32"}, {"BLOCK_K": 2048, "ROUND_BF16": True, "HAS_RS": True})
     gemm = {"a_ptr": "*u8", "a_scales_ptr": "*u8", "a_rs_ptr": "*fp32", "stride_am": "i32", "b_ptr": "*u8",
             "b_scales_ptr": "*u8", "b_gs_ptr": "*fp32", "c_ptr": "*bf16", "stride_cm": "i32", "M": "i32", "N": "i32"}
     for a_nvfp4 in (True, False):

@@ -121,9 +121,12 @@ def test_kernels_native_gpu(m, n, k):
     _rows_equal(ua, ub)
     assert torch.equal(K.dequant_rows(qb), R.dequant_rows(qb))
     fwd, bwd = quantize_weight(torch.randn(n, k, device="cuda") * 0.02)
-    _check_gemm(K.nvfp4_gemm(qb, fwd), _gemm_ref64(qb, fwd))
     dy = torch.randn(m, n, device="cuda").to(torch.bfloat16)
-    _check_gemm(K.nvfp4_gemm(dy, bwd), _gemm_ref64(dy, bwd))
+    from pact.runtime.kernels.nvfp4 import nvfp4_gemm_cublas, nvfp4_gemm_fused
+
+    for gemm in (nvfp4_gemm_fused, nvfp4_gemm_cublas):
+        _check_gemm(gemm(qb, fwd), _gemm_ref64(qb, fwd))
+        _check_gemm(gemm(dy, bwd), _gemm_ref64(dy, bwd))
 
 
 def test_kernels_compile_for_gpus():
