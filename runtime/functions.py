@@ -78,7 +78,7 @@ def _new_seed() -> int:
 def project(ops, g: FrozenGroup, xq: NVFP4Rows, x_hat: torch.Tensor) -> tuple[torch.Tensor, list, list]:
     """Frozen GEMM (+bias) + LoRA per member. Returns y [T,N] bf16, saved xa's, dropout seeds."""
     if g.weight is not None:
-        y = ops.nvfp4_gemm(xq, g.weight)
+        y = ops.nvfp4_gemm(xq, g.weight, x_hat)
     else:
         y = x_hat @ g.dense.t()
     if g.bias is not None:
@@ -174,7 +174,7 @@ def dense_activation_ops(ops):
     def dequant_rows(q, dtype=torch.bfloat16):
         return q.data.to(dtype) if isinstance(q, DenseRows) else ops.dequant_rows(q, dtype)
 
-    def nvfp4_gemm(a, w):
+    def nvfp4_gemm(a, w, a_hat=None):
         return ops.nvfp4_gemm(a.data if isinstance(a, DenseRows) else a, w)
 
     return SimpleNamespace(name=ops.name + "+bf16-activations", rmsnorm_quant=rmsnorm_quant,

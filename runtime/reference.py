@@ -47,8 +47,11 @@ def _decoded_qs(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return (q * scales.float().unsqueeze(-1)).reshape(rows, -1)
 
 
-def nvfp4_gemm(a: NVFP4Rows | torch.Tensor, w: NVFP4Tensor) -> torch.Tensor:
+def nvfp4_gemm(a: NVFP4Rows | torch.Tensor, w: NVFP4Tensor, a_hat: torch.Tensor | None = None) -> torch.Tensor:
     """C [M, N] = A [M, K] @ W [N, K]^T, W in NVFP4 blocked along K; A NVFP4 rows or bf16.
+
+    ``a_hat`` (A dequantized to bf16) is accepted for the kernel's signature; the reference
+    always multiplies the exact NVFP4 operands.
 
     Accumulates in fp32 and returns bf16. Used for the forward (W = fwd layout) and the
     input gradient (A = dy, W = bwd layout, i.e. W^T blocked along N).

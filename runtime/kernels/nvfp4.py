@@ -16,6 +16,7 @@ Numerics (the reference does the same on purpose):
 from __future__ import annotations
 
 import os
+import weakref
 
 import torch
 import triton
@@ -329,25 +330,40 @@ def _gemm_blocks(M: int, N: int, K: int) -> dict:
     return dict(BLOCK_M=64 if M <= 64 else 128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8)
 
 
-def nvfp4_gemm(a: NVFP4Rows | torch.Tensor, w: NVFP4Tensor) -> torch.Tensor:
+def nvfp4_gemm(a: NVFP4Rows | torch.Tensor, w: NVFP4Tensor, a_hat: torch.Tensor | None = None) -> torch.Tensor:
     """C [M, N] = A [M, K] @ W [N, K]^T, W in NVFP4 blocked along K; A NVFP4 rows or bf16.
 
-    Large M on a GPU: decode W (and A) to q * s_b in bf16 and let cuBLAS multiply (fp32
-    accumulation, scales applied to the fp32 result). Otherwise the register-decoding kernel.
+    ``a_hat``: A already dequantized to bf16 (the LoRA branch needs it anyway); the cuBLAS
+    path then multiplies it instead of decoding A again. Large M on a GPU: W is decoded to
+    q * s_b in bf16 (exact) and cuBLAS multiplies with the global scale as its alpha.
+    Otherwise the register-decoding kernel.
     """
     if a.shape[0] >= CUBLAS_MIN_ROWS and w.packed.is_cuda:
-        return nvfp4_gemm_cublas(a, w)
+        return nvfp4_gemm_cublas(a if a_hat is None else a_hat, w)
     return nvfp4_gemm_fused(a, w)
+
+
+_HOST_SCALES: "weakref.WeakKeyDictionary[torch.Tensor, float]" = weakref.WeakKeyDictionary()
+
+
+def _host_scale(t: torch.Tensor) -> float:
+    """The global scale as a Python float, read from the device once per weight."""
+    v = _HOST_SCALES.get(t)
+    if v is None:
+        v = _HOST_SCALES[t] = float(t)
+    return v
 
 
 def nvfp4_gemm_cublas(a: NVFP4Rows | torch.Tensor, w: NVFP4Tensor) -> torch.Tensor:
     _check_k(a, w)
     wq = decode_qs(w.packed, w.scales)
-    if isinstance(a, NVFP4Rows):
+    if isinstance(a, NVFP4Rows):  # exact: fp32 result, row and global scales, one rounding
         acc = _mm_fp32(decode_qs(a.packed, a.scales), wq) * a.row_scale[:, None]
-    else:
-        acc = _mm_fp32(a if a.stride(-1) == 1 else a.contiguous(), wq)
-    return (acc * w.global_scale).to(torch.bfloat16)
+        return (acc * w.global_scale).to(torch.bfloat16)
+    a = a if a.stride(-1) == 1 else a.contiguous()
+    out = torch.empty(a.shape[0], wq.shape[0], dtype=torch.bfloat16, device=a.device)
+    # D = alpha * A @ Wq^T in cuBLAS's fp32 epilogue, then one rounding to bf16 (beta = 0: `out` unread)
+    return torch.addmm(out, a, wq.t(), beta=0, alpha=_host_scale(w.global_scale), out=out)
 
 
 def _check_k(a, w: NVFP4Tensor) -> None:
