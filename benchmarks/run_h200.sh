@@ -10,3 +10,6 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels.py tests/test_model.py 2>&1 | tail -15 | tee $OUT/gpu_tests.txt
 python3 benchmarks/bench_gemm.py --tokens 8192 --csv-out $OUT/gemm_1b.csv 2>&1 | tee $OUT/gemm.txt
 (cd benchmarks && python3 bench_train.py --model llama-1b --batch ${BATCH:-4} --json-out $OUT/train_1b.json) 2>&1 | tee $OUT/train.txt
+if [ -n "${WITH_3B:-}" ]; then
+  (cd benchmarks && python3 bench_train.py --model llama-3b --batch 4 --json-out $OUT/train_3b.json) 2>&1 | tee $OUT/train3b.txt
+fi
