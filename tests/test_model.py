@@ -159,15 +159,19 @@ def test_saved_activation_bytes_per_token(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_gpu_triton_matches_torch_twins(tmp_path, family):
+@pytest.mark.parametrize("seq,path", [(48, "fused"), (128, "cublas")])
+def test_gpu_triton_matches_torch_twins(tmp_path, family, seq, path):
     """The whole model on the GPU: Triton kernels against the torch twins (same GPU, same SDPA).
 
-    GPU against CPU is not a useful comparison: SDPA and matmuls round differently there, a
-    rounding difference moves an activation across an NVFP4 midpoint now and then, and the
-    comparison then measures NVFP4 noise (cosine ~0.98 seen on the H200), not the kernels.
+    4 x 48 tokens stay under CUBLAS_MIN_ROWS: every GEMM is the register-decoding kernel, the
+    exact NVFP4 product, so only rare code flips (rmsnorm/silu reduction order) separate the
+    two. 4 x 128 tokens take the cuBLAS path, whose forward multiplies the bf16-rounded
+    dequantized input (2^-9 relative): those roundings also move activations across NVFP4
+    midpoints in the next layer, so the bound is on the median and the worst tensor is looser.
+    GPU against CPU is not compared for the same reason (SDPA and matmuls round differently).
     """
     art = _artifact(tmp_path, family)
-    ids, labels = _batch(b=4, s=64)
+    ids, labels = _batch(b=4, s=seq)
     out = []
     for kernels in ("torch", "triton"):
         model = PactModel(art, LoraConfig(r=R, alpha=ALPHA), device="cuda", kernels=kernels)
@@ -176,6 +180,9 @@ def test_gpu_triton_matches_torch_twins(tmp_path, family):
         (loss / n).backward()
         out.append((loss.item() / n, {k: p.grad.cpu() for k, p in model.lora_params.items()}))
     (l_t, g_t), (l_k, g_k) = out
-    assert l_k == pytest.approx(l_t, rel=1e-3)
-    for k in g_t:
-        assert F.cosine_similarity(g_t[k].flatten(), g_k[k].flatten(), dim=0) >= 0.99, k
+    assert l_k == pytest.approx(l_t, rel=2e-3)
+    cos = sorted(F.cosine_similarity(g_t[k].flatten(), g_k[k].flatten(), dim=0).item() for k in g_t)
+    if path == "fused":
+        assert cos[0] >= 0.99, cos[:3]
+    else:
+        assert cos[len(cos) // 2] >= 0.99 and cos[0] >= 0.95, (cos[:3], cos[len(cos) // 2])
