@@ -1,6 +1,11 @@
-"""Training step (fwd + bwd + AdamW) of pact vs PEFT bf16 in the same process, same GPU.
+"""Training step (fwd + bwd + AdamW) of pact vs peers in the same process, same GPU.
 
-    python benchmarks/bench_train.py --model llama-1b --batch 4 --seq 1024 --workdir /tmp/pact-bench
+    python benchmarks/bench_train.py --model llama-1b --batch 4,16 --methods pact,peft
+    python benchmarks/bench_train.py --model llama-1b --memory-cap-gib 16 \
+        --methods pact,pact-ckpt,peft,peft-ckpt,liger,liger-ckpt
+
+Peers: PEFT bf16 and PEFT + Liger kernels (liger-kernel), each with and without gradient
+checkpointing. QLoRA (bitsandbytes) is not wired in yet.
 
 Random weights with Llama-3.2 shapes (the artifact is converted once into --workdir), LoRA
 r=16 on q,k,v,o,gate,up,down, labels on every token (as the peers' anchor scripts do).
@@ -9,6 +14,7 @@ Reports median step ms, tokens/s and peak GiB. Needs a CUDA GPU and `peft`.
 
 from __future__ import annotations
 
+import gc
 import json
 import statistics
 import time
@@ -23,6 +29,7 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 
 def _timed(step, warmup: int, iters: int) -> tuple[float, float]:
+    """Median step ms over ``iters`` after ``warmup`` steps, and the peak GiB allocated."""
     for _ in range(warmup):
         step()
     torch.cuda.synchronize()
@@ -36,13 +43,12 @@ def _timed(step, warmup: int, iters: int) -> tuple[float, float]:
     return statistics.median(times) * 1e3, torch.cuda.max_memory_allocated() / 2**30
 
 
-def bench_pact(art_path: Path, bs: int, seq: int, warmup: int, iters: int, activations: str = "nvfp4") -> dict:
+def bench_pact(art_path: Path, bs: int, seq: int, warmup: int, iters: int, checkpoint: bool = False) -> dict:
     from pact.formats import open_artifact
     from pact.runtime.lora import LoraConfig
     from pact.runtime.model import PactModel
 
-    torch.cuda.empty_cache()
-    model = PactModel(open_artifact(art_path), LoraConfig(r=16, alpha=32), device="cuda", activations=activations)
+    model = PactModel(open_artifact(art_path), LoraConfig(r=16, alpha=32), device="cuda", checkpoint=checkpoint)
     opt = torch.optim.AdamW(list(model.lora_params.values()), lr=1e-4, foreach=True)
     ids = torch.randint(0, 128000, (bs, seq), device="cuda")
 
@@ -52,23 +58,31 @@ def bench_pact(art_path: Path, bs: int, seq: int, warmup: int, iters: int, activ
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    ms, peak = _timed(step, warmup, iters)
-    method = f"pact-{model.kernels}-{activations}"
-    del model, opt
-    return {"method": method, "bs": bs, "step_ms": round(ms, 1), "tok_s": round(bs * seq / ms * 1e3),
-            "peak_gib": round(peak, 2)}
+    try:
+        return _timed(step, warmup, iters)
+    finally:
+        del model, opt
 
 
-def bench_peft(shape: str, bs: int, seq: int, warmup: int, iters: int, ckpt: bool = False) -> dict:
+def bench_peft(shape: str, bs: int, seq: int, warmup: int, iters: int, checkpoint: bool = False,
+               liger: bool = False) -> tuple[float, float]:
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    torch.cuda.empty_cache()
+    if liger:  # patches transformers' Llama in place: run these last
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+
+        apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
+                                    fused_linear_cross_entropy=True)
     cfg = LlamaConfig(**SHAPES[shape], attn_implementation="sdpa")
-    with torch.device("cuda"):
-        model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda"):
+            model = LlamaForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(torch.float32)
     model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=TARGETS))
-    if ckpt:
+    if checkpoint:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
@@ -79,21 +93,48 @@ def bench_peft(shape: str, bs: int, seq: int, warmup: int, iters: int, ckpt: boo
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    ms, peak = _timed(step, warmup, iters)
-    del model, opt
-    return {"method": "peft-bf16" + ("-ckpt" if ckpt else ""), "bs": bs, "step_ms": round(ms, 1),
-            "tok_s": round(bs * seq / ms * 1e3), "peak_gib": round(peak, 2)}
+    try:
+        return _timed(step, warmup, iters)
+    finally:
+        del model, opt
+
+
+METHODS = ("pact", "pact-ckpt", "peft", "peft-ckpt", "liger", "liger-ckpt")  # liger last (patches transformers)
+# candidate batch sizes for the capped search (ascending; the search stops at the first OOM)
+CAP_BATCHES = (1, 2, 3, 4, 6, 8, 12, 16, 20, 24, 32, 40, 48, 64, 96)
+
+
+def measure(method: str, art: Path, shape: str, bs: int, seq: int, warmup: int, iters: int) -> dict:
+    gc.collect()
+    torch.cuda.empty_cache()
+    row = {"method": method, "bs": bs}
+    try:
+        ckpt = method.endswith("-ckpt")
+        if method.startswith("pact"):
+            ms, peak = bench_pact(art, bs, seq, warmup, iters, checkpoint=ckpt)
+        else:
+            ms, peak = bench_peft(shape, bs, seq, warmup, iters, checkpoint=ckpt, liger=method.startswith("liger"))
+        row.update(step_ms=round(ms, 1), tok_s=round(bs * seq / ms * 1e3), peak_gib=round(peak, 2))
+    except torch.OutOfMemoryError:
+        row["oom"] = True
+    gc.collect()
+    torch.cuda.empty_cache()
+    print(row, flush=True)
+    return row
 
 
 @click.command()
 @click.option("--model", "shape", type=click.Choice(["llama-1b", "llama-3b"]), default="llama-1b")
-@click.option("--batch", "batches", default="4", show_default=True, help="Comma-separated batch sizes.")
+@click.option("--batch", "batches", default="4", show_default=True, help="Comma-separated batch sizes (no cap).")
+@click.option("--methods", default="pact,peft", show_default=True, help=f"Comma-separated, from {', '.join(METHODS)}.")
+@click.option("--memory-cap-gib", type=float, default=None,
+              help="Cap GPU memory and find each method's largest fitting batch (tokens/s reported there).")
 @click.option("--seq", default=1024, show_default=True)
 @click.option("--workdir", type=click.Path(file_okay=False, path_type=Path), default=Path("/tmp/pact-bench"))
 @click.option("--warmup", default=2, show_default=True)
 @click.option("--iters", default=5, show_default=True)
 @click.option("--json-out", type=click.Path(dir_okay=False, path_type=Path), default=None)
-def main(shape, batches, seq, workdir, warmup, iters, json_out) -> None:
+def main(shape, batches, methods, memory_cap_gib, seq, workdir, warmup, iters, json_out) -> None:
     from pact.convert import convert
 
     print(f"gpu={torch.cuda.get_device_name()} torch={torch.__version__}")
@@ -104,20 +145,33 @@ def main(shape, batches, seq, workdir, warmup, iters, json_out) -> None:
         t = time.perf_counter()
         convert(str(src), art, overwrite=True, progress=False)
         print(f"converted {shape} in {time.perf_counter() - t:.1f}s")
+    chosen = [m for m in METHODS if m in methods.split(",")]
     rows = []
-    for bs in (int(b) for b in batches.split(",")):
-        for fn in (lambda: bench_pact(art, bs, seq, warmup, iters), lambda: bench_peft(shape, bs, seq, warmup, iters)):
-            try:
-                rows.append(fn())
-            except torch.OutOfMemoryError:
-                rows.append({"bs": bs, "oom": True})
-            print(rows[-1], flush=True)
+    if memory_cap_gib:
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(memory_cap_gib * 2**30 / total)
+        for method in chosen:
+            fits = []
+            for bs in CAP_BATCHES:
+                r = measure(method, art, shape, bs, seq, warmup, iters)
+                if r.get("oom"):
+                    break
+                fits.append(r)
+            if fits:
+                best = max(fits, key=lambda r: r["tok_s"])
+                rows.append({**best, "cap_gib": memory_cap_gib, "largest_bs": fits[-1]["bs"]})
+    else:
+        for bs in (int(b) for b in batches.split(",")):
+            for method in chosen:
+                rows.append(measure(method, art, shape, bs, seq, warmup, iters))
     if json_out:
         json_out.write_text(json.dumps(rows, indent=1))
-    print(f"\n{'method':<24}{'bs':>4}{'step ms':>10}{'tok/s':>10}{'peak GiB':>10}")
+    cap = f" under {memory_cap_gib} GiB (best batch)" if memory_cap_gib else ""
+    print(f"\n{shape}, seq {seq}{cap}")
+    print(f"{'method':<14}{'bs':>4}{'step ms':>10}{'tok/s':>10}{'peak GiB':>10}")
     for r in rows:
         if "oom" not in r:
-            print(f"{r['method']:<24}{r['bs']:>4}{r['step_ms']:>10.1f}{r['tok_s']:>10}{r['peak_gib']:>10.2f}")
+            print(f"{r['method']:<14}{r['bs']:>4}{r['step_ms']:>10.1f}{r['tok_s']:>10}{r['peak_gib']:>10.2f}")
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from pact.formats import Artifact, PactError
@@ -58,7 +59,7 @@ class PactModel(nn.Module):
     """LoRA training model over an NVFP4 artifact. ``forward`` returns (summed loss, #targets)."""
 
     def __init__(self, artifact: Artifact, lora: LoraConfig, *, device: str | torch.device = "cpu",
-                 kernels: str | None = None, activations: str = "nvfp4", seed: int = 0):
+                 kernels: str | None = None, activations: str = "nvfp4", checkpoint: bool = False, seed: int = 0):
         super().__init__()
         from transformers import AutoConfig
 
@@ -70,6 +71,7 @@ class PactModel(nn.Module):
                 f"this one is {self.family} (vision-language training is not built yet)"
             )
         self.device = torch.device(device)
+        self.checkpoint = checkpoint
         self.kernels = resolve_kernels(kernels, self.device)
         if activations not in ("nvfp4", "bf16"):
             raise PactError(f"--activations must be nvfp4 or bf16, got {activations!r}")
@@ -176,10 +178,17 @@ class PactModel(nn.Module):
         cos, sin = self.rotary(x, pos)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [1, 1, S, hd]
         for L in self.layers:
-            x = x + self._attention(L, x, cos, sin, B, S)
-            x = x + MlpFn.apply(x, L.mlp_norm, self.eps, L.gate_up, L.down, self.ops,
-                                *L.gate_up.lora_params(), *L.down.lora_params())
+            if self.checkpoint and torch.is_grad_enabled():
+                # keep only the layer input; the layer runs again in backward (same RNG state)
+                x = torch.utils.checkpoint.checkpoint(self._layer, L, x, cos, sin, B, S, use_reentrant=False)
+            else:
+                x = self._layer(L, x, cos, sin, B, S)
         return x.view(B, S, self.hidden)
+
+    def _layer(self, L: Layer, x: torch.Tensor, cos, sin, B: int, S: int) -> torch.Tensor:
+        x = x + self._attention(L, x, cos, sin, B, S)
+        return x + MlpFn.apply(x, L.mlp_norm, self.eps, L.gate_up, L.down, self.ops,
+                               *L.gate_up.lora_params(), *L.down.lora_params())
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
         """Summed next-token loss over positions whose label is not -100, and their count."""

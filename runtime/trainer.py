@@ -58,6 +58,7 @@ class TrainConfig:
     save_every: int = 0
     kernels: str | None = None
     activations: str = "nvfp4"
+    checkpoint: bool = field(default=False, metadata={"help": "recompute each decoder layer in backward"})
     device: str | None = None
 
     def __post_init__(self) -> None:
@@ -190,7 +191,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True, stop
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(art.hf_dir)
-    model = PactModel(art, cfg.lora(), device=device, kernels=cfg.kernels, activations=cfg.activations, seed=cfg.seed)
+    model = PactModel(art, cfg.lora(), device=device, kernels=cfg.kernels, activations=cfg.activations,
+                      checkpoint=cfg.checkpoint, seed=cfg.seed)
     vocab = model.embed.shape[0]
     if len(tokenizer) > vocab:
         raise PactError(f"{art.hf_dir}: tokenizer has {len(tokenizer)} tokens but the embedding has {vocab} rows: "
@@ -244,7 +246,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True, stop
                 return last
     except torch.cuda.OutOfMemoryError:
         raise PactError(f"out of GPU memory at --batch-size {cfg.batch_size} and --max-len {cfg.max_len}: lower "
-                        "--batch-size (raise --grad-accum to keep the effective batch) or --max-len") from None
+                        "--batch-size (raise --grad-accum to keep the effective batch) or --max-len, or add --checkpoint") from None
     finally:
         bar.close()
         metrics_f.close()
