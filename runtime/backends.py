@@ -18,7 +18,8 @@ import torch
 from pact.formats import PactError
 
 KERNELS = ("torch", "triton")
-_OPS = ("rmsnorm_quant", "silu_mul_quant", "quant_rows", "dequant_rows", "nvfp4_gemm")
+_OPS = ("rmsnorm_quant", "silu_mul_quant", "quant_rows", "dequant_rows", "nvfp4_gemm", "rmsnorm_backward",
+        "silu_mul_h", "silu_mul_backward")
 
 
 def resolve_kernels(name: str | None, device: torch.device) -> str:

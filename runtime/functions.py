@@ -33,6 +33,8 @@ import torch.nn.functional as F
 
 from pact.formats.nvfp4 import NVFP4Rows, NVFP4Tensor
 
+from . import reference
+
 
 @dataclass
 class Lora:
@@ -131,15 +133,6 @@ def _flat_grads(groups: list[FrozenGroup], grads: list[list]) -> list:
     return out
 
 
-def rmsnorm_backward(dy: torch.Tensor, y_hat: torch.Tensor, rstd: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """dx from the reconstructed RMSNorm output (fp32); see the module docstring."""
-    wf = w.float()
-    safe = torch.where(wf == 0, torch.ones_like(wf), wf)
-    n = torch.where(wf == 0, torch.zeros_like(y_hat), y_hat / safe)
-    gw = dy.float() * wf
-    return rstd[:, None] * (gw - n * (gw * n).mean(-1, keepdim=True))
-
-
 @dataclass(frozen=True)
 class DenseRows:
     """Activations kept in bf16 instead of NVFP4 (the switch that measures what NVFP4
@@ -177,9 +170,19 @@ def dense_activation_ops(ops):
     def nvfp4_gemm(a, w, a_hat=None):
         return ops.nvfp4_gemm(a.data if isinstance(a, DenseRows) else a, w)
 
+    def rmsnorm_backward(dy, yq, rstd, w):
+        return reference._rmsnorm_backward(dy, yq.data.float(), rstd, w)
+
+    def silu_mul_h(gq, uq):
+        return reference._silu_h(gq.data.float(), uq.data.float())
+
+    def silu_mul_backward(dh, gq, uq):
+        return reference._silu_backward(dh, gq.data.float(), uq.data.float())
+
     return SimpleNamespace(name=ops.name + "+bf16-activations", rmsnorm_quant=rmsnorm_quant,
                            silu_mul_quant=silu_mul_quant, quant_rows=lambda x: DenseRows(x.to(torch.bfloat16)),
-                           dequant_rows=dequant_rows, nvfp4_gemm=nvfp4_gemm)
+                           dequant_rows=dequant_rows, nvfp4_gemm=nvfp4_gemm, rmsnorm_backward=rmsnorm_backward,
+                           silu_mul_h=silu_mul_h, silu_mul_backward=silu_mul_backward)
 
 
 class NormProjectionFn(torch.autograd.Function):
@@ -199,10 +202,7 @@ class NormProjectionFn(torch.autograd.Function):
         it = iter(xas_kept)
         xas = [next(it) if lo is not None else None for lo in ctx.group.loras]
         dxn, grads = project_backward(ctx.ops, ctx.group, dy, ctx.ops.dequant_rows(xq), xas, ctx.seeds)
-        dx = None
-        if ctx.needs_input_grad[0]:
-            y_hat = ctx.ops.dequant_rows(xq, torch.float32)
-            dx = rmsnorm_backward(dxn, y_hat, rstd, ctx.norm_w).to(dy.dtype)
+        dx = ctx.ops.rmsnorm_backward(dxn, xq, rstd, ctx.norm_w) if ctx.needs_input_grad[0] else None
         return (dx, None, None, None, None, *_flat_grads([ctx.group], [grads]))
 
 
@@ -252,21 +252,13 @@ class MlpFn(torch.autograd.Function):
         xq, (rstd, *rest) = _rows_from(ctx.kinds[0], list(ctx.saved_tensors))
         gq, rest = _rows_from(ctx.kinds[1], rest)
         uq, kept = _rows_from(ctx.kinds[2], rest)
-        g = ops.dequant_rows(gq, torch.float32)
-        u = ops.dequant_rows(uq, torch.float32)
-        sig = torch.sigmoid(g)
-        silu = g * sig
         it1, it2 = iter(kept[: ctx.n_xa1]), iter(kept[ctx.n_xa1 :])
         xas1 = [next(it1) if lo is not None else None for lo in gate_up.loras]
         xas2 = [next(it2) if lo is not None else None for lo in down.loras]
-        h_hat = (silu * u).to(torch.bfloat16)
-        dh, grads2 = project_backward(ops, down, dout, h_hat, xas2, ctx.seeds[1])
-        # d silu(g) / dg = sig * (1 + g * (1 - sig))
-        dgu = torch.cat((dh * u * sig * (1 + g * (1 - sig)), dh * silu), dim=-1)
+        dh, grads2 = project_backward(ops, down, dout, ops.silu_mul_h(gq, uq), xas2, ctx.seeds[1])
+        dgu = ops.silu_mul_backward(dh, gq, uq)
         dxn, grads1 = project_backward(ops, gate_up, dgu, ops.dequant_rows(xq), xas1, ctx.seeds[0])
-        dx = None
-        if ctx.needs_input_grad[0]:
-            dx = rmsnorm_backward(dxn, ops.dequant_rows(xq, torch.float32), rstd, ctx.norm_w).to(dout.dtype)
+        dx = ops.rmsnorm_backward(dxn, xq, rstd, ctx.norm_w) if ctx.needs_input_grad[0] else None
         return (dx, None, None, None, None, None, *_flat_grads([gate_up, down], [grads1, grads2]))
 
 

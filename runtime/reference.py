@@ -31,6 +31,39 @@ def silu_mul_quant(gate_up: torch.Tensor) -> tuple[NVFP4Rows, NVFP4Rows, NVFP4Ro
     return quantize_rows(F.silu(gate) * up), quantize_rows(gate), quantize_rows(up)
 
 
+def rmsnorm_backward(dy: torch.Tensor, yq: NVFP4Rows, rstd: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """dx [T, H] bf16 from dY and the saved NVFP4 RMSNorm output Y_hat = x * rstd * w (fp32 math):
+    n = Y_hat / w (0 where w = 0);  g = dY * w;  dx = rstd * (g - n * mean(g * n))."""
+    return _rmsnorm_backward(dy, dequantize_rows(yq), rstd, weight)
+
+
+def _rmsnorm_backward(dy, y_hat, rstd, weight):
+    wf = weight.float()
+    n = torch.where(wf == 0, torch.zeros_like(y_hat), y_hat / torch.where(wf == 0, torch.ones_like(wf), wf))
+    gw = dy.float() * wf
+    return (rstd[:, None] * (gw - n * (gw * n).mean(-1, keepdim=True))).to(torch.bfloat16)
+
+
+def silu_mul_h(gq: NVFP4Rows, uq: NVFP4Rows) -> torch.Tensor:
+    """h = silu(g) * u recomputed from the saved NVFP4 gate and up, bf16 [T, I]."""
+    return _silu_h(dequantize_rows(gq), dequantize_rows(uq))
+
+
+def _silu_h(g, u):
+    return (F.silu(g) * u).to(torch.bfloat16)
+
+
+def silu_mul_backward(dh: torch.Tensor, gq: NVFP4Rows, uq: NVFP4Rows) -> torch.Tensor:
+    """d(gate | up) [T, 2I] bf16 from dh: dg = dh * u * sig(g) * (1 + g * (1 - sig(g))), du = dh * silu(g)."""
+    return _silu_backward(dh, dequantize_rows(gq), dequantize_rows(uq))
+
+
+def _silu_backward(dh, g, u):
+    sig = torch.sigmoid(g)
+    dh = dh.float()
+    return torch.cat((dh * u * sig * (1 + g * (1 - sig)), dh * g * sig), dim=-1).to(torch.bfloat16)
+
+
 def quant_rows(x: torch.Tensor) -> NVFP4Rows:
     """x [T, K] -> NVFP4 rows (per-row fp32 scale)."""
     return quantize_rows(x.float())

@@ -35,6 +35,13 @@ def main(capability: int) -> None:
     three = {f"{p}{s}": t for p in "hgu" for s, t in (("p", "*u8"), ("s", "*u8"), ("r", "*fp32"))}
     _compile_sm(N._silu_mul_quant_kernel, {"gu_ptr": "*bf16", "stride_gu": "i32", **three, "K": "i32"}, {"BLOCK_K": 8192})
     _compile_sm(N._dequant_rows_kernel, {**rows, "out_ptr": "*bf16", "K": "i32"}, {"BLOCK_K": 2048, "ROUND_BF16": True, "HAS_RS": True})
+    _compile_sm(N._rmsnorm_backward_kernel, {"dy_ptr": "*fp32", "stride_dy": "i32", "yp": "*u8", "ys": "*u8", "yr": "*fp32",
+                                             "rstd_ptr": "*fp32", "w_ptr": "*bf16", "dx_ptr": "*bf16", "K": "i32"},
+                {"BLOCK_K": 2048})
+    gu = {f"{p}{s}": t for p in "gu" for s, t in (("p", "*u8"), ("s", "*u8"), ("r", "*fp32"))}
+    _compile_sm(N._silu_mul_h_kernel, {**gu, "h_ptr": "*bf16", "K": "i32"}, {"BLOCK_K": 8192})
+    _compile_sm(N._silu_mul_backward_kernel, {"dh_ptr": "*fp32", "stride_dh": "i32", **gu, "dgu_ptr": "*bf16", "K": "i32"},
+                {"BLOCK_K": 8192})
     gemm = {"a_ptr": "*u8", "a_scales_ptr": "*u8", "a_rs_ptr": "*fp32", "stride_am": "i32", "b_ptr": "*u8",
             "b_scales_ptr": "*u8", "b_gs_ptr": "*fp32", "c_ptr": "*bf16", "stride_cm": "i32", "M": "i32", "N": "i32"}
     for a_nvfp4 in (True, False):

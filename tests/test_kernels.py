@@ -67,6 +67,30 @@ def test_silu_mul_quant(rows, k):
     torch.testing.assert_close(ha.row_scale, hb.row_scale, rtol=1e-6, atol=0)
 
 
+def _close_bf16(a, b):
+    # Same fp32 formula in both; Triton's exp and its reduction order differ from torch's in
+    # the last fp32 bits, which moves a bf16 result by at most one ulp (2^-8 relative).
+    torch.testing.assert_close(a.float(), b.float(), rtol=2.0**-7, atol=b.float().abs().max().item() * 2.0**-16)
+
+
+@pytest.mark.parametrize("rows,k", [(6, 48), (42, 96), (123, 272)])
+def test_rmsnorm_backward(rows, k):
+    yq = R.quant_rows(_awkward(rows, k, seed=4))
+    rstd = torch.rand(rows) + 0.5
+    w = (torch.rand(k) + 0.5).to(torch.bfloat16)
+    w[3] = 0  # a zero weight: n is taken as 0 there
+    dy = torch.randn(rows, k)
+    _close_bf16(K.rmsnorm_backward(dy, yq, rstd, w), R.rmsnorm_backward(dy, yq, rstd, w))
+
+
+@pytest.mark.parametrize("rows,k", [(6, 16), (42, 96), (123, 176)])
+def test_silu_mul_h_and_backward(rows, k):
+    gq, uq = R.quant_rows(_awkward(rows, k, seed=5)), R.quant_rows(_awkward(rows, k, seed=6))
+    _close_bf16(K.silu_mul_h(gq, uq), R.silu_mul_h(gq, uq))
+    dh = torch.randn(rows, k)
+    _close_bf16(K.silu_mul_backward(dh, gq, uq), R.silu_mul_backward(dh, gq, uq))
+
+
 def _gemm_ref64(a, w):
     """float64 product of the same decoded operands."""
     from pact.formats.nvfp4 import dequantize, dequantize_rows
@@ -120,6 +144,10 @@ def test_kernels_native_gpu(m, n, k):
     _rows_equal(ga, gb)
     _rows_equal(ua, ub)
     assert torch.equal(K.dequant_rows(qb), R.dequant_rows(qb))
+    dy = torch.randn(m, k, device="cuda")
+    _close_bf16(K.rmsnorm_backward(dy, qb, rb, w), R.rmsnorm_backward(dy, qb, rb, w))
+    _close_bf16(K.silu_mul_h(gb, ub), R.silu_mul_h(gb, ub))
+    _close_bf16(K.silu_mul_backward(dy, gb, ub), R.silu_mul_backward(dy, gb, ub))
     fwd, bwd = quantize_weight(torch.randn(n, k, device="cuda") * 0.02)
     dy = torch.randn(m, n, device="cuda").to(torch.bfloat16)
     from pact.runtime.kernels.nvfp4 import nvfp4_gemm_cublas, nvfp4_gemm_fused
@@ -141,4 +169,4 @@ def test_kernels_compile_for_gpus():
     script = Path(__file__).with_name("compile_kernels.py")
     r = subprocess.run([sys.executable, str(script), "90"], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert r.stdout.count("ok") == 6, r.stdout
+    assert r.stdout.count("ok") == 9, r.stdout

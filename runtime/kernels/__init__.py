@@ -1,5 +1,15 @@
 """Triton kernels and their launchers (twins in runtime/reference.py)."""
 
-from .nvfp4 import dequant_rows, nvfp4_gemm, quant_rows, rmsnorm_quant, silu_mul_quant
+from .nvfp4 import (
+    dequant_rows,
+    nvfp4_gemm,
+    quant_rows,
+    rmsnorm_backward,
+    rmsnorm_quant,
+    silu_mul_backward,
+    silu_mul_h,
+    silu_mul_quant,
+)
 
-__all__ = ["dequant_rows", "nvfp4_gemm", "quant_rows", "rmsnorm_quant", "silu_mul_quant"]
+__all__ = ["dequant_rows", "nvfp4_gemm", "quant_rows", "rmsnorm_backward", "rmsnorm_quant", "silu_mul_backward",
+           "silu_mul_h", "silu_mul_quant"]

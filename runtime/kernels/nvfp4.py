@@ -179,6 +179,57 @@ def _dequant_rows_kernel(packed_ptr, scales_ptr, rs_ptr, out_ptr, K, BLOCK_K: tl
 
 
 @triton.jit
+def _load_rows_fp32(packed_ptr, scales_ptr, rs_ptr, row, K, BLOCK_K: tl.constexpr):
+    """One NVFP4 row decoded to fp32 [BLOCK_K] (zeros past K): (q * s_b) * g_r."""
+    offs_h = tl.arange(0, BLOCK_K // 2)
+    offs_s = tl.arange(0, BLOCK_K // 16)
+    p = tl.load(packed_ptr + row * (K // 2) + offs_h, mask=offs_h < K // 2, other=0).to(tl.int32)
+    s = tl.load(scales_ptr + row * (K // 16) + offs_s, mask=offs_s < K // 16, other=0).to(tl.int32)
+    v = tl.reshape(_decode_tile(p[None, :], s[None, :], 1, BLOCK_K), (BLOCK_K,))
+    return v * tl.load(rs_ptr + row)
+
+
+@triton.jit
+def _rmsnorm_backward_kernel(dy_ptr, stride_dy, yp, ys, yr, rstd_ptr, w_ptr, dx_ptr, K, BLOCK_K: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK_K)
+    mask = offs < K
+    y = _load_rows_fp32(yp, ys, yr, row, K, BLOCK_K)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    dy = tl.load(dy_ptr + row * stride_dy + offs, mask=mask, other=0.0).to(tl.float32)
+    n = tl.where(w == 0, 0.0, y / tl.where(w == 0, 1.0, w))
+    gw = dy * w
+    dot = tl.sum(gw * n, axis=0) / K
+    dx = tl.load(rstd_ptr + row) * (gw - n * dot)
+    tl.store(dx_ptr + row * K + offs, _rne_bf16(dx).to(tl.bfloat16), mask=mask)
+
+
+@triton.jit
+def _silu_mul_h_kernel(gp, gs, gr, up, us, ur, h_ptr, K, BLOCK_K: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK_K)
+    g = _load_rows_fp32(gp, gs, gr, row, K, BLOCK_K)
+    u = _load_rows_fp32(up, us, ur, row, K, BLOCK_K)
+    h = g / (1.0 + tl.exp(-g)) * u
+    tl.store(h_ptr + row * K + offs, _rne_bf16(h).to(tl.bfloat16), mask=offs < K)
+
+
+@triton.jit
+def _silu_mul_backward_kernel(dh_ptr, stride_dh, gp, gs, gr, up, us, ur, dgu_ptr, K, BLOCK_K: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK_K)
+    mask = offs < K
+    g = _load_rows_fp32(gp, gs, gr, row, K, BLOCK_K)
+    u = _load_rows_fp32(up, us, ur, row, K, BLOCK_K)
+    dh = tl.load(dh_ptr + row * stride_dh + offs, mask=mask, other=0.0).to(tl.float32)
+    sig = 1.0 / (1.0 + tl.exp(-g))
+    dg = dh * u * sig * (1.0 + g * (1.0 - sig))
+    du = dh * g * sig
+    tl.store(dgu_ptr + row * 2 * K + offs, _rne_bf16(dg).to(tl.bfloat16), mask=mask)
+    tl.store(dgu_ptr + row * 2 * K + K + offs, _rne_bf16(du).to(tl.bfloat16), mask=mask)
+
+
+@triton.jit
 def _nvfp4_gemm_kernel(a_ptr, a_scales_ptr, a_rs_ptr, stride_am, b_ptr, b_scales_ptr, b_gs_ptr, c_ptr, stride_cm,
                        M, N, K: tl.constexpr, A_NVFP4: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_DTYPE: tl.constexpr):
@@ -297,6 +348,40 @@ def dequant_rows(q: NVFP4Rows, dtype: torch.dtype = torch.bfloat16) -> torch.Ten
         _dequant_rows_kernel[(T,)](*_row_args(q), out, K, BLOCK_K=bk, ROUND_BF16=dtype == torch.bfloat16,
                                    HAS_RS=True, num_warps=_warps(bk))
     return out
+
+
+def rmsnorm_backward(dy: torch.Tensor, yq: NVFP4Rows, rstd: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """dx [T, H] bf16 from dY and the saved NVFP4 RMSNorm output (see the twin's formula)."""
+    dy = dy if dy.stride(-1) == 1 else dy.contiguous()
+    T, K = yq.shape
+    dx = torch.empty(T, K, dtype=torch.bfloat16, device=dy.device)
+    bk = _block_k(K)
+    if T:
+        _rmsnorm_backward_kernel[(T,)](dy, dy.stride(0), *_row_args(yq), rstd, weight, dx, K, BLOCK_K=bk,
+                                       num_warps=_warps(bk))
+    return dx
+
+
+def silu_mul_h(gq: NVFP4Rows, uq: NVFP4Rows) -> torch.Tensor:
+    """h = silu(g) * u from the saved NVFP4 gate and up, bf16 [T, I]."""
+    T, K = gq.shape
+    h = torch.empty(T, K, dtype=torch.bfloat16, device=gq.packed.device)
+    bk = _block_k(K)
+    if T:
+        _silu_mul_h_kernel[(T,)](*_row_args(gq), *_row_args(uq), h, K, BLOCK_K=bk, num_warps=_warps(bk))
+    return h
+
+
+def silu_mul_backward(dh: torch.Tensor, gq: NVFP4Rows, uq: NVFP4Rows) -> torch.Tensor:
+    """d(gate | up) [T, 2I] bf16 from dh and the saved NVFP4 gate and up."""
+    dh = dh if dh.stride(-1) == 1 else dh.contiguous()
+    T, K = gq.shape
+    dgu = torch.empty(T, 2 * K, dtype=torch.bfloat16, device=dh.device)
+    bk = _block_k(K)
+    if T:
+        _silu_mul_backward_kernel[(T,)](dh, dh.stride(0), *_row_args(gq), *_row_args(uq), dgu, K, BLOCK_K=bk,
+                                        num_warps=_warps(bk))
+    return dgu
 
 
 def decode_qs(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
