@@ -43,25 +43,31 @@ def _timed(step, warmup: int, iters: int) -> tuple[float, float]:
     return statistics.median(times) * 1e3, torch.cuda.max_memory_allocated() / 2**30
 
 
+def _time_training(loss_fn, params, warmup: int, iters: int) -> tuple[float, float]:
+    """A training step = loss_fn().backward() + AdamW; timed by _timed."""
+    opt = torch.optim.AdamW(params, lr=1e-4, foreach=True)
+
+    def step():
+        loss_fn().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return _timed(step, warmup, iters)
+
+
 def bench_pact(art_path: Path, bs: int, seq: int, warmup: int, iters: int, checkpoint: bool = False) -> dict:
     from pact.formats import open_artifact
     from pact.runtime.lora import LoraConfig
     from pact.runtime.model import PactModel
 
     model = PactModel(open_artifact(art_path), LoraConfig(r=16, alpha=32), device="cuda", checkpoint=checkpoint)
-    opt = torch.optim.AdamW(list(model.lora_params.values()), lr=1e-4, foreach=True)
     ids = torch.randint(0, 128000, (bs, seq), device="cuda")
 
-    def step():
-        loss, n = model(ids, ids)
-        (loss / n).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    def loss():
+        total, n = model(ids, ids)
+        return total / n
 
-    try:
-        return _timed(step, warmup, iters)
-    finally:
-        del model, opt
+    return _time_training(loss, list(model.lora_params.values()), warmup, iters)
 
 
 def bench_peft(shape: str, bs: int, seq: int, warmup: int, iters: int, checkpoint: bool = False,
@@ -85,18 +91,9 @@ def bench_peft(shape: str, bs: int, seq: int, warmup: int, iters: int, checkpoin
     if checkpoint:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     ids = torch.randint(0, 128000, (bs, seq), device="cuda")
-
-    def step():
-        model(input_ids=ids, labels=ids).loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    try:
-        return _timed(step, warmup, iters)
-    finally:
-        del model, opt
+    return _time_training(lambda: model(input_ids=ids, labels=ids).loss,
+                          [p for p in model.parameters() if p.requires_grad], warmup, iters)
 
 
 METHODS = ("pact", "pact-ckpt", "peft", "peft-ckpt", "liger", "liger-ckpt")  # liger last (patches transformers)
