@@ -2,6 +2,7 @@
 
 import click
 
+from .calibrate import main as calibrate
 from .convert import main as convert
 from .demo import demo
 from .train import main as train
@@ -13,6 +14,7 @@ def main() -> None:
 
 
 main.add_command(convert, "convert")
+main.add_command(calibrate, "calibrate")
 main.add_command(demo, "demo")
 main.add_command(train, "train")
 

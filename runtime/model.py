@@ -58,7 +58,7 @@ class Layer:
 class PactModel(nn.Module):
     """LoRA training model over an NVFP4 artifact. ``forward`` returns (summed loss, #targets)."""
 
-    def __init__(self, artifact: Artifact, lora: LoraConfig, *, device: str | torch.device = "cpu",
+    def __init__(self, artifact: Artifact, lora: LoraConfig | None, *, device: str | torch.device = "cpu",
                  kernels: str | None = None, activations: str = "nvfp4", checkpoint: bool = False, seed: int = 0):
         super().__init__()
         from transformers import AutoConfig
@@ -139,7 +139,7 @@ class PactModel(nn.Module):
         cfg = self.lora_cfg
         for m, e in zip(members, entries):
             role = e["role"]
-            if role not in cfg.targets:
+            if cfg is None or role not in cfg.targets:
                 g.loras.append(None)
                 continue
             n, k = e["shape"]

@@ -1,0 +1,190 @@
+"""Sequential NVFP4 GPTQ over an artifact: decoder layers in order, each layer's inputs taken
+from the already-calibrated layers before it, with activations quantized exactly as the
+runtime quantizes them (the runtime's own layer forward is run; its GEMM inputs are captured).
+
+One Hessian per shared input: q|k|v share one, gate|up share one (and o, down one each).
+The high-precision weights come from the artifact's source model (its provenance, or
+``source``); the artifact itself only has the NVFP4 (round-to-nearest) weights.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import logging
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+from tqdm.auto import tqdm
+
+from pact import __version__
+from pact.convert.sources import open_source, remove_tree
+from pact.formats import ArtifactError, ArtifactWriter, PactError, open_artifact
+from pact.formats.artifact import sha256_file
+from pact.formats.nvfp4 import dequantize, quantize, transpose_2d
+from pact.runtime.model import TRAINABLE_FAMILIES, PactModel
+
+from .gptq import GPTQ
+from .prompts import load_prompts
+from .quantizer import NVFP4Quantizer
+
+log = logging.getLogger(__name__)
+GROUPS = ("qkv", "o", "gate_up", "down")
+
+
+def _output_error(W: torch.Tensor, Q: torch.Tensor, H: torch.Tensor) -> float:
+    """Relative layer-output error on the calibration inputs, from H = 2/n X^T X:
+    ||X (W - Q)^T||_F / ||X W^T||_F = sqrt(tr(D H D^T) / tr(W H W^T))."""
+    D = (W - Q).float()
+    num = torch.einsum("nk,kl,nl->", D, H, D)
+    den = torch.einsum("nk,kl,nl->", W.float(), H, W.float())
+    return float(torch.sqrt(num / den)) if den > 0 else 0.0
+
+
+def _capturing_ops(ops, targets: dict[int, GPTQ]) -> SimpleNamespace:
+    """``ops`` whose GEMM adds its (dequantized) input to the Hessian of the weight it multiplies."""
+
+    def nvfp4_gemm(a, w, a_hat=None):
+        h = targets.get(id(w))
+        if h is not None:
+            h.add_batch(a_hat if a_hat is not None else ops.dequant_rows(a))
+        return ops.nvfp4_gemm(a, w, a_hat)
+
+    return SimpleNamespace(**{**vars(ops), "nvfp4_gemm": nvfp4_gemm})
+
+
+def calibrate(
+    artifact: str | os.PathLike,
+    prompts: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    source: str | None = None,
+    max_samples: int = 128,
+    seq_len: int = 512,
+    damp: float = 0.01,
+    actorder: bool = False,
+    static_scales: bool = False,
+    blocksize: int = 128,
+    device: str | None = None,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> Path:
+    if not 0 < damp < 1:
+        raise PactError(f"--damp must be in (0, 1), got {damp}")
+    if blocksize % 16 or blocksize < 16:
+        raise PactError(f"--blocksize must be a multiple of 16, got {blocksize}")
+    out = Path(out)
+    if out.exists() and not overwrite:
+        raise ArtifactError(f"output {out} already exists: pass --overwrite to replace it")
+    art = open_artifact(artifact)
+    if art.meta["family"] not in TRAINABLE_FAMILIES:
+        raise PactError(f"{art.path}: pact-calibrate supports {', '.join(TRAINABLE_FAMILIES)} artifacts; "
+                        f"this one is {art.meta['family']} (vision-language calibration is not built yet)")
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(art.hf_dir)
+    samples = load_prompts(prompts, tokenizer, vision=art.meta["vision"], max_samples=max_samples, seq_len=seq_len)
+    prov = art.meta["provenance"]
+    src_name = source or prov["source"]
+    workdir = out.parent / f".{out.name}.src-{os.getpid()}" if str(src_name).endswith(".gguf") else None
+    try:
+        src = open_source(src_name, revision=prov.get("revision"), workdir=workdir)
+        if source is None and src.fingerprint() != prov.get("source_fingerprint") and prov["source_kind"] != "gguf":
+            raise PactError(f"{src_name}: not the model this artifact was converted from (fingerprint differs): "
+                            "pass --source with the original model")
+        return _calibrate(art, src, samples, out, prompts=Path(prompts), damp=damp, actorder=actorder,
+                          static_scales=static_scales, blocksize=blocksize, device=device, overwrite=overwrite,
+                          progress=progress)
+    finally:
+        remove_tree(workdir)
+
+
+def _calibrate(art, src, samples, out: Path, *, prompts: Path, damp, actorder, static_scales, blocksize, device,
+               overwrite, progress) -> Path:
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    scaling = art.meta["provenance"]["scaling"]
+    model = PactModel(art, None, device=dev)
+    hidden = [torch.nn.functional.embedding(ids.to(dev), model.embed) for ids in samples]  # [S, H] each
+    new: dict[str, tuple] = {}
+    errors: dict[str, dict[str, float]] = {}
+    for li, L in enumerate(tqdm(model.layers, desc="calibrate", unit="layer", disable=not progress)):
+        groups = {name: getattr(L, name) for name in GROUPS}
+        hess = {id(g.weight): GPTQ(g.weight.shape[1], dev) for g in groups.values() if g.weight is not None}
+        capture = _capturing_ops(model.ops, hess)
+        plain = model.ops
+        with torch.no_grad():
+            model.ops = capture
+            for x in hidden:
+                model._layer(L, x, *_rope(model, x), 1, x.shape[0])
+            model.ops = plain
+        for gname, g in groups.items():
+            if g.weight is None:  # a member kept in bf16: the group runs dense, nothing to calibrate
+                log.info("layer %d %s: kept in bf16, not calibrated", li, gname)
+                continue
+            H = hess[id(g.weight)]
+            fwd_parts, bwd_parts = [], []
+            for name in g.names:
+                W = src.load(name).float().to(dev)
+                q = NVFP4Quantizer(g.weight.global_scale, scaling=scaling, static=static_scales)
+                Q, _ = H.quantize(W, q, blocksize=blocksize, percdamp=damp, actorder=actorder)
+                fwd = q.pack(Q)
+                bwd = transpose_2d(fwd) if scaling == "2d" else quantize(Q.t().contiguous(), global_scale=fwd.global_scale)
+                rtn = dequantize(art.nvfp4(name, "fwd")).to(dev)
+                errors[name] = {"rtn": _output_error(W, rtn, H.H), "gptq": _output_error(W, Q, H.H)}
+                new[name] = (fwd, bwd, float(((W - Q).norm() / W.norm()).item()))
+                fwd_parts.append(fwd)
+                bwd_parts.append(bwd)
+            # the layer now runs on the calibrated weights
+            g.weight = type(g.weight)(torch.cat([t.packed for t in fwd_parts]), torch.cat([t.scales for t in fwd_parts]),
+                                      g.weight.global_scale)
+            g.weight_t = type(g.weight)(torch.cat([t.packed for t in bwd_parts], 1),
+                                        torch.cat([t.scales for t in bwd_parts], 1), g.weight.global_scale)
+        with torch.no_grad():
+            hidden = [model._layer(L, x, *_rope(model, x), 1, x.shape[0]) for x in hidden]
+    return _write(art, out, new, errors, overwrite=overwrite, prompts=prompts, samples=samples, damp=damp,
+                  actorder=actorder, static_scales=static_scales, blocksize=blocksize)
+
+
+def _rope(model, x):
+    pos = torch.arange(x.shape[0], device=x.device).unsqueeze(0)
+    cos, sin = model.rotary(x, pos)
+    return cos.unsqueeze(1), sin.unsqueeze(1)
+
+
+def _write(art, out: Path, new: dict, errors: dict, *, overwrite, prompts: Path, samples, **settings) -> Path:
+    skip = {"kind", "shape", "arrays", "global_scale", "block_size", "dtype"}
+    with ArtifactWriter(out, overwrite=overwrite) as w:
+        for name in art.names():
+            e = art.entry(name)
+            info = {k: v for k, v in e.items() if k not in skip}
+            if name in new:
+                fwd, bwd, rel = new[name]
+                w.add_nvfp4(name, fwd, bwd, **{**info, "error": rel, "calibrated": "gptq",
+                                               "output_error": errors[name]})
+            elif e["kind"] == "nvfp4":
+                w.add_nvfp4(name, art.nvfp4(name, "fwd"), art.nvfp4(name, "bwd"), **info)
+            else:
+                w.add_dense(name, art.dense(name), **info)
+        for rel in art.meta["files"]:
+            w.add_file(art.hf_dir / rel, rel)
+        digest = sha256_file(prompts) if prompts.is_file() else None
+        meta = {k: art.meta[k] for k in ("architecture", "family", "vision", "hf_config")}
+        meta["provenance"] = {
+            **art.meta["provenance"],
+            "calibration": {
+                "method": "gptq",
+                "from_artifact": str(art.path.resolve()),
+                "prompts": str(prompts),
+                "prompts_sha256": digest,
+                "samples": len(samples),
+                "tokens": int(sum(s.numel() for s in samples)),
+                "seq_len_max": int(max(s.numel() for s in samples)),
+                **settings,
+                "layer_output_error": errors,
+                "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+                "pact_version": __version__,
+            },
+        }
+        return w.commit(**meta)
