@@ -10,7 +10,6 @@ The high-precision weights come from the artifact's source model (its provenance
 from __future__ import annotations
 
 import datetime as _dt
-import hashlib
 import logging
 import os
 from pathlib import Path
@@ -88,10 +87,15 @@ def calibrate(
     samples = load_prompts(prompts, tokenizer, vision=art.meta["vision"], max_samples=max_samples, seq_len=seq_len)
     prov = art.meta["provenance"]
     src_name = source or prov["source"]
-    workdir = out.parent / f".{out.name}.src-{os.getpid()}" if str(src_name).endswith(".gguf") else None
+    gguf = str(src_name).endswith(".gguf")
+    if source is None and gguf and Path(src_name).is_file() and sha256_file(Path(src_name)) != prov.get("gguf_sha256"):
+        raise PactError(f"{src_name}: not the GGUF file this artifact was converted from (sha256 differs): "
+                        "pass --source with the original model")
+    workdir = out.parent / f".{out.name}.src-{os.getpid()}" if gguf else None
     try:
         src = open_source(src_name, revision=prov.get("revision"), workdir=workdir)
-        if source is None and src.fingerprint() != prov.get("source_fingerprint") and prov["source_kind"] != "gguf":
+        # a GGUF source is checked by its file hash above (its dequantized folder is made anew)
+        if source is None and not gguf and src.fingerprint() != prov.get("source_fingerprint"):
             raise PactError(f"{src_name}: not the model this artifact was converted from (fingerprint differs): "
                             "pass --source with the original model")
         return _calibrate(art, src, samples, out, prompts=Path(prompts), damp=damp, actorder=actorder,
