@@ -7,12 +7,12 @@ for vision-language artifacts.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
 from pact.formats import PactError
+from pact.runtime.data import read_records
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
 
@@ -24,22 +24,15 @@ def _texts(path: Path, tokenizer) -> list[str]:
     if path.suffix != ".jsonl":
         raise PactError(f"--prompts {path}: expected a .jsonl or .txt file, or a folder of images")
     out = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise PactError(f"{path}:{n}: not valid JSON ({e.msg})") from None
-            if isinstance(rec, dict) and isinstance(rec.get("text"), str):
-                out.append(rec["text"])
-            elif isinstance(rec, dict) and isinstance(rec.get("messages"), list):
-                out.append(tokenizer.apply_chat_template(rec["messages"], tokenize=False))
-            elif isinstance(rec, dict) and "prompt" in rec and "completion" in rec:
-                out.append(str(rec["prompt"]) + str(rec["completion"]))
-            else:
-                raise PactError(f"{path}:{n}: expected an object with 'text', 'messages' or prompt/completion")
+    for rec in read_records(path, flag="--prompts"):
+        if isinstance(rec.get("text"), str):
+            out.append(rec["text"])
+        elif isinstance(rec.get("messages"), list):
+            out.append(tokenizer.apply_chat_template(rec["messages"], tokenize=False))
+        elif "prompt" in rec and "completion" in rec:
+            out.append(str(rec["prompt"]) + str(rec["completion"]))
+        else:
+            raise PactError(f"{rec['_where']}: expected an object with 'text', 'messages' or prompt/completion")
     return out
 
 

@@ -29,21 +29,22 @@ class Example:
     prompt_ids: list[int]
 
 
-def read_records(path: str | Path) -> list[dict]:
-    """Records from a .jsonl file or a `datasets.save_to_disk` folder; errors name the line."""
+def read_records(path: str | Path, flag: str = "--data") -> list[dict]:
+    """Records from a .jsonl file or a `datasets.save_to_disk` folder; errors name the line
+    (and ``flag``, the option the path came from). Each record gets "_where" (file:line)."""
     p = Path(path)
     if not p.exists():
-        raise PactError(f"--data {p}: no such file or folder")
+        raise PactError(f"{flag} {p}: no such file or folder")
     if p.is_dir():
         try:
             import datasets
 
             ds = datasets.load_from_disk(str(p))
         except Exception as e:
-            raise PactError(f"--data {p}: not a datasets.save_to_disk folder ({e})") from None
+            raise PactError(f"{flag} {p}: not a datasets.save_to_disk folder ({e})") from None
         if isinstance(ds, datasets.DatasetDict):
             if "train" not in ds:
-                raise PactError(f"--data {p}: a DatasetDict without a 'train' split ({list(ds)})")
+                raise PactError(f"{flag} {p}: a DatasetDict without a 'train' split ({list(ds)})")
             ds = ds["train"]
         records = [dict(r) for r in ds]
         where = [f"{p} row {i}" for i in range(len(records))]
@@ -62,7 +63,7 @@ def read_records(path: str | Path) -> list[dict]:
                 records.append(rec)
                 where.append(f"{p}:{n}")
     if not records:
-        raise PactError(f"--data {p}: no records (empty file)")
+        raise PactError(f"{flag} {p}: no records (empty file)")
     for rec, w in zip(records, where):
         rec["_where"] = w
     return records
