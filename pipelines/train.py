@@ -35,6 +35,8 @@ from .common import cli_errors
 @click.option("--save-every", default=0, show_default=True, help="Checkpoint every N steps (0: none).")
 @click.option("--resume", is_flag=True, help="Continue the run in --out from its latest checkpoint.")
 @click.option("--kernels", type=click.Choice(["torch", "triton"]), default=None, help="Default: triton on GPU, torch on CPU.")
+@click.option("--compute", type=click.Choice(["auto", "bf16-decode", "nvfp4-native"]), default="auto", show_default=True,
+              help="Frozen-GEMM backend: nvfp4-native (Blackwell, unverified on hardware) or bf16-decode.")
 @click.option("--activations", type=click.Choice(["nvfp4", "bf16"]), default="nvfp4", show_default=True,
               help="bf16 keeps activations unquantized (an ablation; weights stay NVFP4).")
 @click.option("--checkpoint", is_flag=True, help="Recompute each decoder layer in backward (less memory, ~1/3 more compute).")
@@ -43,14 +45,14 @@ from .common import cli_errors
 @cli_errors
 def main(artifact, data, out, eval_data, max_len, overlong, batch_size, grad_accum, steps, epochs, lr, weight_decay,
          warmup_ratio, max_grad_norm, seed, lora_r, lora_alpha, lora_dropout, targets, save_every, resume, kernels,
-         activations, checkpoint, device, quiet) -> None:
+         compute, activations, checkpoint, device, quiet) -> None:
     """Train LoRA adapters on ARTIFACT; the adapter is saved in PEFT format in --out."""
     cfg = TrainConfig(
         artifact=artifact, data=data, out=out, eval_data=eval_data, max_len=max_len, overlong=overlong,
         batch_size=batch_size, grad_accum=grad_accum, steps=steps, epochs=epochs, lr=lr, weight_decay=weight_decay,
         warmup_ratio=warmup_ratio, max_grad_norm=max_grad_norm, seed=seed, lora_r=lora_r, lora_alpha=lora_alpha,
         lora_dropout=lora_dropout, targets=tuple(t.strip() for t in targets.split(",") if t.strip()),
-        save_every=save_every, kernels=kernels, activations=activations, checkpoint=checkpoint, device=device,
+        save_every=save_every, kernels=kernels, compute=compute, activations=activations, checkpoint=checkpoint, device=device,
     )
     result = train(cfg, resume=resume, progress=not quiet)
     click.echo(json.dumps({k: v for k, v in result.items() if k != "eval_labels"}, indent=2))

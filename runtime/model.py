@@ -19,7 +19,7 @@ from pact.formats import Artifact, PactError
 from pact.formats.families import GROUPS
 from pact.formats.nvfp4 import NVFP4Tensor
 
-from .backends import get_ops, resolve_kernels
+from .backends import get_ops, resolve_compute, resolve_kernels
 from .functions import FrozenGroup, Lora, MlpFn, NormProjectionFn, ProjectionFn, dense_activation_ops
 from .lora import LoraConfig
 from .loss import target_cross_entropy
@@ -59,7 +59,8 @@ class PactModel(nn.Module):
     """LoRA training model over an NVFP4 artifact. ``forward`` returns (summed loss, #targets)."""
 
     def __init__(self, artifact: Artifact, lora: LoraConfig | None, *, device: str | torch.device = "cpu",
-                 kernels: str | None = None, activations: str = "nvfp4", checkpoint: bool = False, seed: int = 0):
+                 kernels: str | None = None, compute: str | None = None, activations: str = "nvfp4",
+                 checkpoint: bool = False, seed: int = 0):
         super().__init__()
         from transformers import AutoConfig
 
@@ -75,7 +76,8 @@ class PactModel(nn.Module):
         self.kernels = resolve_kernels(kernels, self.device)
         if activations not in ("nvfp4", "bf16"):
             raise PactError(f"--activations must be nvfp4 or bf16, got {activations!r}")
-        self.ops = get_ops(self.kernels)
+        self.compute = resolve_compute(compute, self.device)
+        self.ops = get_ops(self.kernels, self.compute)
         if activations == "bf16":  # ablation: what NVFP4 activations cost (weights stay NVFP4)
             self.ops = dense_activation_ops(self.ops)
         cfg = AutoConfig.from_pretrained(artifact.hf_dir).get_text_config()

@@ -97,3 +97,9 @@ def nvfp4_gemm(a: NVFP4Rows | torch.Tensor, w: NVFP4Tensor, a_hat: torch.Tensor 
     else:
         acc = a.float() @ wq.t()
     return (acc * w.global_scale.float()).to(torch.bfloat16)
+
+
+def nvfp4_gemm_native(a: NVFP4Rows | torch.Tensor, w: NVFP4Tensor, a_hat: torch.Tensor | None = None) -> torch.Tensor:
+    """Twin of the `nvfp4-native` GEMM: both operands NVFP4, so a bf16 A (dY) is quantized to
+    NVFP4 rows first; then the same exact product as ``nvfp4_gemm``."""
+    return nvfp4_gemm(a if isinstance(a, NVFP4Rows) else quant_rows(a), w)

@@ -57,6 +57,7 @@ class TrainConfig:
     targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     save_every: int = 0
     kernels: str | None = None
+    compute: str | None = field(default=None, metadata={"help": "auto | bf16-decode | nvfp4-native"})
     activations: str = "nvfp4"
     checkpoint: bool = field(default=False, metadata={"help": "recompute each decoder layer in backward"})
     device: str | None = None
@@ -191,7 +192,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True, stop
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(art.hf_dir)
-    model = PactModel(art, cfg.lora(), device=device, kernels=cfg.kernels, activations=cfg.activations,
+    model = PactModel(art, cfg.lora(), device=device, kernels=cfg.kernels, compute=cfg.compute, activations=cfg.activations,
                       checkpoint=cfg.checkpoint, seed=cfg.seed)
     vocab = model.embed.shape[0]
     if len(tokenizer) > vocab:

@@ -21,6 +21,17 @@ def _compile_sm(fn, signature: dict, constexprs: dict):
     print(f"ok {fn.__name__} sm_{CAPABILITY} {constexprs}")
 
 
+def native(capability: int) -> None:
+    """The Blackwell FP4 tensor-core GEMM (sm_100 / sm_120 only)."""
+    global CAPABILITY
+    from pact.runtime.kernels import native as V
+
+    CAPABILITY = capability
+    sig = {"a_ptr": "*u8", "a_scales_ptr": "*fp8e4nv", "a_rs_ptr": "*fp32", "b_ptr": "*u8", "b_scales_ptr": "*fp8e4nv",
+           "b_gs_ptr": "*fp32", "c_ptr": "*bf16", "stride_cm": "i32", "M": "i32", "N": "i32"}
+    _compile_sm(V._nvfp4_native_gemm_kernel, sig, {"K": 2048, **V.NATIVE_BLOCKS})
+
+
 def main(capability: int) -> None:
     global CAPABILITY
     import triton.language as tl
@@ -51,4 +62,5 @@ def main(capability: int) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]))
+    cap = int(sys.argv[1])
+    native(cap) if len(sys.argv) > 2 and sys.argv[2] == "native" else main(cap)

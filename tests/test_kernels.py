@@ -157,6 +157,28 @@ def test_kernels_native_gpu(m, n, k):
         _check_gemm(gemm(dy, bwd), _gemm_ref64(dy, bwd))
 
 
+@pytest.mark.parametrize("capability", [100, 120])
+def test_native_gemm_compiles_for_blackwell(capability):
+    """The nvfp4-native GEMM compiles for sm_100 and sm_120 (never run: no Blackwell here)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = Path(__file__).with_name("compile_kernels.py")
+    r = subprocess.run([sys.executable, str(script), str(capability), "native"], env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0 and "ok _nvfp4_native_gemm_kernel" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
+
+
+def test_native_twin_quantizes_the_gradient():
+    fwd, bwd = quantize_weight(torch.randn(32, 64) * 0.05)
+    dy = (torch.randn(6, 32)).to(torch.bfloat16)
+    assert torch.equal(R.nvfp4_gemm_native(dy, bwd), R.nvfp4_gemm(R.quant_rows(dy), bwd))
+    xq = R.quant_rows(torch.randn(6, 64))
+    assert torch.equal(R.nvfp4_gemm_native(xq, fwd), R.nvfp4_gemm(xq, fwd))
+
+
 def test_kernels_compile_for_gpus():
     """Compile every kernel for sm_90 (Hopper) with Triton's own ptxas, no GPU needed: catches
     what the interpreter lets through (non-constexpr globals, layout errors). Runs in a child
