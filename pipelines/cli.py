@@ -5,6 +5,7 @@ import click
 from .calibrate import main as calibrate
 from .convert import main as convert
 from .demo import demo
+from .eval import main as evaluate
 from .train import main as train
 
 
@@ -17,6 +18,7 @@ main.add_command(convert, "convert")
 main.add_command(calibrate, "calibrate")
 main.add_command(demo, "demo")
 main.add_command(train, "train")
+main.add_command(evaluate, "eval")
 
 if __name__ == "__main__":
     main()

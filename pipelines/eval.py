@@ -1,0 +1,32 @@
+"""`pact-eval ARTIFACT [--adapter RUN] --data test.jsonl`: held-out loss and label accuracy."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from pact.runtime.evaluate import evaluate_artifact
+
+from .common import cli_errors
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("artifact", type=click.Path(file_okay=False))
+@click.option("--data", required=True, help="Held-out .jsonl ({prompt, completion} or {messages}).")
+@click.option("--adapter", default=None, type=click.Path(file_okay=False), help="A pact-train run folder (PEFT adapter); none = zero-shot.")
+@click.option("--max-len", default=1024, show_default=True)
+@click.option("--batch-size", default=8, show_default=True)
+@click.option("--activations", type=click.Choice(["nvfp4", "bf16"]), default="nvfp4", show_default=True)
+@click.option("--device", default=None)
+@cli_errors
+def main(artifact, data, adapter, max_len, batch_size, activations, device) -> None:
+    """Evaluate ARTIFACT (with --adapter) on --data: loss, and accuracy by label likelihood when
+    the completions are class labels."""
+    result = evaluate_artifact(artifact, data, adapter=adapter, max_len=max_len, batch_size=batch_size, device=device,
+                               activations=activations)
+    click.echo(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
