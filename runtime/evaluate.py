@@ -39,25 +39,34 @@ def label_candidates(examples: list[Example], max_labels: int = 32) -> dict[str,
 
 @torch.no_grad()
 def evaluate(model, examples: list[Example], *, batch_size: int, pad_id: int) -> dict:
-    """{"eval_loss", "eval_tokens", and "eval_accuracy" + "eval_labels" for label-style data}."""
+    """{"eval_loss", "eval_tokens", and "eval_accuracy" + "eval_labels" for label-style data}.
+
+    Label-style data is scored in one pass: every (example, candidate) sequence of a chunk of
+    ``batch_size`` examples runs as one batch; the true candidate's log-likelihood gives the loss.
+    """
     device = model.device
-    total, count = 0.0, 0
-    for i in range(0, len(examples), batch_size):
-        ids, labels = collate(examples, list(range(i, min(i + batch_size, len(examples)))), pad_id, device)
-        loss, n = model(ids, labels)
-        total, count = total + float(loss), count + n
-    out = {"eval_loss": total / max(count, 1), "eval_tokens": count}
     cands = label_candidates(examples)
-    if cands is not None:
-        names = list(cands)
-        correct = 0
-        for e in examples:
-            seqs = [Example(e.prompt_ids + cands[c], [IGNORE] * len(e.prompt_ids) + cands[c], c, e.prompt_ids) for c in names]
-            ids, labels = collate(seqs, list(range(len(seqs))), pad_id, device)
-            pred = names[int(sequence_logprobs(model, ids, labels).argmax())]
-            correct += pred == e.completion
-        out.update(eval_accuracy=correct / len(examples), eval_labels=names)
-    return out
+    total, count = 0.0, 0
+    if cands is None:
+        for i in range(0, len(examples), batch_size):
+            ids, labels = collate(examples, list(range(i, min(i + batch_size, len(examples)))), pad_id, device)
+            loss, n = model(ids, labels)
+            total, count = total + float(loss), count + n
+        return {"eval_loss": total / max(count, 1), "eval_tokens": count}
+    names = list(cands)
+    correct = 0
+    for i in range(0, len(examples), batch_size):
+        chunk = examples[i : i + batch_size]
+        seqs = [Example(e.prompt_ids + cands[c], [IGNORE] * len(e.prompt_ids) + cands[c], c, e.prompt_ids)
+                for e in chunk for c in names]
+        ids, labels = collate(seqs, list(range(len(seqs))), pad_id, device)
+        logp = sequence_logprobs(model, ids, labels).view(len(chunk), len(names))
+        for e, row in zip(chunk, logp):
+            correct += names[int(row.argmax())] == e.completion
+            total -= float(row[names.index(e.completion)])
+            count += len(cands[e.completion])
+    return {"eval_loss": total / max(count, 1), "eval_tokens": count, "eval_accuracy": correct / len(examples),
+            "eval_labels": names}
 
 
 def evaluate_artifact(artifact: str, data: str, *, adapter: str | None = None, max_len: int = 1024, batch_size: int = 8,
