@@ -230,6 +230,15 @@ def _silu_mul_backward_kernel(dh_ptr, stride_dh, gp, gs, gr, up, us, ur, dgu_ptr
 
 
 @triton.jit
+def _grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """Program id -> (tile row, tile column), GROUP_M row-tiles sharing B tiles while in L2."""
+    num_m, num_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    first_m = (pid // (GROUP_M * num_n)) * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    return first_m + (pid % (GROUP_M * num_n)) % size_m, (pid % (GROUP_M * num_n)) // size_m
+
+
+@triton.jit
 def _nvfp4_gemm_kernel(a_ptr, a_scales_ptr, a_rs_ptr, stride_am, b_ptr, b_scales_ptr, b_gs_ptr, c_ptr, stride_cm,
                        M, N, K: tl.constexpr, A_NVFP4: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_DTYPE: tl.constexpr):
@@ -239,14 +248,7 @@ def _nvfp4_gemm_kernel(a_ptr, a_scales_ptr, a_rs_ptr, stride_am, b_ptr, b_scales
     the byte offsets fold, and (Triton 3.6) the interpreter cannot loop to a runtime scalar
     under NumPy >= 2.4.
     """
-    pid = tl.program_id(0)
-    num_m, num_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
-    # grouped ordering: GROUP_M row-blocks share B tiles while they are in L2
-    group = pid // (GROUP_M * num_n)
-    first_m = group * GROUP_M
-    size_m = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % (GROUP_M * num_n)) % size_m
-    pid_n = (pid % (GROUP_M * num_n)) // size_m
+    pid_m, pid_n = _grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_h = tl.arange(0, BLOCK_K // 2)
