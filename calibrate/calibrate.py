@@ -121,7 +121,7 @@ def _calibrate(art, src, samples, out: Path, *, prompts: Path, damp, actorder, s
         with torch.no_grad():
             model.ops = capture
             for x in hidden:
-                model._layer(L, x, *_rope(model, x), 1, x.shape[0])
+                model._layer(L, x, *model.rope(x, x.shape[0]), 1, x.shape[0])
             model.ops = plain
         for gname, g in groups.items():
             if g.weight is None:  # a member kept in bf16: the group runs dense, nothing to calibrate
@@ -146,15 +146,9 @@ def _calibrate(art, src, samples, out: Path, *, prompts: Path, damp, actorder, s
             g.weight_t = type(g.weight)(torch.cat([t.packed for t in bwd_parts], 1),
                                         torch.cat([t.scales for t in bwd_parts], 1), g.weight.global_scale)
         with torch.no_grad():
-            hidden = [model._layer(L, x, *_rope(model, x), 1, x.shape[0]) for x in hidden]
+            hidden = [model._layer(L, x, *model.rope(x, x.shape[0]), 1, x.shape[0]) for x in hidden]
     return _write(art, out, new, errors, overwrite=overwrite, prompts=prompts, samples=samples, damp=damp,
                   actorder=actorder, static_scales=static_scales, blocksize=blocksize)
-
-
-def _rope(model, x):
-    pos = torch.arange(x.shape[0], device=x.device).unsqueeze(0)
-    cos, sin = model.rotary(x, pos)
-    return cos.unsqueeze(1), sin.unsqueeze(1)
 
 
 def _write(art, out: Path, new: dict, errors: dict, *, overwrite, prompts: Path, samples, **settings) -> Path:

@@ -143,6 +143,13 @@ def batches(examples: list[Example], batch_size: int, *, seed: int, epoch: int, 
     return out
 
 
+def pad_id(tokenizer) -> int:
+    """The padding id: the tokenizer's pad token, else its end-of-sequence token, else 0."""
+    if tokenizer.pad_token_id is not None:
+        return tokenizer.pad_token_id
+    return tokenizer.eos_token_id or 0
+
+
 def collate(examples: list[Example], index: list[int], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """Right-padded ids and labels (padding is never a target; causal attention ignores it)."""
     seqs = [examples[i] for i in index]

@@ -76,7 +76,7 @@ def evaluate_artifact(artifact: str, data: str, *, adapter: str | None = None, m
 
     from pact.formats import open_artifact
 
-    from .data import read_records, tokenize
+    from .data import pad_id, read_records, tokenize
     from .lora import load_peft_adapter
     from .model import PactModel
 
@@ -88,5 +88,4 @@ def evaluate_artifact(artifact: str, data: str, *, adapter: str | None = None, m
     if weights is not None:
         model.load_adapter_state(weights)
     examples = tokenize(read_records(data, flag="--data"), tokenizer, max_len=max_len, vocab_size=model.embed.shape[0])
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
-    return {"adapter": adapter, **evaluate(model, examples, batch_size=batch_size, pad_id=pad)}
+    return {"adapter": adapter, **evaluate(model, examples, batch_size=batch_size, pad_id=pad_id(tokenizer))}

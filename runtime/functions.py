@@ -124,6 +124,12 @@ def project_backward(ops, g: FrozenGroup, dy: torch.Tensor, x_hat: torch.Tensor,
     return dx, grads
 
 
+def _per_member(loras: list, kept) -> list:
+    """The saved xa's (only members with an adapter) back in member order, None elsewhere."""
+    it = iter(kept)
+    return [next(it) if lo is not None else None for lo in loras]
+
+
 def _flat_grads(groups: list[FrozenGroup], grads: list[list]) -> list:
     out = []
     for g, gg in zip(groups, grads):
@@ -199,8 +205,7 @@ class NormProjectionFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         xq, (rstd, *xas_kept) = _rows_from(ctx.kind, list(ctx.saved_tensors))
-        it = iter(xas_kept)
-        xas = [next(it) if lo is not None else None for lo in ctx.group.loras]
+        xas = _per_member(ctx.group.loras, xas_kept)
         dxn, grads = project_backward(ctx.ops, ctx.group, dy, ctx.ops.dequant_rows(xq), xas, ctx.seeds)
         dx = ctx.ops.rmsnorm_backward(dxn, xq, rstd, ctx.norm_w) if ctx.needs_input_grad[0] else None
         return (dx, None, None, None, None, *_flat_grads([ctx.group], [grads]))
@@ -220,8 +225,7 @@ class ProjectionFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         xq, xas_kept = _rows_from(ctx.kind, list(ctx.saved_tensors))
-        it = iter(xas_kept)
-        xas = [next(it) if lo is not None else None for lo in ctx.group.loras]
+        xas = _per_member(ctx.group.loras, xas_kept)
         dx, grads = project_backward(ctx.ops, ctx.group, dy, ctx.ops.dequant_rows(xq), xas, ctx.seeds)
         dx = dx.to(dy.dtype) if ctx.needs_input_grad[0] else None
         return (dx, None, None, *_flat_grads([ctx.group], [grads]))
@@ -252,9 +256,8 @@ class MlpFn(torch.autograd.Function):
         xq, (rstd, *rest) = _rows_from(ctx.kinds[0], list(ctx.saved_tensors))
         gq, rest = _rows_from(ctx.kinds[1], rest)
         uq, kept = _rows_from(ctx.kinds[2], rest)
-        it1, it2 = iter(kept[: ctx.n_xa1]), iter(kept[ctx.n_xa1 :])
-        xas1 = [next(it1) if lo is not None else None for lo in gate_up.loras]
-        xas2 = [next(it2) if lo is not None else None for lo in down.loras]
+        xas1 = _per_member(gate_up.loras, kept[: ctx.n_xa1])
+        xas2 = _per_member(down.loras, kept[ctx.n_xa1 :])
         dh, grads2 = project_backward(ops, down, dout, ops.silu_mul_h(gq, uq), xas2, ctx.seeds[1])
         dgu = ops.silu_mul_backward(dh, gq, uq)
         dxn, grads1 = project_backward(ops, gate_up, dgu, ops.dequant_rows(xq), xas1, ctx.seeds[0])

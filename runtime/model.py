@@ -172,13 +172,17 @@ class PactModel(nn.Module):
         o = o.transpose(1, 2).reshape(B * S, nh * hd)
         return ProjectionFn.apply(o, L.o, self.ops, *L.o.lora_params())
 
+    def rope(self, x: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [1, 1, seq_len, head_dim] for positions 0..seq_len-1, in x's dtype."""
+        pos = torch.arange(seq_len, device=x.device).unsqueeze(0)
+        cos, sin = self.rotary(x, pos)
+        return cos.unsqueeze(1), sin.unsqueeze(1)
+
     def hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Last decoder layer's output (before the final norm), [B, S, H] bf16."""
         B, S = input_ids.shape
         x = F.embedding(input_ids, self.embed).reshape(B * S, self.hidden)
-        pos = torch.arange(S, device=input_ids.device).unsqueeze(0)
-        cos, sin = self.rotary(x, pos)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [1, 1, S, hd]
+        cos, sin = self.rope(x, S)
         for L in self.layers:
             if self.checkpoint and torch.is_grad_enabled():
                 # keep only the layer input; the layer runs again in backward (same RNG state)

@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 
 from pact.formats import PactError, open_artifact
 
-from .data import batches, collate, read_records, tokenize
+from .data import batches, collate, pad_id, read_records, tokenize
 from .evaluate import evaluate
 from .lora import LoraConfig, load_peft_adapter, save_peft_adapter
 from .model import PactModel
@@ -198,7 +198,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True, stop
     if len(tokenizer) > vocab:
         raise PactError(f"{art.hf_dir}: tokenizer has {len(tokenizer)} tokens but the embedding has {vocab} rows: "
                         "artifact and tokenizer do not match; re-run pact-convert on the model folder")
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+    pad = pad_id(tokenizer)
     examples = tokenize(read_records(cfg.data), tokenizer, max_len=cfg.max_len, overlong=cfg.overlong, vocab_size=vocab)
     per_epoch = math.ceil(math.ceil(len(examples) / cfg.batch_size) / cfg.grad_accum)
     total = cfg.steps or max(1, math.ceil(cfg.epochs * per_epoch))
@@ -218,7 +218,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True, stop
         while state["step"] < total:
             t0 = time.perf_counter()
             micro = [next(stream) for _ in range(cfg.grad_accum)]
-            loaded = [collate(examples, idx, pad_id, device) for _, _, idx in micro]
+            loaded = [collate(examples, idx, pad, device) for _, _, idx in micro]
             n_targets = sum(int((lab[:, 1:] != -100).sum()) for _, lab in loaded)
             loss_sum = 0.0
             for ids, labels in loaded:
@@ -255,6 +255,6 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True, stop
     result = dict(last)
     if cfg.eval_data:
         held = tokenize(read_records(cfg.eval_data), tokenizer, max_len=cfg.max_len, overlong=cfg.overlong, vocab_size=vocab)
-        result.update(evaluate(model, held, batch_size=cfg.batch_size, pad_id=pad_id))
+        result.update(evaluate(model, held, batch_size=cfg.batch_size, pad_id=pad))
         (run / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
     return result
