@@ -35,8 +35,10 @@ from .common import cli_errors
 @click.option("--save-every", default=0, show_default=True, help="Checkpoint every N steps (0: none).")
 @click.option("--resume", is_flag=True, help="Continue the run in --out from its latest checkpoint.")
 @click.option("--kernels", type=click.Choice(["torch", "triton"]), default=None, help="Default: triton on GPU, torch on CPU.")
-@click.option("--compute", type=click.Choice(["auto", "bf16-decode", "nvfp4-native"]), default="auto", show_default=True,
-              help="Frozen-GEMM backend: nvfp4-native (Blackwell, unverified on hardware) or bf16-decode.")
+@click.option("--compute", type=click.Choice(["auto", "bf16-decode", "fp8", "nvfp4-native"]), default="auto",
+              show_default=True,
+              help="Frozen-GEMM backend. auto: nvfp4-native on Blackwell (unverified on hardware), fp8 on Ada/Hopper, "
+                   "bf16-decode elsewhere.")
 @click.option("--activations", type=click.Choice(["nvfp4", "bf16"]), default="nvfp4", show_default=True,
               help="bf16 keeps activations unquantized (an ablation; weights stay NVFP4).")
 @click.option("--checkpoint", is_flag=True, help="Recompute each decoder layer in backward (less memory, ~1/3 more compute).")

@@ -4,7 +4,10 @@ Compute backends (how the frozen NVFP4 GEMMs run), chosen by GPU capability or `
 - `nvfp4-native` (sm_100 / sm_120, Blackwell): FP4 tensor cores via `tl.dot_scaled`, both
   operands NVFP4 (dY quantized for the input gradient). UNVERIFIED ON HARDWARE: compiled for
   sm_100 and sm_120 in the tests, never run (no Blackwell GPU here).
-- `bf16-decode` (any GPU; the default below sm_100): NVFP4 decoded to bf16 (in registers, or
+- `fp8` (sm_89 / sm_90, Ada and Hopper; the default there): both operands re-encoded as E4M3
+  rows (W decoded per call from NVFP4), FP8 tensor cores via cuBLAS `_scaled_mm` with rowwise
+  scales. Not exact: E4M3 keeps 3 of q * s_b's up to 5 mantissa bits (runtime/kernels/fp8.py).
+- `bf16-decode` (any GPU; the default elsewhere): NVFP4 decoded to bf16 (in registers, or
   into a scratch for cuBLAS at >= 256 rows), fp32 accumulation: the exact NVFP4 product.
 
 `torch`: the pure-PyTorch twins (runtime/reference.py) — the CPU path and the reference.
@@ -25,7 +28,7 @@ import torch
 from pact.formats import PactError
 
 KERNELS = ("torch", "triton")
-COMPUTE = ("bf16-decode", "nvfp4-native")
+COMPUTE = ("bf16-decode", "fp8", "nvfp4-native")
 _OPS = ("rmsnorm_quant", "silu_mul_quant", "quant_rows", "dequant_rows", "nvfp4_gemm", "rmsnorm_backward",
         "silu_mul_h", "silu_mul_backward")
 
@@ -39,15 +42,26 @@ def resolve_kernels(name: str | None, device: torch.device) -> str:
     return name
 
 
+def _capability(device: torch.device) -> tuple[int, int] | None:
+    return torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+
+
 def resolve_compute(name: str | None, device: torch.device) -> str:
+    """`auto`: nvfp4-native on Blackwell, fp8 on Ada/Hopper, bf16-decode otherwise (and on the CPU,
+    where every backend runs as its PyTorch twin)."""
+    cap = _capability(device)
     if name in (None, "auto"):
-        native = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] in (10, 12)
-        return "nvfp4-native" if native else "bf16-decode"
+        if cap is not None and cap[0] in (10, 12):
+            return "nvfp4-native"
+        return "fp8" if cap in ((8, 9), (9, 0)) else "bf16-decode"
     if name not in COMPUTE:
         raise PactError(f"--compute must be one of auto, {', '.join(COMPUTE)}, got {name!r}")
-    if name == "nvfp4-native" and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] not in (10, 12):
-        cap = ".".join(map(str, torch.cuda.get_device_capability(device)))
-        raise PactError(f"--compute nvfp4-native needs a Blackwell GPU (sm_100 / sm_120); this one is sm_{cap}: "
+    sm = None if cap is None else f"sm_{cap[0]}{cap[1]}"
+    if name == "nvfp4-native" and cap is not None and cap[0] not in (10, 12):
+        raise PactError(f"--compute nvfp4-native needs a Blackwell GPU (sm_100 / sm_120); this one is {sm}: "
+                        "use --compute fp8 or bf16-decode")
+    if name == "fp8" and cap is not None and cap < (8, 9):
+        raise PactError(f"--compute fp8 needs FP8 tensor cores (sm_89 or newer); this GPU is {sm}: "
                         "use --compute bf16-decode")
     return name
 
@@ -57,14 +71,19 @@ def get_ops(name: str, compute: str = "bf16-decode") -> SimpleNamespace:
     if name == "torch":
         from . import reference as mod
 
-        native = mod.nvfp4_gemm_native
+        gemms = {"nvfp4-native": mod.nvfp4_gemm_native, "fp8": mod.nvfp4_gemm_fp8}
     else:
         from . import kernels as mod
 
-        native = None
+        gemms = {}
         if compute == "nvfp4-native":
-            from .kernels.native import nvfp4_gemm_native as native
+            from .kernels.native import nvfp4_gemm_native
+
+            gemms["nvfp4-native"] = nvfp4_gemm_native
+        elif compute == "fp8":
+            from .kernels.fp8 import nvfp4_gemm_fp8
+
+            gemms["fp8"] = nvfp4_gemm_fp8
     ops = {op: getattr(mod, op) for op in _OPS}
-    if compute == "nvfp4-native":
-        ops["nvfp4_gemm"] = native
+    ops["nvfp4_gemm"] = gemms.get(compute, ops["nvfp4_gemm"])
     return SimpleNamespace(name=f"{name}/{compute}", **ops)

@@ -17,6 +17,8 @@ import torch.nn.functional as F
 
 from pact.formats.nvfp4 import BLOCK, NVFP4Rows, NVFP4Tensor, decode_packed, dequantize_rows, quantize_rows
 
+FP8_MAX = 448.0
+
 
 def rmsnorm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[NVFP4Rows, torch.Tensor]:
     """x [T, H] bf16 -> (NVFP4 rows of x * rstd * w, rstd fp32 [T])."""
@@ -103,3 +105,38 @@ def nvfp4_gemm_native(a: NVFP4Rows | torch.Tensor, w: NVFP4Tensor, a_hat: torch.
     """Twin of the `nvfp4-native` GEMM: both operands NVFP4, so a bf16 A (dY) is quantized to
     NVFP4 rows first; then the same exact product as ``nvfp4_gemm``."""
     return nvfp4_gemm(a if isinstance(a, NVFP4Rows) else quant_rows(a), w)
+
+
+def fp8_rows(x: NVFP4Rows | NVFP4Tensor | torch.Tensor, pad_to: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of x -> (E4M3 [R', K], fp32 decode scale [R']), R' = R rounded up to ``pad_to``
+    (cuBLAS's FP8 GEMM wants every dimension a multiple of 16).
+
+    Per row: v = q * s_b (exact) or the bf16 value; y = e4m3(v * (448 / amax)); scale =
+    (amax / 448) times the row's / tensor's NVFP4 scale. Padding rows: zeros, scale 1."""
+    if isinstance(x, (NVFP4Rows, NVFP4Tensor)):
+        v = _decoded_qs(x.packed, x.scales)
+        base = x.row_scale.float() if isinstance(x, NVFP4Rows) else x.global_scale.float().expand(v.shape[0])
+    else:
+        v = x.float()
+        base = torch.ones(v.shape[0], device=v.device)
+    rows = v.shape[0]
+    fmax = torch.tensor(FP8_MAX, device=v.device)
+    amax = v.abs().amax(-1) if v.shape[1] else torch.zeros(rows, device=v.device)
+    amax = torch.where(amax > 0, amax, fmax)
+    y = (v * (fmax / amax)[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+    y = torch.where(y & 0x7F == 0, 0, y).view(torch.float8_e4m3fn)  # zeros positive, as the kernel writes them
+    scale = (amax / fmax) * base
+    pad = -(-rows // pad_to) * pad_to - rows
+    if pad:
+        y = torch.cat((y, torch.zeros(pad, v.shape[1], device=v.device).to(torch.float8_e4m3fn)))
+        scale = torch.cat((scale, torch.ones(pad, device=v.device)))
+    return y, scale
+
+
+def nvfp4_gemm_fp8(a: NVFP4Rows | torch.Tensor, w: NVFP4Tensor, a_hat: torch.Tensor | None = None) -> torch.Tensor:
+    """Twin of the `fp8` GEMM: both operands re-encoded as E4M3 rows (``fp8_rows``), product in
+    fp32, row scales applied to the accumulator, one rounding to bf16."""
+    a8, sa = fp8_rows(a, pad_to=1)
+    w8, sw = fp8_rows(w, pad_to=1)
+    acc = a8.float() @ w8.float().t()
+    return (acc * sa[:, None] * sw[None, :]).to(torch.bfloat16)

@@ -57,7 +57,7 @@ class TrainConfig:
     targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     save_every: int = 0
     kernels: str | None = None
-    compute: str | None = field(default=None, metadata={"help": "auto | bf16-decode | nvfp4-native"})
+    compute: str | None = field(default=None, metadata={"help": "auto | bf16-decode | fp8 | nvfp4-native"})
     activations: str = "nvfp4"
     checkpoint: bool = field(default=False, metadata={"help": "recompute each decoder layer in backward"})
     device: str | None = None

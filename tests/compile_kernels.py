@@ -59,6 +59,12 @@ def main(capability: int) -> None:
         sig = dict(gemm, a_ptr="*u8" if a_nvfp4 else "*bf16")
         _compile_sm(N._nvfp4_gemm_kernel, sig, {"K": 2048, "A_NVFP4": a_nvfp4, **N._gemm_blocks(8192, 2048, 2048),
                                                  "DOT_DTYPE": tl.bfloat16})
+    from pact.runtime.kernels import fp8 as F8
+
+    for src in (F8.SRC_BF16, F8.SRC_NVFP4_ROWS, F8.SRC_NVFP4_TENSOR):
+        _compile_sm(F8._fp8_rows_kernel, {"src_ptr": "*bf16" if src == F8.SRC_BF16 else "*u8", "src_scales_ptr": "*u8",
+                                          "src_scale_ptr": "*fp32", "stride_src": "i32", "out_ptr": "*u8",
+                                          "out_scale_ptr": "*fp32", "K": "i32"}, {"SRC": src, "BLOCK_K": 8192})
 
 
 if __name__ == "__main__":

@@ -123,6 +123,60 @@ def test_nvfp4_gemm(m, n, k, scaling):
         _check_gemm(impl.nvfp4_gemm(dy, bwd), _gemm_ref64(dy, bwd))
 
 
+def _fp8_sources(rows, k, seed=0):
+    x = _awkward(rows, k, seed=seed)
+    w = torch.randn(rows * 16, k, generator=torch.Generator().manual_seed(seed)) * 0.05
+    w[0, :3] = torch.tensor([0.0, 1e-7, 3.0])  # a zero, an e4m3-subnormal-sized element, an outlier
+    return {"bf16": x, "rows": R.quant_rows(x), "w1d": quantize_weight(w, scaling="1d")[0],
+            "w2d": quantize_weight(w, scaling="2d")[1]}
+
+
+@pytest.mark.parametrize("rows,k", [(1, 16), (6, 48), (42, 272)])
+def test_fp8_rows_exact(rows, k):
+    """E4M3 rows (manual bit rounding in the kernel) == the twin (torch's own float8 cast)."""
+    from pact.runtime.kernels.fp8 import fp8_rows
+
+    for name, src in _fp8_sources(rows, k).items():
+        (a8, sa), (b8, sb) = fp8_rows(src), R.fp8_rows(src)
+        assert a8.shape[0] % 16 == 0 and a8.shape == b8.shape, name
+        assert torch.equal(a8.view(torch.uint8), b8.view(torch.uint8)), name
+        assert torch.equal(sa, sb), name
+
+
+def test_fp8_rows_error_bound():
+    """Each element moves by at most half an E4M3 step: 2^-4 of its value for normals, 2^-10
+    (half the subnormal step) of the row's scale below 2^-6; padding rows are zero."""
+    from pact.formats.nvfp4 import dequantize, dequantize_rows
+
+    for name, src in _fp8_sources(40, 96, seed=5).items():
+        y8, scale = R.fp8_rows(src)
+        n = src.shape[0]
+        exact = {"bf16": lambda: src.float(), "rows": lambda: dequantize_rows(src)}.get(name, lambda: dequantize(src))()
+        got = y8[:n].float() * scale[:n, None]
+        unit = exact / scale[:n, None]  # the value in E4M3 units of its row
+        bound = torch.where(unit.abs() >= 2.0**-6, unit.abs() * 2.0**-4, torch.full_like(unit, 2.0**-10))
+        assert bool(((got - exact).abs() <= bound * scale[:n, None] * (1 + 1e-6)).all()), name
+        assert not y8[n:].float().any() and bool((scale[n:] == 1).all()), name
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 16, 16), (42, 144, 96), (123, 32, 160)])
+def test_fp8_gemm(m, n, k):
+    """The fp8 GEMM (kernel rows + `torch._scaled_mm`) == its twin up to bf16 rounding, and
+    within E4M3's error of the exact NVFP4 product."""
+    from pact.runtime.kernels.fp8 import nvfp4_gemm_fp8
+
+    torch.manual_seed(m + n + k)
+    fwd, bwd = quantize_weight(torch.randn(n, k) * 0.05)
+    xq = R.quant_rows(_awkward(m, k, seed=3))
+    dy = (torch.randn(m, n) * 0.1).to(torch.bfloat16)
+    for a, w in ((xq, fwd), (dy, bwd)):
+        out, twin, exact = nvfp4_gemm_fp8(a, w), R.nvfp4_gemm_fp8(a, w), _gemm_ref64(a, w)
+        assert out.shape == exact.shape
+        torch.testing.assert_close(out.float(), twin.float(), rtol=2**-7, atol=exact.abs().max().item() * 2**-12)
+        rel = ((twin.double() - exact).norm() / exact.norm()).item()
+        assert rel <= 0.05, rel  # two operands each within 2^-4 per element (~2-3% measured)
+
+
 def test_gemm_rejects_mismatched_k():
     fwd, _ = quantize_weight(torch.randn(16, 32))
     with pytest.raises(ValueError, match="K=48"):
@@ -155,6 +209,14 @@ def test_kernels_native_gpu(m, n, k):
     for gemm in (nvfp4_gemm_fused, nvfp4_gemm_cublas):
         _check_gemm(gemm(qb, fwd), _gemm_ref64(qb, fwd))
         _check_gemm(gemm(dy, bwd), _gemm_ref64(dy, bwd))
+    from pact.runtime.kernels.fp8 import fp8_rows, nvfp4_gemm_fp8
+
+    for src in (x, qb, fwd, bwd):
+        (a8, sa), (b8, sb) = fp8_rows(src), R.fp8_rows(src)
+        assert torch.equal(a8.view(torch.uint8), b8.view(torch.uint8)) and torch.equal(sa, sb)
+    for a, w in ((qb, fwd), (dy, bwd)):
+        out, twin = nvfp4_gemm_fp8(a, w).float(), R.nvfp4_gemm_fp8(a, w).float()
+        assert ((out - twin).norm() / twin.norm()).item() <= 2**-8  # bf16 rounding + summation order
 
 
 @pytest.mark.parametrize("capability", [100, 120])
@@ -191,4 +253,4 @@ def test_kernels_compile_for_gpus():
     script = Path(__file__).with_name("compile_kernels.py")
     r = subprocess.run([sys.executable, str(script), "90"], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert r.stdout.count("ok") == 9, r.stdout
+    assert r.stdout.count("ok") == 12, r.stdout

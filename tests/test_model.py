@@ -60,9 +60,9 @@ def _cosines(pairs):
     return out
 
 
-def _compare(tmp_path, family, activations):
+def _compare(tmp_path, family, activations, compute=None):
     art = _artifact(tmp_path, family)
-    model = PactModel(art, LoraConfig(r=R, alpha=ALPHA), activations=activations)
+    model = PactModel(art, LoraConfig(r=R, alpha=ALPHA), activations=activations, compute=compute)
     _random_adapters(model)
     ids, labels = _batch()
     loss, n = model(ids, labels)
@@ -81,16 +81,17 @@ def test_same_math_as_transformers(tmp_path, family):
     assert min(cos.values()) >= 0.999, min(cos.items(), key=lambda kv: kv[1])
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_nvfp4_activations_gradients(tmp_path, family):
+@pytest.mark.parametrize("family,compute", [("llama", "bf16-decode"), ("qwen2", "bf16-decode"), ("llama", "fp8")])
+def test_nvfp4_activations_gradients(tmp_path, family, compute):
     """The full PACT path (NVFP4 weights *and* NVFP4 activations) against the bf16 reference.
 
     Measured on this tiny random model (4 x 48 tokens): loss within 0.2%, adapter-gradient
     cosine median ~0.98, worst ~0.96. Every gap is NVFP4 activation error (~20 dB SQNR per
     quantized tensor): the same comparison with bf16 activations gives >= 0.999 (test above).
     The issue's target (>= 0.99 for every tensor) is not met; see the closing note.
+    The `fp8` backend (E4M3 operands, its CPU twin here) stays within the same bounds.
     """
-    ours, ref, cos = _compare(tmp_path, family, "nvfp4")
+    ours, ref, cos = _compare(tmp_path, family, "nvfp4", compute)
     assert ours == pytest.approx(ref, rel=5e-3)
     values = sorted(cos.values())
     assert values[len(values) // 2] >= 0.97
@@ -203,19 +204,28 @@ def test_checkpointing_gives_the_same_gradients(tmp_path):
         assert torch.equal(grads[0][k], grads[1][k]), k
 
 
-def test_native_compute_twin_trains(tmp_path):
-    """`--compute nvfp4-native` on the CPU runs its torch twin (dY quantized for the input
-    gradient): same forward as bf16-decode, gradients close."""
+@pytest.mark.parametrize("compute", ["nvfp4-native", "fp8"])
+def test_compute_twins_train(tmp_path, compute):
+    """Each `--compute` backend's torch twin (what it runs on the CPU) against bf16-decode.
+    nvfp4-native: same forward (the exact NVFP4 product), dY quantized to NVFP4 in backward.
+    fp8: both operands re-encoded as E4M3 rows, forward and backward. Its small forward change
+    moves values across NVFP4 rounding midpoints downstream (the saved gate/up, the next
+    layer's norm output), so against bf16-decode it differs by about NVFP4's own error; against
+    the bf16 reference it is as close as bf16-decode (test_nvfp4_activations_gradients)."""
     art = _artifact(tmp_path, "llama")
     ids, labels = _batch(b=2, s=24)
     out = []
-    for compute in ("bf16-decode", "nvfp4-native"):
-        model = PactModel(art, LoraConfig(r=R, alpha=ALPHA), compute=compute)
-        assert model.compute == compute
+    for name in ("bf16-decode", compute):
+        model = PactModel(art, LoraConfig(r=R, alpha=ALPHA), compute=name)
+        assert model.compute == name
         _random_adapters(model)
         loss, n = model(ids, labels)
         (loss / n).backward()
         out.append((loss.item(), {k: p.grad.clone() for k, p in model.lora_params.items()}))
-    assert out[0][0] == out[1][0]  # the forward is the same exact NVFP4 product
     cos = sorted(F.cosine_similarity(out[0][1][k].flatten(), out[1][1][k].flatten(), dim=0).item() for k in out[0][1])
-    assert cos[len(cos) // 2] >= 0.95  # only the backward differs: dY quantized to NVFP4 (~20 dB)
+    if compute == "nvfp4-native":
+        assert out[0][0] == out[1][0]
+        assert cos[len(cos) // 2] >= 0.95  # only the backward differs: dY quantized to NVFP4 (~20 dB)
+    else:
+        assert out[1][0] == pytest.approx(out[0][0], rel=2e-3)
+        assert cos[len(cos) // 2] >= 0.97 and cos[0] >= 0.93, cos

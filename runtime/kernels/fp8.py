@@ -1,0 +1,118 @@
+"""`fp8` compute backend (Ada sm_89 / Hopper sm_90): NVFP4 operands re-encoded as FP8 rows,
+multiplied on FP8 tensor cores by cuBLAS (`torch._scaled_mm`, rowwise scales).
+
+Per frozen GEMM C = A @ W^T:
+- A (NVFP4 rows, or bf16 dY for the input gradient) -> E4M3 rows with one fp32 scale per row;
+- W (the NVFP4 forward layout, or the backward layout for the input gradient) is decoded into
+  E4M3 rows (one fp32 scale per output row, the tensor's global scale folded in) for this call
+  only: the scratch is [N, K] bytes, and decoding costs a few % of the GEMM (BENCHMARKS.md).
+- cuBLAS multiplies with fp32 accumulation and applies scale_a[m] * scale_b[n] in its epilogue.
+
+Not exact, unlike `bf16-decode`: a product q * s_b has up to 5 mantissa bits and E4M3 keeps 3,
+so each operand element moves by at most 2^-4 of its value (RNE; bound tested). The error is
+well below NVFP4's own (~20 dB SQNR); the FP8 row conversion is what the twin
+`reference.nvfp4_gemm_fp8` reproduces bit for bit.
+
+E4M3 encoding is done on the fp32 bits (normals) and with an exact integer rounding
+(subnormals), never with `.to(tl.float8e4nv)`: the interpreter's cast drops the mantissa carry
+and flushes subnormals.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pact.formats.nvfp4 import NVFP4Rows, NVFP4Tensor
+
+from .nvfp4 import _block_k, _decode_tile, _warps
+
+FP8_MAX = tl.constexpr(448.0)
+E4M3_MIN_NORMAL = tl.constexpr(0.015625)  # 2^-6
+_RINT = tl.constexpr(8388608.0)  # 2^23: (x + 2^23) - 2^23 rounds 0 <= x < 2^22 to an integer, ties to even
+
+SRC_BF16, SRC_NVFP4_ROWS, SRC_NVFP4_TENSOR = 0, 1, 2
+
+
+@triton.jit
+def _e4m3_bytes(y):
+    """fp32 y, |y| <= 448 -> e4m3fn bytes (int32), round to nearest even, subnormals kept, and
+    every zero positive (a sign on zero carries nothing into a product; one rule both sides)."""
+    bits = y.to(tl.int32, bitcast=True)
+    sign = (bits >> 31) & 1
+    mag_bits = bits & 0x7FFFFFFF
+    rb = (mag_bits + 0x7FFFF + ((mag_bits >> 20) & 1)) & -1048576  # RNE to 3 mantissa bits
+    normal = ((((rb >> 23) & 0xFF) - 120) << 3) | ((rb >> 20) & 7)
+    a = mag_bits.to(tl.float32, bitcast=True)
+    sub = ((a * 512.0 + _RINT) - _RINT).to(tl.int32)  # multiples of 2^-9; 8 = 2^-6 (the first normal)
+    mag = tl.where(a >= E4M3_MIN_NORMAL, normal, sub)
+    return tl.where(mag == 0, 0, mag | (sign << 7))
+
+
+@triton.jit
+def _fp8_rows_kernel(src_ptr, src_scales_ptr, src_scale_ptr, stride_src, out_ptr, out_scale_ptr, K,
+                     SRC: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One row -> E4M3 bytes [K] and its fp32 decode scale (amax / 448 times the source's scale)."""
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK_K)
+    if SRC == 0:
+        v = tl.load(src_ptr + row * stride_src + offs, mask=offs < K, other=0.0).to(tl.float32)
+        base = 1.0
+    else:
+        offs_h = tl.arange(0, BLOCK_K // 2)
+        offs_s = tl.arange(0, BLOCK_K // 16)
+        p = tl.load(src_ptr + row * (K // 2) + offs_h, mask=offs_h < K // 2, other=0).to(tl.int32)
+        s = tl.load(src_scales_ptr + row * (K // 16) + offs_s, mask=offs_s < K // 16, other=0).to(tl.int32)
+        v = tl.reshape(_decode_tile(p[None, :], s[None, :], 1, BLOCK_K), (BLOCK_K,))  # q * s_b, exact
+        base = tl.load(src_scale_ptr + row) if SRC == 1 else tl.load(src_scale_ptr)
+    amax = tl.max(tl.abs(v), axis=0)
+    amax = tl.where(amax > 0, amax, FP8_MAX)
+    y = v * tl.math.div_rn(FP8_MAX + tl.zeros_like(amax), amax)
+    y = tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)
+    tl.store(out_ptr + row * K + offs, _e4m3_bytes(y).to(tl.uint8), mask=offs < K)
+    tl.store(out_scale_ptr + row, tl.math.div_rn(amax, FP8_MAX) * base)
+
+
+def fp8_rows(x: NVFP4Rows | NVFP4Tensor | torch.Tensor, pad_to: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of x -> (E4M3 [R', K], fp32 scale [R']) with R' = R rounded up to ``pad_to``
+    (cuBLAS wants every dimension a multiple of 16); padding rows are zeros with scale 1."""
+    if isinstance(x, (NVFP4Rows, NVFP4Tensor)):
+        rows, k = x.shape
+        if isinstance(x, NVFP4Rows):
+            args, src = (x.packed, x.scales.view(torch.uint8), x.row_scale, 0), SRC_NVFP4_ROWS
+        else:
+            args, src = (x.packed, x.scales.view(torch.uint8), x.global_scale.reshape(1), 0), SRC_NVFP4_TENSOR
+        device = x.packed.device
+    else:
+        x = x if x.stride(-1) == 1 else x.contiguous()
+        rows, k = x.shape
+        args, src, device = (x, x, x, x.stride(0)), SRC_BF16, x.device
+    padded = -(-rows // pad_to) * pad_to
+    out = torch.empty(padded, k, dtype=torch.float8_e4m3fn, device=device)
+    scale = torch.empty(padded, dtype=torch.float32, device=device)
+    if padded > rows:
+        out[rows:].view(torch.uint8).zero_()
+        scale[rows:] = 1.0
+    bk = _block_k(k)
+    if rows:
+        _fp8_rows_kernel[(rows,)](*args, out.view(torch.uint8), scale, k, SRC=src, BLOCK_K=bk, num_warps=_warps(bk))
+    return out, scale
+
+
+def scaled_mm_rows(a8: torch.Tensor, sa: torch.Tensor, b8: torch.Tensor, sb: torch.Tensor) -> torch.Tensor:
+    """bf16 [Ma, Nb] = (sa[:, None] * A8) @ (sb[:, None] * B8)^T on FP8 tensor cores (cuBLAS)."""
+    return torch._scaled_mm(a8, b8.t(), scale_a=sa[:, None], scale_b=sb[None, :], out_dtype=torch.bfloat16)
+
+
+def nvfp4_gemm_fp8(a: NVFP4Rows | torch.Tensor, w: NVFP4Tensor, a_hat: torch.Tensor | None = None) -> torch.Tensor:
+    """C [M, N] = A [M, K] @ W [N, K]^T with both operands re-encoded as E4M3 rows.
+
+    ``a_hat`` is accepted for the launcher signature and unused: the NVFP4 A is smaller to read.
+    """
+    if a.shape[1] != w.shape[1]:
+        raise ValueError(f"nvfp4_gemm_fp8: A has K={a.shape[1]}, W has K={w.shape[1]}")
+    m = a.shape[0]
+    a8, sa = fp8_rows(a)
+    w8, sw = fp8_rows(w)
+    return scaled_mm_rows(a8, sa, w8, sw)[:m]
