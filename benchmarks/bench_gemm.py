@@ -39,6 +39,7 @@ def time_ms(fn, warmup: int = 5, iters: int = 30) -> float:
 def run(model: str, tokens: int) -> list[dict]:
     from pact.formats.nvfp4 import quantize_weight
     from pact.runtime import kernels as K
+    from pact.runtime.kernels.fp8 import fp8_rows, nvfp4_gemm_fp8
     from pact.runtime.kernels.nvfp4 import decode_qs, nvfp4_gemm_cublas, nvfp4_gemm_fused
 
     rows = []
@@ -49,26 +50,35 @@ def run(model: str, tokens: int) -> list[dict]:
         x = torch.randn(tokens, k, device="cuda").to(torch.bfloat16)
         dy = torch.randn(tokens, n, device="cuda").to(torch.bfloat16)
         xq = K.quant_rows(x)
+        x_hat = K.dequant_rows(xq)  # what training's forward hands the cuBLAS path (the LoRA branch needs it too)
         wb = w.to(torch.bfloat16)
         flop = 2 * tokens * n * k
         xf8, wf8 = x.to(torch.float8_e4m3fn), wb.to(torch.float8_e4m3fn)
         sa = torch.ones(tokens, 1, device="cuda")
         sb = torch.ones(1, n, device="cuda")
+        dyf8, wtf8 = dy.to(torch.float8_e4m3fn), wb.t().contiguous().to(torch.float8_e4m3fn)
+        sk = torch.ones(1, k, device="cuda")
         cases = {
             "pact_fused_fwd": lambda: nvfp4_gemm_fused(xq, fwd),
             "pact_fused_dgrad": lambda: nvfp4_gemm_fused(dy, bwd),
             "pact_cublas_fwd": lambda: nvfp4_gemm_cublas(xq, fwd),
+            "pact_cublas_fwd_ahat": lambda: nvfp4_gemm_cublas(x_hat, fwd),
             "pact_cublas_dgrad": lambda: nvfp4_gemm_cublas(dy, bwd),
             "pact_decode_w": lambda: decode_qs(fwd.packed, fwd.scales),
             "pact_quant_rows": lambda: K.quant_rows(x),
+            "pact_fp8_fwd": lambda: nvfp4_gemm_fp8(xq, fwd),
+            "pact_fp8_dgrad": lambda: nvfp4_gemm_fp8(dy, bwd),
+            "pact_fp8_encode_w": lambda: fp8_rows(fwd),
+            "pact_fp8_encode_a": lambda: fp8_rows(xq),
             "cublas_bf16_fwd": lambda: x @ wb.t(),
             "cublas_bf16_dgrad": lambda: dy @ wb,
             "cublas_fp8_rowwise_fwd": lambda: torch._scaled_mm(xf8, wf8.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16),
+            "cublas_fp8_rowwise_dgrad": lambda: torch._scaled_mm(dyf8, wtf8.t(), scale_a=sa, scale_b=sk, out_dtype=torch.bfloat16),
         }
         for case, fn in cases.items():
             ms = time_ms(fn)
             rows.append({"model": model, "proj": name, "T": tokens, "N": n, "K": k, "case": case, "ms": round(ms, 4),
-                         "tflops": round(flop / ms / 1e9, 1) if "quant" not in case and "decode" not in case else None})
+                         "tflops": round(flop / ms / 1e9, 1) if not any(w in case for w in ("quant", "decode", "encode")) else None})
     return rows
 
 

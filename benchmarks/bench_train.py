@@ -1,11 +1,15 @@
 """Training step (fwd + bwd + AdamW) of pact vs peers in the same process, same GPU.
 
-    python benchmarks/bench_train.py --model llama-1b --batch 4,16 --methods pact,peft
+    python benchmarks/bench_train.py --model llama-1b --batch 4,16 --methods pact-fp8,pact-bf16,peft,liger
     python benchmarks/bench_train.py --model llama-1b --memory-cap-gib 16 \
-        --methods pact,pact-ckpt,peft,peft-ckpt,liger,liger-ckpt
+        --methods pact-fp8,pact-fp8-ckpt,peft,peft-ckpt,qlora,qlora-ckpt,liger,liger-ckpt --csv-out cap.csv
+    python benchmarks/bench_train.py --model llama-1b --batch 16 --methods pact-fp8 --profile
 
-Peers: PEFT bf16 and PEFT + Liger kernels (liger-kernel), each with and without gradient
-checkpointing. QLoRA (bitsandbytes) is not wired in yet.
+pact runs each compute backend it can on this GPU (`pact-fp8`: --compute fp8, `pact-bf16`:
+--compute bf16-decode), with and without --checkpoint. Peers: PEFT bf16, QLoRA (bitsandbytes
+NF4, double quant), PEFT + Liger kernels (liger-kernel), each with and without gradient
+checkpointing. `--csv-out` writes every row; `benchmarks/plot_train.py` turns CSVs into a PNG.
+`--profile` prints where a pact step's CUDA time goes (kernel categories, like PACT's Table 11).
 
 Random weights with Llama-3.2 shapes (the artifact is converted once into --workdir), LoRA
 r=16 on q,k,v,o,gate,up,down, labels on every token (as the peers' anchor scripts do).
@@ -14,6 +18,7 @@ Reports median step ms, tokens/s and peak GiB. Needs a CUDA GPU and `peft`.
 
 from __future__ import annotations
 
+import csv
 import gc
 import json
 import statistics
@@ -55,12 +60,18 @@ def _time_training(loss_fn, params, warmup: int, iters: int) -> tuple[float, flo
     return _timed(step, warmup, iters)
 
 
-def bench_pact(art_path: Path, bs: int, seq: int, warmup: int, iters: int, checkpoint: bool = False) -> dict:
+def _pact(art_path: Path, compute: str, checkpoint: bool):
     from pact.formats import open_artifact
     from pact.runtime.lora import LoraConfig
     from pact.runtime.model import PactModel
 
-    model = PactModel(open_artifact(art_path), LoraConfig(r=16, alpha=32), device="cuda", checkpoint=checkpoint)
+    return PactModel(open_artifact(art_path), LoraConfig(r=16, alpha=32), device="cuda", compute=compute,
+                     checkpoint=checkpoint)
+
+
+def bench_pact(art_path: Path, bs: int, seq: int, warmup: int, iters: int, compute: str,
+               checkpoint: bool = False) -> tuple[float, float]:
+    model = _pact(art_path, compute, checkpoint)
     ids = torch.randint(0, 128000, (bs, seq), device="cuda")
 
     def loss():
@@ -70,11 +81,85 @@ def bench_pact(art_path: Path, bs: int, seq: int, warmup: int, iters: int, check
     return _time_training(loss, list(model.lora_params.values()), warmup, iters)
 
 
+# Our launchers, annotated while profiling: every CUDA kernel they launch (cuBLAS included)
+# is counted in their category; other kernels are classified by name.
+OP_CATEGORIES = {"nvfp4_gemm": "frozen GEMMs (incl. operand decode/re-encode)"}
+NORM_OPS = ("rmsnorm_quant", "silu_mul_quant", "quant_rows", "dequant_rows", "rmsnorm_backward", "silu_mul_h",
+            "silu_mul_backward")
+OP_CATEGORIES.update({op: "RMSNorm / SiLU-mul / NVFP4 (de)quantize" for op in NORM_OPS})
+KERNEL_CATEGORIES = (
+    ("attention (SDPA)", ("flash", "fmha", "attention", "attn")),
+    ("optimizer (AdamW)", ("multi_tensor", "adam")),
+    ("other GEMMs (LoRA, lm_head CE chunks)", ("gemm", "gemv", "xmma", "cutlass", "nvjet", "splitk", "cublas")),
+    ("softmax / cross-entropy", ("softmax", "nll", "cross_entropy", "logsumexp")),
+)
+
+
+def _annotate(ops) -> None:
+    from torch.profiler import record_function
+
+    def wrap(name, fn):
+        def run(*args, **kwargs):
+            with record_function(f"pact::{name}"):
+                return fn(*args, **kwargs)
+        return run
+
+    for name in OP_CATEGORIES:
+        setattr(ops, name, wrap(name, getattr(ops, name)))
+
+
+def profile_pact(art_path: Path, bs: int, seq: int, compute: str, checkpoint: bool) -> list[tuple[str, float]]:
+    """CUDA time of one training step by category, ms (after two warm-up steps)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model = _pact(art_path, compute, checkpoint)
+    _annotate(model.ops)
+    ids = torch.randint(0, 128000, (bs, seq), device="cuda")
+    opt = torch.optim.AdamW(list(model.lora_params.values()), lr=1e-4, foreach=True)
+
+    def step():
+        total, n = model(ids, ids)
+        (total / n).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for _ in range(2):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    sums: dict[str, float] = {}
+    for ev in prof.events():
+        for k in getattr(ev, "kernels", ()):  # kernels launched by this CPU op
+            cat, e = None, ev
+            while e is not None and cat is None:
+                if e.name.startswith("pact::"):
+                    cat = OP_CATEGORIES[e.name[6:]]
+                e = e.cpu_parent
+            if cat is None:
+                name = k.name.lower()
+                cat = next((c for c, keys in KERNEL_CATEGORIES if any(w in name for w in keys)),
+                           "elementwise / copies / other")
+            sums[cat] = sums.get(cat, 0.0) + k.duration / 1e3
+    if not sums:
+        raise RuntimeError("the profiler attached no CUDA kernels to CPU ops (torch version?)")
+    return sorted(sums.items(), key=lambda kv: -kv[1])
+
+
 def bench_peft(shape: str, bs: int, seq: int, warmup: int, iters: int, checkpoint: bool = False,
-               liger: bool = False) -> tuple[float, float]:
+               liger: bool = False, qlora_src: Path | None = None) -> tuple[float, float]:
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    if qlora_src is not None:  # QLoRA: the same random weights, quantized to NF4 by bitsandbytes on load
+        from transformers import BitsAndBytesConfig
+
+        q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16,
+                               bnb_4bit_use_double_quant=True)
+        model = LlamaForCausalLM.from_pretrained(qlora_src, quantization_config=q, dtype=torch.bfloat16,
+                                                 device_map={"": 0}, attn_implementation="sdpa")
+        return _peft_step(model, bs, seq, warmup, iters, checkpoint)
     if liger:  # patches transformers' Llama in place: run these last
         from liger_kernel.transformers import apply_liger_kernel_to_llama
 
@@ -87,6 +172,12 @@ def bench_peft(shape: str, bs: int, seq: int, warmup: int, iters: int, checkpoin
             model = LlamaForCausalLM(cfg)
     finally:
         torch.set_default_dtype(torch.float32)
+    return _peft_step(model, bs, seq, warmup, iters, checkpoint)
+
+
+def _peft_step(model, bs: int, seq: int, warmup: int, iters: int, checkpoint: bool) -> tuple[float, float]:
+    from peft import LoraConfig, get_peft_model
+
     model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=TARGETS))
     if checkpoint:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -96,24 +187,29 @@ def bench_peft(shape: str, bs: int, seq: int, warmup: int, iters: int, checkpoin
                           [p for p in model.parameters() if p.requires_grad], warmup, iters)
 
 
-METHODS = ("pact", "pact-ckpt", "peft", "peft-ckpt", "liger", "liger-ckpt")  # liger last (patches transformers)
+METHODS = ("pact-fp8", "pact-fp8-ckpt", "pact-bf16", "pact-bf16-ckpt", "peft", "peft-ckpt", "qlora", "qlora-ckpt",
+           "liger", "liger-ckpt")  # liger last: it patches transformers' Llama in place
+COMPUTE = {"fp8": "fp8", "bf16": "bf16-decode"}
 # candidate batch sizes for the capped search (ascending; the search stops at the first OOM)
 CAP_BATCHES = (1, 2, 3, 4, 6, 8, 12, 16, 20, 24, 32, 40, 48, 64, 96)
 
 
-def measure(method: str, art: Path, shape: str, bs: int, seq: int, warmup: int, iters: int) -> dict:
+def measure(method: str, art: Path, src: Path, shape: str, bs: int, seq: int, warmup: int, iters: int) -> dict:
     gc.collect()
     torch.cuda.empty_cache()
-    row = {"method": method, "bs": bs}
+    row = {"model": shape, "method": method, "bs": bs, "seq": seq}
     try:
         ckpt = method.endswith("-ckpt")
         if method.startswith("pact"):
-            ms, peak = bench_pact(art, bs, seq, warmup, iters, checkpoint=ckpt)
+            ms, peak = bench_pact(art, bs, seq, warmup, iters, COMPUTE[method.split("-")[1]], checkpoint=ckpt)
         else:
-            ms, peak = bench_peft(shape, bs, seq, warmup, iters, checkpoint=ckpt, liger=method.startswith("liger"))
+            ms, peak = bench_peft(shape, bs, seq, warmup, iters, checkpoint=ckpt, liger=method.startswith("liger"),
+                                  qlora_src=src if method.startswith("qlora") else None)
         row.update(step_ms=round(ms, 1), tok_s=round(bs * seq / ms * 1e3), peak_gib=round(peak, 2))
     except torch.OutOfMemoryError:
         row["oom"] = True
+    except Exception as e:  # a peer that cannot run here (e.g. bitsandbytes without its CUDA library)
+        row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
     gc.collect()
     torch.cuda.empty_cache()
     print(row, flush=True)
@@ -123,25 +219,33 @@ def measure(method: str, art: Path, shape: str, bs: int, seq: int, warmup: int, 
 @click.command()
 @click.option("--model", "shape", type=click.Choice(["llama-1b", "llama-3b"]), default="llama-1b")
 @click.option("--batch", "batches", default="4", show_default=True, help="Comma-separated batch sizes (no cap).")
-@click.option("--methods", default="pact,peft", show_default=True, help=f"Comma-separated, from {', '.join(METHODS)}.")
+@click.option("--methods", default="pact-fp8,peft", show_default=True, help=f"Comma-separated, from {', '.join(METHODS)}.")
 @click.option("--memory-cap-gib", type=float, default=None,
               help="Cap GPU memory and find each method's largest fitting batch (tokens/s reported there).")
 @click.option("--seq", default=1024, show_default=True)
 @click.option("--workdir", type=click.Path(file_okay=False, path_type=Path), default=Path("/tmp/pact-bench"))
 @click.option("--warmup", default=2, show_default=True)
 @click.option("--iters", default=5, show_default=True)
+@click.option("--cap-batches", default=",".join(map(str, CAP_BATCHES)), show_default=True,
+              help="Batch sizes tried (ascending) under --memory-cap-gib; the search stops at the first OOM.")
 @click.option("--json-out", type=click.Path(dir_okay=False, path_type=Path), default=None)
-def main(shape, batches, methods, memory_cap_gib, seq, workdir, warmup, iters, json_out) -> None:
+@click.option("--csv-out", type=click.Path(dir_okay=False, path_type=Path), default=None)
+@click.option("--profile", is_flag=True, help="Also print a CUDA-time breakdown of one step of each pact method.")
+def main(shape, batches, methods, memory_cap_gib, seq, workdir, warmup, iters, cap_batches, json_out, csv_out,
+         profile) -> None:
     from pact.convert import convert
 
     print(f"gpu={torch.cuda.get_device_name()} torch={torch.__version__}")
     src, art = workdir / f"src-{shape}", workdir / f"art-{shape}-2d"
+    if not (src / "config.json").is_file() and (not (art / "zarr.json").is_file() or "qlora" in methods):
+        write_random_model(src, shape)
     if not (art / "zarr.json").is_file():
-        if not (src / "config.json").is_file():
-            write_random_model(src, shape)
         t = time.perf_counter()
         convert(str(src), art, overwrite=True, progress=False)
         print(f"converted {shape} in {time.perf_counter() - t:.1f}s")
+    unknown = sorted(set(methods.split(",")) - set(METHODS))
+    if unknown:
+        raise click.BadParameter(f"unknown {unknown}; choose from {', '.join(METHODS)}", param_hint="--methods")
     chosen = [m for m in METHODS if m in methods.split(",")]
     rows = []
     if memory_cap_gib:
@@ -149,26 +253,47 @@ def main(shape, batches, methods, memory_cap_gib, seq, workdir, warmup, iters, j
         torch.cuda.set_per_process_memory_fraction(memory_cap_gib * 2**30 / total)
         for method in chosen:
             fits = []
-            for bs in CAP_BATCHES:
-                r = measure(method, art, shape, bs, seq, warmup, iters)
-                if r.get("oom"):
+            for bs in (int(b) for b in cap_batches.split(",")):
+                r = measure(method, art, src, shape, bs, seq, warmup, iters)
+                if r.get("oom") or r.get("error"):
                     break
                 fits.append(r)
             if fits:
                 best = max(fits, key=lambda r: r["tok_s"])
                 rows.append({**best, "cap_gib": memory_cap_gib, "largest_bs": fits[-1]["bs"]})
+            else:  # not even the smallest batch ran: keep why
+                rows.append({**r, "cap_gib": memory_cap_gib})
     else:
         for bs in (int(b) for b in batches.split(",")):
             for method in chosen:
-                rows.append(measure(method, art, shape, bs, seq, warmup, iters))
+                rows.append(measure(method, art, src, shape, bs, seq, warmup, iters))
     if json_out:
         json_out.write_text(json.dumps(rows, indent=1))
+    if csv_out:
+        fields = ["model", "method", "bs", "seq", "step_ms", "tok_s", "peak_gib", "cap_gib", "largest_bs", "oom", "error"]
+        with open(csv_out, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=fields)
+            w.writeheader()
+            w.writerows(rows)
     cap = f" under {memory_cap_gib} GiB (best batch)" if memory_cap_gib else ""
     print(f"\n{shape}, seq {seq}{cap}")
     print(f"{'method':<14}{'bs':>4}{'step ms':>10}{'tok/s':>10}{'peak GiB':>10}")
     for r in rows:
-        if "oom" not in r:
+        if "step_ms" in r:
             print(f"{r['method']:<14}{r['bs']:>4}{r['step_ms']:>10.1f}{r['tok_s']:>10}{r['peak_gib']:>10.2f}")
+        else:
+            print(f"{r['method']:<14}{r['bs']:>4}  {r.get('error') or 'out of memory'}")
+    if profile:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        bs = int(batches.split(",")[-1])
+        for method in (m for m in chosen if m.startswith("pact")):
+            gc.collect()
+            torch.cuda.empty_cache()
+            parts = profile_pact(art, bs, seq, COMPUTE[method.split("-")[1]], method.endswith("-ckpt"))
+            total = sum(ms for _, ms in parts)
+            print(f"\n{method} bs {bs}: CUDA time of one step by kernel category ({total:.1f} ms)")
+            for cat, ms in parts:
+                print(f"  {cat:<40}{ms:>9.1f} ms {100 * ms / total:>5.1f}%")
 
 
 if __name__ == "__main__":

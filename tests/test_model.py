@@ -160,7 +160,7 @@ def test_saved_activation_bytes_per_token(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-@pytest.mark.parametrize("seq,path", [(48, "fused"), (128, "cublas")])
+@pytest.mark.parametrize("seq,path", [(48, "fused"), (128, "cublas"), (128, "fp8")])
 def test_gpu_triton_matches_torch_twins(tmp_path, family, seq, path):
     """The whole model on the GPU: Triton kernels against the torch twins (same GPU, same SDPA).
 
@@ -170,12 +170,15 @@ def test_gpu_triton_matches_torch_twins(tmp_path, family, seq, path):
     dequantized input (2^-9 relative): those roundings also move activations across NVFP4
     midpoints in the next layer, so the bound is on the median and the worst tensor is looser.
     GPU against CPU is not compared for the same reason (SDPA and matmuls round differently).
+    `fp8`: identical E4M3 operands on both sides (tested bit-exact), cuBLAS FP8 vs an fp32
+    product of them: summation order and the bf16 output rounding only, bounded as cuBLAS.
     """
     art = _artifact(tmp_path, family)
     ids, labels = _batch(b=4, s=seq)
     out = []
     for kernels in ("torch", "triton"):
-        model = PactModel(art, LoraConfig(r=R, alpha=ALPHA), device="cuda", kernels=kernels)
+        model = PactModel(art, LoraConfig(r=R, alpha=ALPHA), device="cuda", kernels=kernels,
+                          compute="fp8" if path == "fp8" else "bf16-decode")
         _random_adapters(model)
         loss, n = model(ids.cuda(), labels.cuda())
         (loss / n).backward()
