@@ -87,7 +87,9 @@ OP_CATEGORIES = {"nvfp4_gemm": "frozen GEMMs (incl. operand decode/re-encode)"}
 NORM_OPS = ("rmsnorm_quant", "silu_mul_quant", "quant_rows", "dequant_rows", "rmsnorm_backward", "silu_mul_h",
             "silu_mul_backward")
 OP_CATEGORIES.update({op: "RMSNorm / SiLU-mul / NVFP4 (de)quantize" for op in NORM_OPS})
-KERNEL_CATEGORIES = (
+KERNEL_CATEGORIES = (  # Triton launches are not attached to the annotated op: matched by kernel name
+    ("frozen GEMMs (incl. operand decode/re-encode)", ("_fp8_rows", "_nvfp4_gemm", "_nvfp4_native")),
+    ("RMSNorm / SiLU-mul / NVFP4 (de)quantize", ("_rmsnorm", "_silu_mul", "_quant_rows", "_dequant_rows")),
     ("attention (SDPA)", ("flash", "fmha", "attention", "attn")),
     ("optimizer (AdamW)", ("multi_tensor", "adam")),
     ("other GEMMs (LoRA, lm_head CE chunks)", ("gemm", "gemv", "xmma", "cutlass", "nvjet", "splitk", "cublas")),
@@ -108,8 +110,10 @@ def _annotate(ops) -> None:
         setattr(ops, name, wrap(name, getattr(ops, name)))
 
 
-def profile_pact(art_path: Path, bs: int, seq: int, compute: str, checkpoint: bool) -> list[tuple[str, float]]:
-    """CUDA time of one training step by category, ms (after two warm-up steps)."""
+def profile_pact(art_path: Path, bs: int, seq: int, compute: str, checkpoint: bool, top: int = 15
+                 ) -> tuple[list[tuple[str, float]], list[tuple[str, str, float, int]]]:
+    """CUDA time of one training step by category, ms (after two warm-up steps), and the
+    ``top`` kernels (category, name, ms, calls)."""
     from torch.profiler import ProfilerActivity, profile
 
     model = _pact(art_path, compute, checkpoint)
@@ -130,6 +134,7 @@ def profile_pact(art_path: Path, bs: int, seq: int, compute: str, checkpoint: bo
         step()
         torch.cuda.synchronize()
     sums: dict[str, float] = {}
+    kernels: dict[tuple[str, str], list] = {}
     for ev in prof.events():
         for k in getattr(ev, "kernels", ()):  # kernels launched by this CPU op
             cat, e = None, ev
@@ -142,9 +147,13 @@ def profile_pact(art_path: Path, bs: int, seq: int, compute: str, checkpoint: bo
                 cat = next((c for c, keys in KERNEL_CATEGORIES if any(w in name for w in keys)),
                            "elementwise / copies / other")
             sums[cat] = sums.get(cat, 0.0) + k.duration / 1e3
+            acc = kernels.setdefault((cat, k.name[:90]), [0.0, 0])
+            acc[0] += k.duration / 1e3
+            acc[1] += 1
     if not sums:
         raise RuntimeError("the profiler attached no CUDA kernels to CPU ops (torch version?)")
-    return sorted(sums.items(), key=lambda kv: -kv[1])
+    tops = sorted(((c, n, ms, calls) for (c, n), (ms, calls) in kernels.items()), key=lambda r: -r[2])[:top]
+    return sorted(sums.items(), key=lambda kv: -kv[1]), tops
 
 
 def bench_peft(shape: str, bs: int, seq: int, warmup: int, iters: int, checkpoint: bool = False,
@@ -289,11 +298,14 @@ def main(shape, batches, methods, memory_cap_gib, seq, workdir, warmup, iters, c
         for method in (m for m in chosen if m.startswith("pact")):
             gc.collect()
             torch.cuda.empty_cache()
-            parts = profile_pact(art, bs, seq, COMPUTE[method.split("-")[1]], method.endswith("-ckpt"))
+            parts, tops = profile_pact(art, bs, seq, COMPUTE[method.split("-")[1]], method.endswith("-ckpt"))
             total = sum(ms for _, ms in parts)
             print(f"\n{method} bs {bs}: CUDA time of one step by kernel category ({total:.1f} ms)")
             for cat, ms in parts:
-                print(f"  {cat:<40}{ms:>9.1f} ms {100 * ms / total:>5.1f}%")
+                print(f"  {cat:<48}{ms:>9.1f} ms {100 * ms / total:>5.1f}%")
+            print("  top kernels:")
+            for cat, name, ms, calls in tops:
+                print(f"    {ms:>8.2f} ms {calls:>5}x  {name}  [{cat.split(' ')[0]}]")
 
 
 if __name__ == "__main__":

@@ -77,14 +77,43 @@ def _new_seed() -> int:
     return int(torch.randint(0, 2**62, (1,)).item())
 
 
+def _batched(g: FrozenGroup) -> bool:
+    """Members' LoRA branches can run as one GEMM over concatenated A's (no dropout: one
+    shared input, so xa for every member is X_hat @ [A_1; A_2; ...]^T)."""
+    return all(lo is None or lo.dropout == 0 for lo in g.loras)
+
+
+def _a_cat(g: FrozenGroup, dtype) -> torch.Tensor:
+    return torch.cat([lo.A for lo in g.loras if lo is not None]).to(dtype)
+
+
 def project(ops, g: FrozenGroup, xq: NVFP4Rows, x_hat: torch.Tensor) -> tuple[torch.Tensor, list, list]:
-    """Frozen GEMM (+bias) + LoRA per member. Returns y [T,N] bf16, saved xa's, dropout seeds."""
+    """Frozen GEMM (+bias) + LoRA per member. Returns y [T,N] bf16, saved xa's, dropout seeds.
+
+    Without dropout, one GEMM computes every member's xa and each member's update is added
+    into its slice of y by cuBLAS (addmm, alpha = scale): no [T, N_i] temporaries."""
     if g.weight is not None:
         y = ops.nvfp4_gemm(xq, g.weight, x_hat)
     else:
         y = x_hat @ g.dense.t()
     if g.bias is not None:
         y = y + g.bias
+    if not any(lo is not None for lo in g.loras):
+        return y, [None] * len(g.loras), [None] * len(g.loras)
+    if _batched(g):
+        xa_all = x_hat @ _a_cat(g, x_hat.dtype).t()  # [T, sum r]
+        xas, off, col = [], 0, 0
+        for lora, n in zip(g.loras, g.sizes):
+            if lora is None:
+                xas.append(None)
+            else:
+                r = lora.A.shape[0]
+                xa = xa_all[:, col : col + r]
+                y[:, off : off + n].addmm_(xa, lora.B.to(x_hat.dtype).t(), alpha=lora.scale)
+                xas.append(xa)
+                col += r
+            off += n
+        return y, xas, [None] * len(g.loras)
     xas, seeds, off = [], [], 0
     for lora, n in zip(g.loras, g.sizes):
         if lora is None:
@@ -94,7 +123,7 @@ def project(ops, g: FrozenGroup, xq: NVFP4Rows, x_hat: torch.Tensor) -> tuple[to
             seed = _new_seed() if lora.dropout > 0 else None
             xd = x_hat * _dropout_mask(x_hat, lora.dropout, seed) if seed is not None else x_hat
             xa = xd @ lora.A.to(x_hat.dtype).t()
-            y[:, off : off + n] += (xa @ lora.B.to(x_hat.dtype).t()) * lora.scale
+            y[:, off : off + n].addmm_(xa, lora.B.to(x_hat.dtype).t(), alpha=lora.scale)
             xas.append(xa)
             seeds.append(seed)
         off += n
@@ -102,10 +131,17 @@ def project(ops, g: FrozenGroup, xq: NVFP4Rows, x_hat: torch.Tensor) -> tuple[to
 
 
 def project_backward(ops, g: FrozenGroup, dy: torch.Tensor, x_hat: torch.Tensor, xas: list, seeds: list):
-    """dX (fp32 [T,K]) and the LoRA grads [(dA, dB) or None per member]."""
+    """dX (bf16 [T,K]) and the LoRA grads [(dA, dB) or None per member].
+
+    Without dropout the members' dxa's are concatenated: dA for all members is one GEMM and
+    their input gradient is added onto the frozen one by one addmm (fp32 in cuBLAS's epilogue)."""
     dy = dy.to(torch.bfloat16).contiguous()
-    dx = (ops.nvfp4_gemm(dy, g.weight_t) if g.weight is not None else dy @ g.dense).float()
-    grads, off = [], 0
+    dx = ops.nvfp4_gemm(dy, g.weight_t) if g.weight is not None else dy @ g.dense
+    if not any(lo is not None for lo in g.loras):
+        return dx, [None] * len(g.loras)
+    batched = _batched(g)
+    grads, dxas, off = [], [], 0
+    dx32 = None if batched else dx.float()
     for lora, n, xa, seed in zip(g.loras, g.sizes, xas, seeds):
         if lora is None:
             grads.append(None)
@@ -114,14 +150,29 @@ def project_backward(ops, g: FrozenGroup, dy: torch.Tensor, x_hat: torch.Tensor,
         dyi = dy[:, off : off + n]
         off += n
         dB = (dyi.t() @ xa).float() * lora.scale
-        dxa = (dyi @ lora.B.to(dy.dtype)) * lora.scale
+        dxa = dyi @ (lora.B * lora.scale).to(dy.dtype)
+        if batched:
+            dxas.append(dxa)
+            grads.append([None, dB])
+            continue
         mask = _dropout_mask(x_hat, lora.dropout, seed) if seed is not None else None
         xd = x_hat * mask if mask is not None else x_hat
         dA = (dxa.t() @ xd).float()
         dxl = (dxa @ lora.A.to(dy.dtype)).float()
-        dx += dxl * mask if mask is not None else dxl
+        dx32 += dxl * mask if mask is not None else dxl
         grads.append((dA, dB))
-    return dx, grads
+    if not batched:
+        return dx32.to(torch.bfloat16), grads
+    dxa_all = torch.cat(dxas, dim=1) if len(dxas) > 1 else dxas[0]  # [T, sum r]
+    dA_all = (dxa_all.t() @ x_hat).float()  # [sum r, K]
+    dx.addmm_(dxa_all, _a_cat(g, dy.dtype))
+    row = 0
+    for pair, lora in zip(grads, g.loras):
+        if pair is not None:
+            r = lora.A.shape[0]
+            pair[0] = dA_all[row : row + r]
+            row += r
+    return dx, [tuple(p) if p is not None else None for p in grads]
 
 
 def _per_member(loras: list, kept) -> list:

@@ -26,7 +26,7 @@ import triton.language as tl
 
 from pact.formats.nvfp4 import NVFP4Rows, NVFP4Tensor
 
-from .nvfp4 import _block_k, _decode_tile, _warps
+from .nvfp4 import _block_k, _decode_row, _warps
 
 FP8_MAX = tl.constexpr(448.0)
 E4M3_MIN_NORMAL = tl.constexpr(0.015625)  # 2^-6
@@ -60,11 +60,7 @@ def _fp8_rows_kernel(src_ptr, src_scales_ptr, src_scale_ptr, stride_src, out_ptr
         v = tl.load(src_ptr + row * stride_src + offs, mask=offs < K, other=0.0).to(tl.float32)
         base = 1.0
     else:
-        offs_h = tl.arange(0, BLOCK_K // 2)
-        offs_s = tl.arange(0, BLOCK_K // 16)
-        p = tl.load(src_ptr + row * (K // 2) + offs_h, mask=offs_h < K // 2, other=0).to(tl.int32)
-        s = tl.load(src_scales_ptr + row * (K // 16) + offs_s, mask=offs_s < K // 16, other=0).to(tl.int32)
-        v = tl.reshape(_decode_tile(p[None, :], s[None, :], 1, BLOCK_K), (BLOCK_K,))  # q * s_b, exact
+        v = _decode_row(src_ptr, src_scales_ptr, row, K, BLOCK_K)  # q * s_b, exact
         base = tl.load(src_scale_ptr + row) if SRC == 1 else tl.load(src_scale_ptr)
     amax = tl.max(tl.abs(v), axis=0)
     amax = tl.where(amax > 0, amax, FP8_MAX)

@@ -86,32 +86,53 @@ def _e2m1_value(c):
 
 
 @triton.jit
-def _quantize_row(y, BLOCK_K: tl.constexpr):
-    """One row y [BLOCK_K] fp32 (zeros past K) -> packed [BLOCK_K/2] u8, scale bytes [BLOCK_K/16], g."""
-    amax = tl.max(tl.abs(y), axis=0)
+def _row_offsets(BLOCK_K: tl.constexpr):
+    """Element offsets of one row as [BLOCK_K/16, 16]: one NVFP4 block per tile row, so block
+    reductions and nibble packing stay inside the tile's layout (no shuffles through shared
+    memory, which a 1-D row reshaped to blocks costs)."""
+    return tl.arange(0, BLOCK_K // 16)[:, None] * 16 + tl.arange(0, 16)[None, :]
+
+
+@triton.jit
+def _quantize_row(y):
+    """One row as blocks y [BLOCK_K/16, 16] fp32 (zeros past K) -> packed [BLOCK_K/16, 8] u8,
+    scale bytes [BLOCK_K/16], row scale g."""
+    bamax = tl.max(tl.abs(y), axis=1)
+    amax = tl.max(bamax, axis=0)
     g = tl.math.div_rn(amax, GLOBAL_DIV)
     g = tl.where(g > 0, g, 1.0)
-    yb = tl.reshape(y, (BLOCK_K // 16, 16))
-    bamax = tl.max(tl.abs(yb), axis=1)
     s = tl.math.div_rn(tl.math.div_rn(bamax, E2M1_MAX), g)
     s = tl.minimum(tl.maximum(s, E4M3_MIN_SCALE), E4M3_MAX)
     s_val, s_byte = _e4m3_round(s)
     recip = tl.math.div_rn(tl.math.div_rn(1.0, g) + tl.zeros_like(s_val), s_val)
-    scaled = yb * recip[:, None]
+    scaled = y * recip[:, None]
     scaled = tl.minimum(tl.maximum(scaled, -E2M1_MAX), E2M1_MAX)
-    codes = tl.reshape(_e2m1_codes(scaled), (BLOCK_K // 2, 2))
+    codes = tl.reshape(_e2m1_codes(scaled), (y.shape[0], 8, 2))
     lo, hi = tl.split(codes)
     return (lo | (hi << 4)).to(tl.uint8), s_byte.to(tl.uint8), g
 
 
 @triton.jit
 def _store_row(row, y, packed_ptr, scales_ptr, rs_ptr, K, BLOCK_K: tl.constexpr):
-    packed, s_byte, g = _quantize_row(y, BLOCK_K)
-    offs_h = tl.arange(0, BLOCK_K // 2)
-    offs_s = tl.arange(0, BLOCK_K // 16)
+    """Quantize one row given as blocks [BLOCK_K/16, 16] and store it."""
+    packed, s_byte, g = _quantize_row(y)
+    offs_b = tl.arange(0, BLOCK_K // 16)
+    offs_h = offs_b[:, None] * 8 + tl.arange(0, 8)[None, :]
     tl.store(packed_ptr + row * (K // 2) + offs_h, packed, mask=offs_h < K // 2)
-    tl.store(scales_ptr + row * (K // 16) + offs_s, s_byte, mask=offs_s < K // 16)
+    tl.store(scales_ptr + row * (K // 16) + offs_b, s_byte, mask=offs_b < K // 16)
     tl.store(rs_ptr + row, g)
+
+
+@triton.jit
+def _decode_row(packed_ptr, scales_ptr, row, K, BLOCK_K: tl.constexpr):
+    """One NVFP4 row -> q * s_b fp32 [BLOCK_K] (exact; zeros past K). Each element loads its own
+    byte and scale (neighbours hit the same cache lines), so the row keeps a plain 1-D layout
+    instead of joining nibble pairs and reshaping."""
+    offs = tl.arange(0, BLOCK_K)
+    mask = offs < K
+    byte = tl.load(packed_ptr + row * (K // 2) + offs // 2, mask=mask, other=0).to(tl.int32)
+    s = tl.load(scales_ptr + row * (K // 16) + offs // 16, mask=mask, other=0).to(tl.int32)
+    return _e2m1_value((byte >> ((offs & 1) * 4)) & 15) * _e4m3_value(s)
 
 
 @triton.jit
@@ -129,7 +150,7 @@ def _decode_tile(p, s, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
 @triton.jit
 def _quant_rows_kernel(x_ptr, stride_x, packed_ptr, scales_ptr, rs_ptr, K, BLOCK_K: tl.constexpr):
     row = tl.program_id(0)
-    offs = tl.arange(0, BLOCK_K)
+    offs = _row_offsets(BLOCK_K)
     y = tl.load(x_ptr + row * stride_x + offs, mask=offs < K, other=0.0).to(tl.float32)
     _store_row(row, y, packed_ptr, scales_ptr, rs_ptr, K, BLOCK_K)
 
@@ -138,11 +159,11 @@ def _quant_rows_kernel(x_ptr, stride_x, packed_ptr, scales_ptr, rs_ptr, K, BLOCK
 def _rmsnorm_quant_kernel(x_ptr, stride_x, w_ptr, eps, packed_ptr, scales_ptr, rs_ptr, rstd_ptr, K,
                           BLOCK_K: tl.constexpr):
     row = tl.program_id(0)
-    offs = tl.arange(0, BLOCK_K)
+    offs = _row_offsets(BLOCK_K)
     mask = offs < K
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    rstd = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=0) / K + eps)
+    rstd = 1.0 / tl.sqrt_rn(tl.sum(tl.sum(x * x, axis=1), axis=0) / K + eps)
     tl.store(rstd_ptr + row, rstd)
     _store_row(row, x * rstd * w, packed_ptr, scales_ptr, rs_ptr, K, BLOCK_K)
 
@@ -150,7 +171,7 @@ def _rmsnorm_quant_kernel(x_ptr, stride_x, w_ptr, eps, packed_ptr, scales_ptr, r
 @triton.jit
 def _silu_mul_quant_kernel(gu_ptr, stride_gu, hp, hs, hr, gp, gs, gr, up, us, ur, K, BLOCK_K: tl.constexpr):
     row = tl.program_id(0)
-    offs = tl.arange(0, BLOCK_K)
+    offs = _row_offsets(BLOCK_K)
     mask = offs < K
     g = tl.load(gu_ptr + row * stride_gu + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(gu_ptr + row * stride_gu + K + offs, mask=mask, other=0.0).to(tl.float32)
@@ -164,12 +185,7 @@ def _silu_mul_quant_kernel(gu_ptr, stride_gu, hp, hs, hr, gp, gs, gr, up, us, ur
 def _dequant_rows_kernel(packed_ptr, scales_ptr, rs_ptr, out_ptr, K, BLOCK_K: tl.constexpr,
                          ROUND_BF16: tl.constexpr, HAS_RS: tl.constexpr):
     row = tl.program_id(0)
-    offs_h = tl.arange(0, BLOCK_K // 2)
-    offs_s = tl.arange(0, BLOCK_K // 16)
-    p = tl.load(packed_ptr + row * (K // 2) + offs_h, mask=offs_h < K // 2, other=0).to(tl.int32)
-    s = tl.load(scales_ptr + row * (K // 16) + offs_s, mask=offs_s < K // 16, other=0).to(tl.int32)
-    v = _decode_tile(p[None, :], s[None, :], 1, BLOCK_K)
-    v = tl.reshape(v, (BLOCK_K,))
+    v = _decode_row(packed_ptr, scales_ptr, row, K, BLOCK_K)
     if HAS_RS:  # without: q * s_b alone, exact in bf16 (operands for cuBLAS)
         v = v * tl.load(rs_ptr + row)
     if ROUND_BF16:
@@ -181,12 +197,7 @@ def _dequant_rows_kernel(packed_ptr, scales_ptr, rs_ptr, out_ptr, K, BLOCK_K: tl
 @triton.jit
 def _load_rows_fp32(packed_ptr, scales_ptr, rs_ptr, row, K, BLOCK_K: tl.constexpr):
     """One NVFP4 row decoded to fp32 [BLOCK_K] (zeros past K): (q * s_b) * g_r."""
-    offs_h = tl.arange(0, BLOCK_K // 2)
-    offs_s = tl.arange(0, BLOCK_K // 16)
-    p = tl.load(packed_ptr + row * (K // 2) + offs_h, mask=offs_h < K // 2, other=0).to(tl.int32)
-    s = tl.load(scales_ptr + row * (K // 16) + offs_s, mask=offs_s < K // 16, other=0).to(tl.int32)
-    v = tl.reshape(_decode_tile(p[None, :], s[None, :], 1, BLOCK_K), (BLOCK_K,))
-    return v * tl.load(rs_ptr + row)
+    return _decode_row(packed_ptr, scales_ptr, row, K, BLOCK_K) * tl.load(rs_ptr + row)
 
 
 @triton.jit
