@@ -30,7 +30,7 @@ from pact.formats import PactError
 KERNELS = ("torch", "triton")
 COMPUTE = ("bf16-decode", "fp8", "nvfp4-native")
 _OPS = ("rmsnorm_quant", "silu_mul_quant", "quant_rows", "dequant_rows", "nvfp4_gemm", "rmsnorm_backward",
-        "silu_mul_h", "silu_mul_backward")
+        "silu_mul_h", "silu_mul_backward", "rope", "ce_grad_")
 
 
 def resolve_kernels(name: str | None, device: torch.device) -> str:

@@ -239,7 +239,21 @@ def dense_activation_ops(ops):
     return SimpleNamespace(name=ops.name + "+bf16-activations", rmsnorm_quant=rmsnorm_quant,
                            silu_mul_quant=silu_mul_quant, quant_rows=lambda x: DenseRows(x.to(torch.bfloat16)),
                            dequant_rows=dequant_rows, nvfp4_gemm=nvfp4_gemm, rmsnorm_backward=rmsnorm_backward,
-                           silu_mul_h=silu_mul_h, silu_mul_backward=silu_mul_backward)
+                           silu_mul_h=silu_mul_h, silu_mul_backward=silu_mul_backward, rope=ops.rope,
+                           ce_grad_=ops.ce_grad_)
+
+
+class RopeFn(torch.autograd.Function):
+    """Rotary embedding of x [T, heads * hd] (one kernel each way; saves nothing but cos/sin)."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin, ops):
+        ctx.ops, ctx.cos, ctx.sin = ops, cos, sin
+        return ops.rope(x, cos, sin)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return ctx.ops.rope(dy.contiguous(), ctx.cos, ctx.sin, inverse=True), None, None, None
 
 
 class NormProjectionFn(torch.autograd.Function):

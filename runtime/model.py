@@ -20,7 +20,7 @@ from pact.formats.families import GROUPS
 from pact.formats.nvfp4 import NVFP4Tensor
 
 from .backends import get_ops, resolve_compute, resolve_kernels
-from .functions import FrozenGroup, Lora, MlpFn, NormProjectionFn, ProjectionFn, dense_activation_ops
+from .functions import FrozenGroup, Lora, MlpFn, NormProjectionFn, ProjectionFn, RopeFn, dense_activation_ops
 from .lora import LoraConfig
 from .loss import target_cross_entropy
 
@@ -35,11 +35,6 @@ def _rotary(family: str, cfg):
     else:
         from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding as R
     return R(cfg)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
 
 
 def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -162,21 +157,22 @@ class PactModel(nn.Module):
         nh, nkv, hd = self.n_heads, self.n_kv, self.head_dim
         qkv = NormProjectionFn.apply(x, L.attn_norm, self.eps, L.qkv, self.ops, *L.qkv.lora_params())
         q, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1)
-        q, k, v = q.view(B, S, nh, hd), k.view(B, S, nkv, hd), v.view(B, S, nkv, hd)
-        if L.q_norm is not None:
-            q, k = rmsnorm(q, L.q_norm, self.eps), rmsnorm(k, L.k_norm, self.eps)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        if L.q_norm is not None:  # Qwen3: per-head RMSNorm before the rotation
+            q = rmsnorm(q.view(B * S, nh, hd), L.q_norm, self.eps).view(B * S, nh * hd)
+            k = rmsnorm(k.view(B * S, nkv, hd), L.k_norm, self.eps).view(B * S, nkv * hd)
+        q, k = RopeFn.apply(q, cos, sin, self.ops), RopeFn.apply(k, cos, sin, self.ops)
+        q, k, v = (t.view(B, S, -1, hd).transpose(1, 2) for t in (q, k, v))
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=nkv != nh)
         o = o.transpose(1, 2).reshape(B * S, nh * hd)
         return ProjectionFn.apply(o, L.o, self.ops, *L.o.lora_params())
 
     def rope(self, x: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [1, 1, seq_len, head_dim] for positions 0..seq_len-1, in x's dtype."""
+        """cos, sin [seq_len, head_dim / 2] for positions 0..seq_len-1, in x's dtype (transformers'
+        tables, rounded as it rounds them; both halves of its head_dim-wide table are equal)."""
         pos = torch.arange(seq_len, device=x.device).unsqueeze(0)
         cos, sin = self.rotary(x, pos)
-        return cos.unsqueeze(1), sin.unsqueeze(1)
+        half = self.head_dim // 2
+        return cos[0, :, :half].contiguous(), sin[0, :, :half].contiguous()
 
     def hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Last decoder layer's output (before the final norm), [B, S, H] bf16."""
@@ -202,7 +198,7 @@ class PactModel(nn.Module):
         targets = labels[:, 1:]
         sel = targets != -100
         hs = rmsnorm(h[:, :-1][sel], self.final_norm, self.eps)
-        return target_cross_entropy(hs, self.lm_head, targets[sel]), int(sel.sum())
+        return target_cross_entropy(hs, self.lm_head, targets[sel], self.ops.ce_grad_), int(sel.sum())
 
     @torch.no_grad()
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -66,6 +66,32 @@ def _silu_backward(dh, g, u):
     return torch.cat((dh * u * sig * (1 + g * (1 - sig)), dh * g * sig), dim=-1).to(torch.bfloat16)
 
 
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """x [T, heads * hd] bf16, token t at position t % S; cos/sin [S, hd/2]. Rotation in fp32,
+    one rounding to bf16; ``inverse`` rotates back (the backward)."""
+    T, width = x.shape
+    S, half = cos.shape
+    pos = torch.arange(T, device=x.device) % S
+    c, s = cos.float()[pos][:, None, :], sin.float()[pos][:, None, :]
+    s = -s if inverse else s
+    xf = x.float().reshape(T, -1, 2 * half)
+    x1, x2 = xf[..., :half], xf[..., half:]
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).reshape(T, width).to(torch.bfloat16)
+
+
+def ce_grad_(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy rows: returns loss_i = logsumexp(z_i) - z_i[t_i] (fp32 [c]) and overwrites
+    the logits [c, V] with softmax(z_i) - onehot(t_i), the gradient, in their dtype."""
+    z = logits.float()
+    lse = torch.logsumexp(z, dim=-1)
+    rows = torch.arange(z.shape[0], device=z.device)
+    loss = lse - z[rows, targets]
+    p = torch.exp(z - lse[:, None])
+    p[rows, targets] -= 1.0
+    logits.copy_(p)
+    return loss
+
+
 def quant_rows(x: torch.Tensor) -> NVFP4Rows:
     """x [T, K] -> NVFP4 rows (per-row fp32 scale)."""
     return quantize_rows(x.float())

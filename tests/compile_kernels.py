@@ -65,6 +65,16 @@ def main(capability: int) -> None:
         _compile_sm(F8._fp8_rows_kernel, {"src_ptr": "*bf16" if src == F8.SRC_BF16 else "*u8", "src_scales_ptr": "*u8",
                                           "src_scale_ptr": "*fp32", "stride_src": "i32", "out_ptr": "*u8",
                                           "out_scale_ptr": "*fp32", "K": "i32"}, {"SRC": src, "BLOCK_K": 8192})
+    from pact.runtime.kernels import rotary as RO
+
+    for inverse in (False, True):
+        _compile_sm(RO._rope_kernel, {"x_ptr": "*bf16", "stride_x": "i32", "cos_ptr": "*bf16", "sin_ptr": "*bf16",
+                                      "out_ptr": "*bf16", "S": "i32", "HEADS": "i32"},
+                    {"HALF": 64, "BLOCK_H": 32, "INVERSE": inverse})
+    from pact.runtime.kernels import xent as XE
+
+    _compile_sm(XE._ce_grad_kernel, {"z_ptr": "*bf16", "stride_z": "i32", "t_ptr": "*i64", "loss_ptr": "*fp32"},
+                {"V": 128256, "BLOCK_V": 4096})
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ import os
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from pact.formats.nvfp4 import NVFP4Rows, quantize_weight
 from pact.runtime import kernels as K
@@ -177,6 +178,45 @@ def test_fp8_gemm(m, n, k):
         assert rel <= 0.05, rel  # two operands each within 2^-4 per element (~2-3% measured)
 
 
+@pytest.mark.parametrize("T,S,heads,hd", [(6, 3, 1, 16), (40, 20, 5, 32), (24, 24, 2, 128)])
+def test_rope(T, S, heads, hd):
+    """Rotary kernel == twin (fp32 rotation, one bf16 rounding) on strided rows; == transformers'
+    formula within a bf16 ulp; the inverse undoes it (to bf16 rounding)."""
+    g = torch.Generator().manual_seed(T)
+    wide = torch.randn(T, heads * hd + 48, generator=g).to(torch.bfloat16)
+    x = wide[:, 8 : 8 + heads * hd]  # rows strided as q/k inside the fused qkv output
+    theta = torch.arange(S)[:, None] * (10000.0 ** (-torch.arange(hd // 2) / (hd // 2)))[None, :]
+    cos, sin = theta.cos().to(torch.bfloat16), theta.sin().to(torch.bfloat16)
+    out = K.rope(x, cos, sin)
+    assert out.is_contiguous() and torch.equal(out, R.rope(x, cos, sin))
+    pos = torch.arange(T) % S
+    xf = x.float().reshape(T, heads, hd)
+    c, s = torch.cat((cos, cos), -1).float()[pos][:, None], torch.cat((sin, sin), -1).float()[pos][:, None]
+    hf = xf * c + torch.cat((-xf[..., hd // 2 :], xf[..., : hd // 2]), -1) * s
+    torch.testing.assert_close(out.float().reshape(T, heads, hd), hf, rtol=2**-8, atol=1e-6)
+    back = K.rope(out, cos, sin, inverse=True)
+    assert torch.equal(back, R.rope(out, cos, sin, inverse=True))
+    torch.testing.assert_close(back.float(), x.float(), rtol=2**-7, atol=2**-7)
+
+
+@pytest.mark.parametrize("c,V", [(1, 7), (5, 1000), (9, 5000)])
+def test_ce_grad(c, V):
+    """Cross-entropy rows in place: kernel == twin (fp32 loss to a few ulp, bf16 gradient to one
+    ulp) and the twin == torch's cross-entropy and its autograd gradient."""
+    g = torch.Generator().manual_seed(V)
+    z = (torch.randn(c, V, generator=g) * 3).to(torch.bfloat16)
+    t = torch.randint(0, V, (c,), generator=g)
+    zk, zr = z.clone(), z.clone()
+    lk, lr = K.ce_grad_(zk, t), R.ce_grad_(zr, t)
+    torch.testing.assert_close(lk, lr, rtol=1e-5, atol=1e-5)
+    _close_bf16(zk, zr)
+    zf = z.float().requires_grad_()
+    ref = F.cross_entropy(zf, t, reduction="none")
+    ref.sum().backward()
+    torch.testing.assert_close(lr, ref.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(zr.float(), zf.grad, rtol=2**-8, atol=1e-6)
+
+
 def test_gemm_rejects_mismatched_k():
     fwd, _ = quantize_weight(torch.randn(16, 32))
     with pytest.raises(ValueError, match="K=48"):
@@ -214,6 +254,14 @@ def test_kernels_native_gpu(m, n, k):
     for src in (x, qb, fwd, bwd):
         (a8, sa), (b8, sb) = fp8_rows(src), R.fp8_rows(src)
         assert torch.equal(a8.view(torch.uint8), b8.view(torch.uint8)) and torch.equal(sa, sb)
+    z = torch.randn(64, 128256, device="cuda").to(torch.bfloat16)
+    t = torch.randint(0, 128256, (64,), device="cuda")
+    zk, zr = z.clone(), z.clone()
+    torch.testing.assert_close(K.ce_grad_(zk, t), R.ce_grad_(zr, t), rtol=1e-5, atol=1e-5)
+    _close_bf16(zk, zr)
+    cos, sin = torch.rand(m, 32, device="cuda").to(torch.bfloat16), torch.rand(m, 32, device="cuda").to(torch.bfloat16)
+    for inverse in (False, True):
+        _close_bf16(K.rope(x[:, :1024], cos, sin, inverse), R.rope(x[:, :1024], cos, sin, inverse))
     for a, w in ((qb, fwd), (dy, bwd)):
         out, twin = nvfp4_gemm_fp8(a, w).float(), R.nvfp4_gemm_fp8(a, w).float()
         assert ((out - twin).norm() / twin.norm()).item() <= 2**-8  # bf16 rounding + summation order
@@ -253,4 +301,4 @@ def test_kernels_compile_for_gpus():
     script = Path(__file__).with_name("compile_kernels.py")
     r = subprocess.run([sys.executable, str(script), "90"], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert r.stdout.count("ok") == 12, r.stdout
+    assert r.stdout.count("ok") == 15, r.stdout

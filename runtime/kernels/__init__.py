@@ -10,6 +10,8 @@ from .nvfp4 import (
     silu_mul_h,
     silu_mul_quant,
 )
+from .rotary import rope
+from .xent import ce_grad_
 
 __all__ = ["dequant_rows", "nvfp4_gemm", "quant_rows", "rmsnorm_backward", "rmsnorm_quant", "silu_mul_backward",
-           "silu_mul_h", "silu_mul_quant"]
+           "silu_mul_h", "silu_mul_quant", "rope", "ce_grad_"]
