@@ -26,7 +26,7 @@ import triton.language as tl
 
 from pact.formats.nvfp4 import NVFP4Rows, NVFP4Tensor
 
-from .nvfp4 import _block_k, _decode_row, _warps
+from .nvfp4 import _block_k, _chunk, _decode_row
 
 FP8_MAX = tl.constexpr(448.0)
 E4M3_MIN_NORMAL = tl.constexpr(0.015625)  # 2^-6
@@ -51,22 +51,37 @@ def _e4m3_bytes(y):
 
 
 @triton.jit
-def _fp8_rows_kernel(src_ptr, src_scales_ptr, src_scale_ptr, stride_src, out_ptr, out_scale_ptr, K,
-                     SRC: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One row -> E4M3 bytes [K] and its fp32 decode scale (amax / 448 times the source's scale)."""
-    row = tl.program_id(0)
-    offs = tl.arange(0, BLOCK_K)
+def _fp8_source(src_ptr, src_scales_ptr, stride_src, row, K, c0, SRC: tl.constexpr, CHUNK: tl.constexpr):
+    """Elements c0 .. c0+CHUNK of a source row as fp32 (bf16 values, or q * s_b exactly)."""
     if SRC == 0:
-        v = tl.load(src_ptr + row * stride_src + offs, mask=offs < K, other=0.0).to(tl.float32)
-        base = 1.0
-    else:
-        v = _decode_row(src_ptr, src_scales_ptr, row, K, BLOCK_K)  # q * s_b, exact
-        base = tl.load(src_scale_ptr + row) if SRC == 1 else tl.load(src_scale_ptr)
-    amax = tl.max(tl.abs(v), axis=0)
+        offs = c0 + tl.arange(0, CHUNK)
+        return tl.load(src_ptr + row * stride_src + offs, mask=offs < K, other=0.0).to(tl.float32)
+    return _decode_row(src_ptr, src_scales_ptr, row, K, c0, CHUNK)
+
+
+@triton.jit
+def _fp8_rows_kernel(src_ptr, src_scales_ptr, src_scale_ptr, stride_src, out_ptr, out_scale_ptr, K,
+                     SRC: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr):
+    """One row -> E4M3 bytes [K] and its fp32 decode scale (amax / 448 times the source's scale).
+    Two passes over CHUNK-wide pieces: the row amax, then the encoding."""
+    row = tl.program_id(0)
+    amax = 0.0
+    for c0 in tl.static_range(0, BLOCK_K, CHUNK):
+        v = _fp8_source(src_ptr, src_scales_ptr, stride_src, row, K, c0, SRC, CHUNK)
+        amax = tl.maximum(amax, tl.max(tl.abs(v), axis=0))
     amax = tl.where(amax > 0, amax, FP8_MAX)
-    y = v * tl.math.div_rn(FP8_MAX + tl.zeros_like(amax), amax)
-    y = tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)
-    tl.store(out_ptr + row * K + offs, _e4m3_bytes(y).to(tl.uint8), mask=offs < K)
+    inv = tl.math.div_rn(FP8_MAX + tl.zeros_like(amax), amax)
+    for c0 in tl.static_range(0, BLOCK_K, CHUNK):
+        v = _fp8_source(src_ptr, src_scales_ptr, stride_src, row, K, c0, SRC, CHUNK)
+        y = tl.minimum(tl.maximum(v * inv, -FP8_MAX), FP8_MAX)
+        offs = c0 + tl.arange(0, CHUNK)
+        tl.store(out_ptr + row * K + offs, _e4m3_bytes(y).to(tl.uint8), mask=offs < K)
+    if SRC == 0:
+        base = 1.0
+    elif SRC == 1:
+        base = tl.load(src_scale_ptr + row)
+    else:
+        base = tl.load(src_scale_ptr)
     tl.store(out_scale_ptr + row, tl.math.div_rn(amax, FP8_MAX) * base)
 
 
@@ -92,7 +107,7 @@ def fp8_rows(x: NVFP4Rows | NVFP4Tensor | torch.Tensor, pad_to: int = 16) -> tup
         scale[rows:] = 1.0
     bk = _block_k(k)
     if rows:
-        _fp8_rows_kernel[(rows,)](*args, out.view(torch.uint8), scale, k, SRC=src, BLOCK_K=bk, num_warps=_warps(bk))
+        _fp8_rows_kernel[(rows,)](*args, out.view(torch.uint8), scale, k, SRC=src, **_chunk(bk))
     return out, scale
 
 

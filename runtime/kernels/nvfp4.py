@@ -86,21 +86,24 @@ def _e2m1_value(c):
 
 
 @triton.jit
-def _row_offsets(BLOCK_K: tl.constexpr):
-    """Element offsets of one row as [BLOCK_K/16, 16]: one NVFP4 block per tile row, so block
-    reductions and nibble packing stay inside the tile's layout (no shuffles through shared
-    memory, which a 1-D row reshaped to blocks costs)."""
-    return tl.arange(0, BLOCK_K // 16)[:, None] * 16 + tl.arange(0, 16)[None, :]
+def _block_offsets(c0, CHUNK: tl.constexpr):
+    """Offsets of elements c0 .. c0+CHUNK of a row as [CHUNK/16, 16]: one NVFP4 block per tile
+    row, so block reductions and nibble packing stay inside the tile's layout (a 1-D row
+    reshaped to blocks costs shuffles through shared memory)."""
+    return c0 + tl.arange(0, CHUNK // 16)[:, None] * 16 + tl.arange(0, 16)[None, :]
 
 
 @triton.jit
-def _quantize_row(y):
-    """One row as blocks y [BLOCK_K/16, 16] fp32 (zeros past K) -> packed [BLOCK_K/16, 8] u8,
-    scale bytes [BLOCK_K/16], row scale g."""
-    bamax = tl.max(tl.abs(y), axis=1)
-    amax = tl.max(bamax, axis=0)
+def _row_scale(amax):
+    """Per-row decode scale g = amax / (6 * 448); an all-zero row gets 1."""
     g = tl.math.div_rn(amax, GLOBAL_DIV)
-    g = tl.where(g > 0, g, 1.0)
+    return tl.where(g > 0, g, 1.0)
+
+
+@triton.jit
+def _quantize_blocks(y, g):
+    """Blocks y [n, 16] fp32 (zeros past K) with row scale g -> packed [n, 8] u8, scale bytes [n]."""
+    bamax = tl.max(tl.abs(y), axis=1)
     s = tl.math.div_rn(tl.math.div_rn(bamax, E2M1_MAX), g)
     s = tl.minimum(tl.maximum(s, E4M3_MIN_SCALE), E4M3_MAX)
     s_val, s_byte = _e4m3_round(s)
@@ -109,26 +112,33 @@ def _quantize_row(y):
     scaled = tl.minimum(tl.maximum(scaled, -E2M1_MAX), E2M1_MAX)
     codes = tl.reshape(_e2m1_codes(scaled), (y.shape[0], 8, 2))
     lo, hi = tl.split(codes)
-    return (lo | (hi << 4)).to(tl.uint8), s_byte.to(tl.uint8), g
+    return (lo | (hi << 4)).to(tl.uint8), s_byte.to(tl.uint8)
+
+
+@triton.jit
+def _store_blocks(row, c0, y, g, packed_ptr, scales_ptr, K, CHUNK: tl.constexpr):
+    """Quantize elements c0 .. c0+CHUNK of a row (given as blocks [CHUNK/16, 16]) and store them."""
+    packed, s_byte = _quantize_blocks(y, g)
+    offs_b = c0 // 16 + tl.arange(0, CHUNK // 16)
+    offs_h = offs_b[:, None] * 8 + tl.arange(0, 8)[None, :]
+    tl.store(packed_ptr + row * (K // 2) + offs_h, packed, mask=offs_h < K // 2)
+    tl.store(scales_ptr + row * (K // 16) + offs_b, s_byte, mask=offs_b < K // 16)
 
 
 @triton.jit
 def _store_row(row, y, packed_ptr, scales_ptr, rs_ptr, K, BLOCK_K: tl.constexpr):
-    """Quantize one row given as blocks [BLOCK_K/16, 16] and store it."""
-    packed, s_byte, g = _quantize_row(y)
-    offs_b = tl.arange(0, BLOCK_K // 16)
-    offs_h = offs_b[:, None] * 8 + tl.arange(0, 8)[None, :]
-    tl.store(packed_ptr + row * (K // 2) + offs_h, packed, mask=offs_h < K // 2)
-    tl.store(scales_ptr + row * (K // 16) + offs_b, s_byte, mask=offs_b < K // 16)
+    """Quantize a whole row held as blocks [BLOCK_K/16, 16] (its own amax sets g) and store it."""
+    g = _row_scale(tl.max(tl.max(tl.abs(y), axis=1), axis=0))
+    _store_blocks(row, 0, y, g, packed_ptr, scales_ptr, K, BLOCK_K)
     tl.store(rs_ptr + row, g)
 
 
 @triton.jit
-def _decode_row(packed_ptr, scales_ptr, row, K, BLOCK_K: tl.constexpr):
-    """One NVFP4 row -> q * s_b fp32 [BLOCK_K] (exact; zeros past K). Each element loads its own
-    byte and scale (neighbours hit the same cache lines), so the row keeps a plain 1-D layout
-    instead of joining nibble pairs and reshaping."""
-    offs = tl.arange(0, BLOCK_K)
+def _decode_row(packed_ptr, scales_ptr, row, K, c0, CHUNK: tl.constexpr):
+    """Elements c0 .. c0+CHUNK of an NVFP4 row -> q * s_b fp32 [CHUNK] (exact; zeros past K).
+    Each element loads its own byte and scale (neighbours hit the same cache lines), so the
+    values keep a plain 1-D layout instead of joining nibble pairs and reshaping."""
+    offs = c0 + tl.arange(0, CHUNK)
     mask = offs < K
     byte = tl.load(packed_ptr + row * (K // 2) + offs // 2, mask=mask, other=0).to(tl.int32)
     s = tl.load(scales_ptr + row * (K // 16) + offs // 16, mask=mask, other=0).to(tl.int32)
@@ -145,21 +155,33 @@ def _decode_tile(p, s, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 # ---------------------------------------------------------------------------- kernels
+# One program per row. Rows wider than CHUNK are walked in CHUNK-wide pieces (static loops):
+# a first pass takes the row amax where a row scale is needed, a second quantizes / writes.
+# Holding an 8192- or 16384-wide row in registers spilled and ran ~5x under bandwidth.
 
 
 @triton.jit
-def _quant_rows_kernel(x_ptr, stride_x, packed_ptr, scales_ptr, rs_ptr, K, BLOCK_K: tl.constexpr):
+def _quant_rows_kernel(x_ptr, stride_x, packed_ptr, scales_ptr, rs_ptr, K, BLOCK_K: tl.constexpr,
+                       CHUNK: tl.constexpr):
     row = tl.program_id(0)
-    offs = _row_offsets(BLOCK_K)
-    y = tl.load(x_ptr + row * stride_x + offs, mask=offs < K, other=0.0).to(tl.float32)
-    _store_row(row, y, packed_ptr, scales_ptr, rs_ptr, K, BLOCK_K)
+    amax = 0.0
+    for c0 in tl.static_range(0, BLOCK_K, CHUNK):
+        offs = _block_offsets(c0, CHUNK)
+        y = tl.load(x_ptr + row * stride_x + offs, mask=offs < K, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.max(tl.max(tl.abs(y), axis=1), axis=0))
+    g = _row_scale(amax)
+    for c0 in tl.static_range(0, BLOCK_K, CHUNK):
+        offs = _block_offsets(c0, CHUNK)
+        y = tl.load(x_ptr + row * stride_x + offs, mask=offs < K, other=0.0).to(tl.float32)
+        _store_blocks(row, c0, y, g, packed_ptr, scales_ptr, K, CHUNK)
+    tl.store(rs_ptr + row, g)
 
 
 @triton.jit
 def _rmsnorm_quant_kernel(x_ptr, stride_x, w_ptr, eps, packed_ptr, scales_ptr, rs_ptr, rstd_ptr, K,
                           BLOCK_K: tl.constexpr):
     row = tl.program_id(0)
-    offs = _row_offsets(BLOCK_K)
+    offs = _block_offsets(0, BLOCK_K)
     mask = offs < K
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -169,35 +191,51 @@ def _rmsnorm_quant_kernel(x_ptr, stride_x, w_ptr, eps, packed_ptr, scales_ptr, r
 
 
 @triton.jit
-def _silu_mul_quant_kernel(gu_ptr, stride_gu, hp, hs, hr, gp, gs, gr, up, us, ur, K, BLOCK_K: tl.constexpr):
+def _silu_mul_quant_kernel(gu_ptr, stride_gu, hp, hs, hr, gp, gs, gr, up, us, ur, K, BLOCK_K: tl.constexpr,
+                           CHUNK: tl.constexpr):
     row = tl.program_id(0)
-    offs = _row_offsets(BLOCK_K)
-    mask = offs < K
-    g = tl.load(gu_ptr + row * stride_gu + offs, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(gu_ptr + row * stride_gu + K + offs, mask=mask, other=0.0).to(tl.float32)
-    h = g / (1.0 + tl.exp(-g)) * u
-    _store_row(row, h, hp, hs, hr, K, BLOCK_K)
-    _store_row(row, g, gp, gs, gr, K, BLOCK_K)
-    _store_row(row, u, up, us, ur, K, BLOCK_K)
+    base = gu_ptr + row * stride_gu
+    am_h, am_g, am_u = 0.0, 0.0, 0.0
+    for c0 in tl.static_range(0, BLOCK_K, CHUNK):
+        offs = _block_offsets(c0, CHUNK)
+        g = tl.load(base + offs, mask=offs < K, other=0.0).to(tl.float32)
+        u = tl.load(base + K + offs, mask=offs < K, other=0.0).to(tl.float32)
+        h = g / (1.0 + tl.exp(-g)) * u
+        am_h = tl.maximum(am_h, tl.max(tl.max(tl.abs(h), axis=1), axis=0))
+        am_g = tl.maximum(am_g, tl.max(tl.max(tl.abs(g), axis=1), axis=0))
+        am_u = tl.maximum(am_u, tl.max(tl.max(tl.abs(u), axis=1), axis=0))
+    sh, sg, su = _row_scale(am_h), _row_scale(am_g), _row_scale(am_u)
+    for c0 in tl.static_range(0, BLOCK_K, CHUNK):
+        offs = _block_offsets(c0, CHUNK)
+        g = tl.load(base + offs, mask=offs < K, other=0.0).to(tl.float32)
+        u = tl.load(base + K + offs, mask=offs < K, other=0.0).to(tl.float32)
+        h = g / (1.0 + tl.exp(-g)) * u
+        _store_blocks(row, c0, h, sh, hp, hs, K, CHUNK)
+        _store_blocks(row, c0, g, sg, gp, gs, K, CHUNK)
+        _store_blocks(row, c0, u, su, up, us, K, CHUNK)
+    tl.store(hr + row, sh)
+    tl.store(gr + row, sg)
+    tl.store(ur + row, su)
 
 
 @triton.jit
-def _dequant_rows_kernel(packed_ptr, scales_ptr, rs_ptr, out_ptr, K, BLOCK_K: tl.constexpr,
+def _dequant_rows_kernel(packed_ptr, scales_ptr, rs_ptr, out_ptr, K, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr,
                          ROUND_BF16: tl.constexpr, HAS_RS: tl.constexpr):
     row = tl.program_id(0)
-    v = _decode_row(packed_ptr, scales_ptr, row, K, BLOCK_K)
-    if HAS_RS:  # without: q * s_b alone, exact in bf16 (operands for cuBLAS)
-        v = v * tl.load(rs_ptr + row)
-    if ROUND_BF16:
-        v = _rne_bf16(v)
-    offs = tl.arange(0, BLOCK_K)
-    tl.store(out_ptr + row * K + offs, v.to(out_ptr.dtype.element_ty), mask=offs < K)
+    for c0 in tl.static_range(0, BLOCK_K, CHUNK):
+        v = _decode_row(packed_ptr, scales_ptr, row, K, c0, CHUNK)
+        if HAS_RS:  # without: q * s_b alone, exact in bf16 (operands for cuBLAS)
+            v = v * tl.load(rs_ptr + row)
+        if ROUND_BF16:
+            v = _rne_bf16(v)
+        offs = c0 + tl.arange(0, CHUNK)
+        tl.store(out_ptr + row * K + offs, v.to(out_ptr.dtype.element_ty), mask=offs < K)
 
 
 @triton.jit
-def _load_rows_fp32(packed_ptr, scales_ptr, rs_ptr, row, K, BLOCK_K: tl.constexpr):
-    """One NVFP4 row decoded to fp32 [BLOCK_K] (zeros past K): (q * s_b) * g_r."""
-    return _decode_row(packed_ptr, scales_ptr, row, K, BLOCK_K) * tl.load(rs_ptr + row)
+def _load_rows_fp32(packed_ptr, scales_ptr, rs_ptr, row, K, c0, CHUNK: tl.constexpr):
+    """Elements c0 .. c0+CHUNK of an NVFP4 row decoded to fp32 (zeros past K): (q * s_b) * g_r."""
+    return _decode_row(packed_ptr, scales_ptr, row, K, c0, CHUNK) * tl.load(rs_ptr + row)
 
 
 @triton.jit
@@ -205,7 +243,7 @@ def _rmsnorm_backward_kernel(dy_ptr, stride_dy, yp, ys, yr, rstd_ptr, w_ptr, dx_
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK_K)
     mask = offs < K
-    y = _load_rows_fp32(yp, ys, yr, row, K, BLOCK_K)
+    y = _load_rows_fp32(yp, ys, yr, row, K, 0, BLOCK_K)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     dy = tl.load(dy_ptr + row * stride_dy + offs, mask=mask, other=0.0).to(tl.float32)
     n = tl.where(w == 0, 0.0, y / tl.where(w == 0, 1.0, w))
@@ -216,28 +254,31 @@ def _rmsnorm_backward_kernel(dy_ptr, stride_dy, yp, ys, yr, rstd_ptr, w_ptr, dx_
 
 
 @triton.jit
-def _silu_mul_h_kernel(gp, gs, gr, up, us, ur, h_ptr, K, BLOCK_K: tl.constexpr):
+def _silu_mul_h_kernel(gp, gs, gr, up, us, ur, h_ptr, K, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr):
     row = tl.program_id(0)
-    offs = tl.arange(0, BLOCK_K)
-    g = _load_rows_fp32(gp, gs, gr, row, K, BLOCK_K)
-    u = _load_rows_fp32(up, us, ur, row, K, BLOCK_K)
-    h = g / (1.0 + tl.exp(-g)) * u
-    tl.store(h_ptr + row * K + offs, _rne_bf16(h).to(tl.bfloat16), mask=offs < K)
+    for c0 in tl.static_range(0, BLOCK_K, CHUNK):
+        offs = c0 + tl.arange(0, CHUNK)
+        g = _load_rows_fp32(gp, gs, gr, row, K, c0, CHUNK)
+        u = _load_rows_fp32(up, us, ur, row, K, c0, CHUNK)
+        h = g / (1.0 + tl.exp(-g)) * u
+        tl.store(h_ptr + row * K + offs, _rne_bf16(h).to(tl.bfloat16), mask=offs < K)
 
 
 @triton.jit
-def _silu_mul_backward_kernel(dh_ptr, stride_dh, gp, gs, gr, up, us, ur, dgu_ptr, K, BLOCK_K: tl.constexpr):
+def _silu_mul_backward_kernel(dh_ptr, stride_dh, gp, gs, gr, up, us, ur, dgu_ptr, K, BLOCK_K: tl.constexpr,
+                              CHUNK: tl.constexpr):
     row = tl.program_id(0)
-    offs = tl.arange(0, BLOCK_K)
-    mask = offs < K
-    g = _load_rows_fp32(gp, gs, gr, row, K, BLOCK_K)
-    u = _load_rows_fp32(up, us, ur, row, K, BLOCK_K)
-    dh = tl.load(dh_ptr + row * stride_dh + offs, mask=mask, other=0.0).to(tl.float32)
-    sig = 1.0 / (1.0 + tl.exp(-g))
-    dg = dh * u * sig * (1.0 + g * (1.0 - sig))
-    du = dh * g * sig
-    tl.store(dgu_ptr + row * 2 * K + offs, _rne_bf16(dg).to(tl.bfloat16), mask=mask)
-    tl.store(dgu_ptr + row * 2 * K + K + offs, _rne_bf16(du).to(tl.bfloat16), mask=mask)
+    for c0 in tl.static_range(0, BLOCK_K, CHUNK):
+        offs = c0 + tl.arange(0, CHUNK)
+        mask = offs < K
+        g = _load_rows_fp32(gp, gs, gr, row, K, c0, CHUNK)
+        u = _load_rows_fp32(up, us, ur, row, K, c0, CHUNK)
+        dh = tl.load(dh_ptr + row * stride_dh + offs, mask=mask, other=0.0).to(tl.float32)
+        sig = 1.0 / (1.0 + tl.exp(-g))
+        dg = dh * u * sig * (1.0 + g * (1.0 - sig))
+        du = dh * g * sig
+        tl.store(dgu_ptr + row * 2 * K + offs, _rne_bf16(dg).to(tl.bfloat16), mask=mask)
+        tl.store(dgu_ptr + row * 2 * K + K + offs, _rne_bf16(du).to(tl.bfloat16), mask=mask)
 
 
 @triton.jit
@@ -316,6 +357,14 @@ def _warps(block_k: int) -> int:
     return min(16, max(1, block_k // 256))
 
 
+ROW_CHUNK = 2048  # elements a row kernel holds at once (wider rows are walked in pieces)
+
+
+def _chunk(block_k: int) -> dict:
+    c = min(block_k, ROW_CHUNK)
+    return dict(BLOCK_K=block_k, CHUNK=c, num_warps=_warps(c))
+
+
 def quant_rows(x: torch.Tensor) -> NVFP4Rows:
     """x [T, K] -> NVFP4 rows (per-row fp32 scale)."""
     x = x if x.stride(-1) == 1 else x.contiguous()
@@ -323,7 +372,7 @@ def quant_rows(x: torch.Tensor) -> NVFP4Rows:
     out = _empty_rows(T, K, x.device)
     bk = _block_k(K)
     if T:
-        _quant_rows_kernel[(T,)](x, x.stride(0), *_row_args(out), K, BLOCK_K=bk, num_warps=_warps(bk))
+        _quant_rows_kernel[(T,)](x, x.stride(0), *_row_args(out), K, **_chunk(bk))
     return out
 
 
@@ -349,7 +398,7 @@ def silu_mul_quant(gate_up: torch.Tensor) -> tuple[NVFP4Rows, NVFP4Rows, NVFP4Ro
     bk = _block_k(K)
     if T:
         _silu_mul_quant_kernel[(T,)](gate_up, gate_up.stride(0), *_row_args(h), *_row_args(g), *_row_args(u), K,
-                                     BLOCK_K=bk, num_warps=_warps(bk))
+                                     **_chunk(bk))
     return h, g, u
 
 
@@ -358,8 +407,8 @@ def dequant_rows(q: NVFP4Rows, dtype: torch.dtype = torch.bfloat16) -> torch.Ten
     out = torch.empty(T, K, dtype=dtype, device=q.packed.device)
     bk = _block_k(K)
     if T:
-        _dequant_rows_kernel[(T,)](*_row_args(q), out, K, BLOCK_K=bk, ROUND_BF16=dtype == torch.bfloat16,
-                                   HAS_RS=True, num_warps=_warps(bk))
+        _dequant_rows_kernel[(T,)](*_row_args(q), out, K, ROUND_BF16=dtype == torch.bfloat16, HAS_RS=True,
+                                   **_chunk(bk))
     return out
 
 
@@ -381,7 +430,7 @@ def silu_mul_h(gq: NVFP4Rows, uq: NVFP4Rows) -> torch.Tensor:
     h = torch.empty(T, K, dtype=torch.bfloat16, device=gq.packed.device)
     bk = _block_k(K)
     if T:
-        _silu_mul_h_kernel[(T,)](*_row_args(gq), *_row_args(uq), h, K, BLOCK_K=bk, num_warps=_warps(bk))
+        _silu_mul_h_kernel[(T,)](*_row_args(gq), *_row_args(uq), h, K, **_chunk(bk))
     return h
 
 
@@ -392,8 +441,7 @@ def silu_mul_backward(dh: torch.Tensor, gq: NVFP4Rows, uq: NVFP4Rows) -> torch.T
     dgu = torch.empty(T, 2 * K, dtype=torch.bfloat16, device=dh.device)
     bk = _block_k(K)
     if T:
-        _silu_mul_backward_kernel[(T,)](dh, dh.stride(0), *_row_args(gq), *_row_args(uq), dgu, K, BLOCK_K=bk,
-                                        num_warps=_warps(bk))
+        _silu_mul_backward_kernel[(T,)](dh, dh.stride(0), *_row_args(gq), *_row_args(uq), dgu, K, **_chunk(bk))
     return dgu
 
 
@@ -403,8 +451,8 @@ def decode_qs(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     out = torch.empty(rows, k, dtype=torch.bfloat16, device=packed.device)
     bk = _block_k(k)
     if rows:
-        _dequant_rows_kernel[(rows,)](packed, scales.view(torch.uint8), packed, out, k, BLOCK_K=bk, ROUND_BF16=True,
-                                      HAS_RS=False, num_warps=_warps(bk))
+        _dequant_rows_kernel[(rows,)](packed, scales.view(torch.uint8), packed, out, k, ROUND_BF16=True,
+                                      HAS_RS=False, **_chunk(bk))
     return out
 
 
