@@ -138,16 +138,18 @@ def fp8_rows(x: NVFP4Rows | NVFP4Tensor | torch.Tensor, pad_to: int = 16) -> tup
     (cuBLAS's FP8 GEMM wants every dimension a multiple of 16).
 
     Per row: v = q * s_b (exact) or the bf16 value; y = e4m3(v * (448 / amax)); scale =
-    (amax / 448) times the row's / tensor's NVFP4 scale. Padding rows: zeros, scale 1."""
+    (amax / 448) times the row's / tensor's NVFP4 scale, with amax = max |v| for bf16 rows
+    and 6 * max(s_b) (the bound the block scales set) for NVFP4 rows. Padding: zeros, scale 1."""
+    rows = x.shape[0]
     if isinstance(x, (NVFP4Rows, NVFP4Tensor)):
         v = _decoded_qs(x.packed, x.scales)
-        base = x.row_scale.float() if isinstance(x, NVFP4Rows) else x.global_scale.float().expand(v.shape[0])
+        base = x.row_scale.float() if isinstance(x, NVFP4Rows) else x.global_scale.float().expand(rows)
+        amax = 6.0 * x.scales.float().amax(-1) if x.shape[1] else torch.zeros(rows, device=v.device)
     else:
         v = x.float()
-        base = torch.ones(v.shape[0], device=v.device)
-    rows = v.shape[0]
+        base = torch.ones(rows, device=v.device)
+        amax = v.abs().amax(-1) if v.shape[1] else torch.zeros(rows, device=v.device)
     fmax = torch.tensor(FP8_MAX, device=v.device)
-    amax = v.abs().amax(-1) if v.shape[1] else torch.zeros(rows, device=v.device)
     amax = torch.where(amax > 0, amax, fmax)
     y = (v * (fmax / amax)[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
     y = torch.where(y & 0x7F == 0, 0, y).view(torch.float8_e4m3fn)  # zeros positive, as the kernel writes them

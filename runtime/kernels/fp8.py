@@ -26,7 +26,7 @@ import triton.language as tl
 
 from pact.formats.nvfp4 import NVFP4Rows, NVFP4Tensor
 
-from .nvfp4 import _block_k, _chunk, _decode_row
+from .nvfp4 import _block_k, _chunk, _decode_row, _e4m3_value
 
 FP8_MAX = tl.constexpr(448.0)
 E4M3_MIN_NORMAL = tl.constexpr(0.015625)  # 2^-6
@@ -63,12 +63,19 @@ def _fp8_source(src_ptr, src_scales_ptr, stride_src, row, K, c0, SRC: tl.constex
 def _fp8_rows_kernel(src_ptr, src_scales_ptr, src_scale_ptr, stride_src, out_ptr, out_scale_ptr, K,
                      SRC: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr):
     """One row -> E4M3 bytes [K] and its fp32 decode scale (amax / 448 times the source's scale).
-    Two passes over CHUNK-wide pieces: the row amax, then the encoding."""
+    bf16 rows: amax from the values (a first pass). NVFP4 rows: amax = 6 * max(s_b), the
+    largest magnitude the row's block scales allow, read from the scales alone (1/16 of the
+    row); then one pass decodes and encodes."""
     row = tl.program_id(0)
     amax = 0.0
-    for c0 in tl.static_range(0, BLOCK_K, CHUNK):
-        v = _fp8_source(src_ptr, src_scales_ptr, stride_src, row, K, c0, SRC, CHUNK)
-        amax = tl.maximum(amax, tl.max(tl.abs(v), axis=0))
+    if SRC == 0:
+        for c0 in tl.static_range(0, BLOCK_K, CHUNK):
+            v = _fp8_source(src_ptr, src_scales_ptr, stride_src, row, K, c0, SRC, CHUNK)
+            amax = tl.maximum(amax, tl.max(tl.abs(v), axis=0))
+    else:
+        offs_s = tl.arange(0, BLOCK_K // 16)
+        sb = tl.load(src_scales_ptr + row * (K // 16) + offs_s, mask=offs_s < K // 16, other=0).to(tl.int32)
+        amax = 6.0 * tl.max(_e4m3_value(sb), axis=0)
     amax = tl.where(amax > 0, amax, FP8_MAX)
     inv = tl.math.div_rn(FP8_MAX + tl.zeros_like(amax), amax)
     for c0 in tl.static_range(0, BLOCK_K, CHUNK):
