@@ -1,0 +1,211 @@
+"""Held-out accuracy of pact against BF16 LoRA on the demo's task, over several seeds.
+
+    python benchmarks/bench_accuracy.py --workdir ~/.cache/pact --seeds 0,1,2 \
+        --methods zero-shot,peft-bf16,pact-rtn,pact-gptq,pact-gptq-bf16act,pact-gptq-native
+
+The demo's setting (`pact demo`: SmolLM2-135M-Instruct from its GGUF, Rotten Tomatoes, prompt ->
+" fresh"/" rotten", 320 train / 200 test snippets, 40 steps, bs 8, lr 1e-3, warmup 10%, LoRA
+r 16 / alpha 32 on q,k,v,o,gate,up,down, target-token loss) and its cached files (the first
+run of `pact demo` or of this script creates them). Every method trains on the same batches
+in the same order for a given seed. Methods:
+
+- `zero-shot`: the RTN and the GPTQ artifacts without an adapter.
+- `peft-bf16`: transformers + PEFT on the GGUF dequantized to bf16 (the "BF16 LoRA"
+  reference; on a CPU the frozen weights are those bf16 values computed in fp32).
+- `qlora`: the same with bitsandbytes NF4 weights (CUDA and bitsandbytes only).
+- `pact-rtn`, `pact-gptq`: pact-train on the RTN / GPTQ artifact (`--compute auto`).
+- `pact-gptq-fp8`, `pact-gptq-native`: the GPTQ artifact with `--compute fp8` / `nvfp4-native`
+  (on a CPU their PyTorch twins).
+- `pact-gptq-bf16act`: `--activations bf16` (weights NVFP4, activations not quantized).
+
+Where the gap to BF16 LoRA comes from: peft-bf16 -> pact-gptq-bf16act is the NVFP4 weights;
+-> pact-gptq the NVFP4 activations; pact-gptq -> pact-gptq-native the quantized gradient.
+Prints accuracy per seed and mean +- sample std; writes accuracy.csv into the work folder.
+"""
+
+from __future__ import annotations
+
+import csv
+import statistics
+import time
+from pathlib import Path
+
+import click
+import torch
+import torch.nn.functional as F
+
+STEPS, BATCH, LR, WARMUP, MAX_LEN, RANK, ALPHA = 40, 8, 1e-3, 0.1, 128, 16, 32
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+PACT = {  # method -> (artifact, compute, activations)
+    "pact-rtn": ("rtn", None, "nvfp4"),
+    "pact-gptq": ("gptq", None, "nvfp4"),
+    "pact-gptq-fp8": ("gptq", "fp8", "nvfp4"),
+    "pact-gptq-native": ("gptq", "nvfp4-native", "nvfp4"),
+    "pact-gptq-bf16act": ("gptq", None, "bf16"),
+}
+METHODS = ("zero-shot", "peft-bf16", "qlora", *PACT)
+
+
+def _hf_model(gguf: Path, device: torch.device, qlora: bool):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    kw = dict(gguf_file=gguf.name)
+    if qlora:
+        from transformers import BitsAndBytesConfig
+
+        kw.update(quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                                         bnb_4bit_compute_dtype=torch.bfloat16),
+                  device_map={"": 0}, dtype=torch.bfloat16)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, **kw)
+    else:
+        cpu = device.type == "cpu"
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.float32 if cpu else torch.bfloat16, **kw)
+        if cpu:  # bf16 weights, fp32 arithmetic (CPU bf16 matmuls are slow)
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.copy_(p.to(torch.bfloat16).float())
+        model = model.to(device)
+    model = get_peft_model(model, LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0, target_modules=list(TARGETS)))
+    for p in model.parameters():
+        if p.requires_grad:
+            p.data = p.data.float()  # fp32 adapter master weights, as pact keeps them
+    return model
+
+
+def _train_hf(model, examples, pad: int, seed: int, device: torch.device, steps: int) -> list[float]:
+    from pact.runtime.data import batches, collate
+    from pact.runtime.trainer import lr_at
+
+    torch.manual_seed(seed)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=LR, weight_decay=0.0)
+    order = batches(examples, BATCH, seed=seed, epoch=0)
+    losses = []
+    for step in range(steps):
+        ids, labels = collate(examples, order[step % len(order)], pad, device)
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, steps, LR, WARMUP)
+        loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(loss))
+    return losses
+
+
+@torch.no_grad()
+def _hf_accuracy(model, examples, pad: int, device: torch.device) -> float:
+    """Label likelihood, as pact-eval scores it: the candidate completion with the highest
+    summed log-probability wins."""
+    from pact.runtime.data import IGNORE, Example, collate
+    from pact.runtime.evaluate import label_candidates
+
+    cands = label_candidates(examples)
+    names, correct = list(cands), 0
+    for i in range(0, len(examples), BATCH):
+        chunk = examples[i : i + BATCH]
+        seqs = [Example(e.prompt_ids + cands[c], [IGNORE] * len(e.prompt_ids) + cands[c], c, e.prompt_ids)
+                for e in chunk for c in names]
+        ids, labels = collate(seqs, list(range(len(seqs))), pad, device)
+        logp = F.log_softmax(model(input_ids=ids).logits[:, :-1].float(), dim=-1)
+        tgt = labels[:, 1:]
+        tok = logp.gather(2, tgt.clamp(min=0).unsqueeze(-1)).squeeze(-1) * (tgt != IGNORE)
+        scores = tok.sum(1).view(len(chunk), len(names))
+        correct += sum(names[int(r.argmax())] == e.completion for e, r in zip(chunk, scores))
+    return correct / len(examples)
+
+
+@click.command()
+@click.option("--workdir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="The demo's work folder (default: $PACT_CACHE or ~/.cache/pact).")
+@click.option("--seeds", default="0,1,2", show_default=True)
+@click.option("--methods", default="zero-shot,peft-bf16,pact-rtn,pact-gptq,pact-gptq-bf16act", show_default=True,
+              help=f"Comma-separated, from {', '.join(METHODS)}.")
+@click.option("--calib-samples", default=48, show_default=True)
+@click.option("--steps", default=STEPS, show_default=True, help="Training steps (the demo's 40; fewer for a smoke run).")
+def main(workdir: Path | None, seeds: str, methods: str, calib_samples: int, steps: int) -> None:
+    from transformers import AutoTokenizer
+
+    from pact.calibrate import calibrate
+    from pact.convert import convert
+    from pact.convert.offline import ROTTEN_TOMATOES, SMOLLM2_135M, default_cache, fetch
+    from pact.formats import open_artifact
+    from pact.pipelines.demo import _cached_artifact, _splits
+    from pact.runtime.data import pad_id, read_records, tokenize
+    from pact.runtime.evaluate import evaluate_artifact
+    from pact.runtime.trainer import TrainConfig, train
+
+    chosen = methods.split(",")
+    unknown = sorted(set(chosen) - set(METHODS))
+    if unknown:
+        raise click.BadParameter(f"unknown {unknown}; choose from {', '.join(METHODS)}", param_hint="--methods")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    workdir = workdir or default_cache()
+    gguf, rt = fetch(SMOLLM2_135M, workdir), fetch(ROTTEN_TOMATOES, workdir)
+    train_f, test_f, calib_f = _splits(rt, workdir / "data", 320, 200, calib_samples)
+    arts = {"rtn": _cached_artifact(workdir / "smollm2-135m-nvfp4-2d",
+                                    lambda p: convert(str(gguf), p, overwrite=p.exists()))}
+    arts["gptq"] = _cached_artifact(workdir / f"smollm2-135m-nvfp4-2d-gptq{calib_samples}",
+                                    lambda p: calibrate(str(arts["rtn"]), calib_f, p, max_samples=calib_samples,
+                                                        seq_len=128, overwrite=p.exists()))
+    tok = AutoTokenizer.from_pretrained(open_artifact(arts["rtn"]).hf_dir)
+    pad = pad_id(tok)
+    train_ex = tokenize(read_records(train_f), tok, max_len=MAX_LEN)
+    test_ex = tokenize(read_records(test_f), tok, max_len=MAX_LEN)
+    out = workdir / "bench-accuracy"
+    out.mkdir(exist_ok=True)
+    rows: list[dict] = []
+
+    def record(method: str, seed, acc: float, seconds: float) -> None:
+        rows.append({"method": method, "seed": seed, "accuracy": acc, "seconds": round(seconds, 1)})
+        click.echo(f"{method:<20} seed {seed}: {acc:.1%} ({seconds:.0f} s)")
+
+    if "zero-shot" in chosen:
+        for name in ("rtn", "gptq"):
+            t = time.perf_counter()
+            r = evaluate_artifact(str(arts[name]), str(test_f), max_len=MAX_LEN, batch_size=BATCH)
+            record(f"zero-shot-{name}", "-", r["eval_accuracy"], time.perf_counter() - t)
+    for seed in (int(s) for s in seeds.split(",")):
+        for method in chosen:
+            t = time.perf_counter()
+            if method in ("peft-bf16", "qlora"):
+                if method == "qlora" and device.type != "cuda":
+                    click.echo("qlora: needs CUDA and bitsandbytes, skipped")
+                    continue
+                model = _hf_model(gguf, device, qlora=method == "qlora")
+                _train_hf(model, train_ex, pad, seed, device, steps)
+                acc = _hf_accuracy(model, test_ex, pad, device)
+                del model
+            elif method in PACT:
+                art, compute, act = PACT[method]
+                run = out / f"{method}-seed{seed}-steps{steps}"
+                if not (run / "adapter_model.safetensors").is_file():
+                    train(TrainConfig(artifact=str(arts[art]), data=str(train_f), out=str(run), steps=steps,
+                                      batch_size=BATCH, max_len=MAX_LEN, lr=LR, lora_r=RANK, lora_alpha=ALPHA,
+                                      warmup_ratio=WARMUP, seed=seed, compute=compute, activations=act),
+                          resume=run.exists(), progress=False)
+                acc = evaluate_artifact(str(arts[art]), str(test_f), adapter=str(run), max_len=MAX_LEN,
+                                        batch_size=BATCH, activations=act)["eval_accuracy"]
+            else:
+                continue
+            record(method, seed, acc, time.perf_counter() - t)
+    with open(out / "accuracy.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=["method", "seed", "accuracy", "seconds"])
+        w.writeheader()
+        w.writerows(rows)
+    labels = [r for r in rows if r["seed"] != "-"]
+    click.echo(f"\nRotten Tomatoes, 200 held-out snippets, {device.type}; accuracy over seeds {seeds}")
+    click.echo(f"{'method':<22}{'mean':>8}{'+- std':>9}  per seed")
+    for r in rows:
+        if r["seed"] == "-":
+            click.echo(f"{r['method']:<22}{r['accuracy']:>8.1%}{'':>9}  (no training)")
+    for method in dict.fromkeys(r["method"] for r in labels):
+        accs = [r["accuracy"] for r in labels if r["method"] == method]
+        sd = statistics.stdev(accs) if len(accs) > 1 else float("nan")
+        click.echo(f"{method:<22}{statistics.mean(accs):>8.1%}{sd:>9.1%}  " + " ".join(f"{a:.1%}" for a in accs))
+
+
+if __name__ == "__main__":
+    main()
