@@ -1,4 +1,5 @@
-"""`pact-eval ARTIFACT [--adapter RUN] --data test.jsonl`: held-out loss and label accuracy."""
+"""`pact-eval ARTIFACT [--adapter RUN] --data test.jsonl`: held-out loss, label accuracy or
+exact match / token F1 of greedy generations."""
 
 from __future__ import annotations
 
@@ -19,12 +20,17 @@ from .common import cli_errors
 @click.option("--batch-size", default=8, show_default=True)
 @click.option("--activations", type=click.Choice(["nvfp4", "bf16"]), default="nvfp4", show_default=True)
 @click.option("--device", default=None)
+@click.option("--generate/--no-generate", default=None,
+              help="Score greedy generations (exact match, token F1). Default: when completions are not class labels.")
+@click.option("--max-new-tokens", type=int, default=None, help="Generation length (default: longest completion + 8).")
 @cli_errors
-def main(artifact, data, adapter, max_len, batch_size, activations, device) -> None:
-    """Evaluate ARTIFACT (with --adapter) on --data: loss, and accuracy by label likelihood when
-    the completions are class labels."""
+def main(artifact, data, adapter, max_len, batch_size, activations, device, generate, max_new_tokens) -> None:
+    """Evaluate ARTIFACT (with --adapter) on --data: loss; accuracy by label likelihood when the
+    completions are class labels, else exact match and token F1 of greedy generations."""
+    if max_new_tokens is not None and max_new_tokens < 1:
+        raise click.BadParameter(f"must be >= 1, got {max_new_tokens}", param_hint="--max-new-tokens")
     result = evaluate_artifact(artifact, data, adapter=adapter, max_len=max_len, batch_size=batch_size, device=device,
-                               activations=activations)
+                               activations=activations, generate=generate, max_new_tokens=max_new_tokens)
     click.echo(json.dumps(result, indent=2))
 
 

@@ -1,6 +1,11 @@
-"""Held-out evaluation: token loss, and accuracy by label likelihood when completions are labels."""
+"""Held-out evaluation: token loss; accuracy by label likelihood when completions are labels;
+exact match and token F1 of greedy generations otherwise (``generate``)."""
 
 from __future__ import annotations
+
+import re
+import string
+from collections import Counter
 
 import torch
 import torch.nn.functional as F
@@ -69,9 +74,64 @@ def evaluate(model, examples: list[Example], *, batch_size: int, pad_id: int) ->
             "eval_labels": names}
 
 
+@torch.no_grad()
+def greedy_generate(model, prompt_ids: list[int], max_new_tokens: int, stop_ids: set[int]) -> list[int]:
+    """Greedy continuation of one prompt (no KV cache: each step reruns the prefix; fine for the
+    short answers evaluation asks for). Stops at a token in ``stop_ids``, which is not returned."""
+    ids = list(prompt_ids)
+    out: list[int] = []
+    for _ in range(max_new_tokens):
+        x = torch.tensor([ids], device=model.device)
+        h = rmsnorm(model.hidden_states(x)[:, -1], model.final_norm, model.eps)
+        nxt = int((h @ model.lm_head.t()).argmax(-1))
+        if nxt in stop_ids:
+            break
+        out.append(nxt)
+        ids.append(nxt)
+    return out
+
+
+def _normalize(text: str) -> str:
+    """SQuAD's answer normalization: lower case, no punctuation, no articles, single spaces."""
+    text = "".join(ch for ch in text.lower() if ch not in set(string.punctuation))
+    return " ".join(re.sub(r"\b(a|an|the)\b", " ", text).split())
+
+
+def exact_match(prediction: str, reference: str) -> float:
+    return float(_normalize(prediction) == _normalize(reference))
+
+
+def token_f1(prediction: str, reference: str) -> float:
+    pred, ref = _normalize(prediction).split(), _normalize(reference).split()
+    if not pred or not ref:
+        return float(pred == ref)
+    common = sum((Counter(pred) & Counter(ref)).values())
+    if common == 0:
+        return 0.0
+    precision, recall = common / len(pred), common / len(ref)
+    return 2 * precision * recall / (precision + recall)
+
+
+def evaluate_generation(model, examples: list[Example], tokenizer, *, max_new_tokens: int | None = None) -> dict:
+    """Greedy generation per example against its completion: {"eval_exact_match", "eval_f1"}.
+    ``max_new_tokens`` defaults to the longest reference completion (in tokens) plus 8."""
+    if max_new_tokens is None:
+        max_new_tokens = max(len(e.ids) - len(e.prompt_ids) for e in examples) + 8
+    stop = {t for t in (tokenizer.eos_token_id, getattr(tokenizer, "pad_token_id", None)) if t is not None}
+    em = f1 = 0.0
+    for e in examples:
+        text = tokenizer.decode(greedy_generate(model, e.prompt_ids, max_new_tokens, stop), skip_special_tokens=True)
+        em += exact_match(text, e.completion)
+        f1 += token_f1(text, e.completion)
+    n = max(len(examples), 1)
+    return {"eval_exact_match": em / n, "eval_f1": f1 / n, "eval_generated": len(examples)}
+
+
 def evaluate_artifact(artifact: str, data: str, *, adapter: str | None = None, max_len: int = 1024, batch_size: int = 8,
-                      device: str | None = None, activations: str = "nvfp4") -> dict:
-    """Held-out loss (and label accuracy) of an artifact, with a PEFT adapter folder or zero-shot."""
+                      device: str | None = None, activations: str = "nvfp4", generate: bool | None = None,
+                      max_new_tokens: int | None = None) -> dict:
+    """Held-out loss (and label accuracy) of an artifact, with a PEFT adapter folder or zero-shot.
+    ``generate`` (default: when completions are not class labels) adds exact match / token F1."""
     from transformers import AutoTokenizer
 
     from pact.formats import open_artifact
@@ -88,4 +148,7 @@ def evaluate_artifact(artifact: str, data: str, *, adapter: str | None = None, m
     if weights is not None:
         model.load_adapter_state(weights)
     examples = tokenize(read_records(data, flag="--data"), tokenizer, max_len=max_len, vocab_size=model.embed.shape[0])
-    return {"adapter": adapter, **evaluate(model, examples, batch_size=batch_size, pad_id=pad_id(tokenizer))}
+    result = {"adapter": adapter, **evaluate(model, examples, batch_size=batch_size, pad_id=pad_id(tokenizer))}
+    if generate or (generate is None and "eval_accuracy" not in result):
+        result.update(evaluate_generation(model, examples, tokenizer, max_new_tokens=max_new_tokens))
+    return result

@@ -129,3 +129,6 @@ def test_eval_cli(tmp_path):
     r = CliRunner().invoke(eval_cli, [str(tmp_path / "art"), "--data", str(tmp_path / "test.jsonl"), "--adapter",
                                       str(tmp_path / "nope")])
     assert r.exit_code == 1 and "is not a PEFT LoRA adapter" in r.output
+    r = CliRunner().invoke(eval_cli, [str(tmp_path / "art"), "--data", str(tmp_path / "test.jsonl"),
+                                      "--max-new-tokens", "0"])
+    assert r.exit_code == 2 and "--max-new-tokens" in r.output

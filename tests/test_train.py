@@ -49,6 +49,29 @@ def test_learns_and_writes_run_folder(task, tmp_path):
         assert (run / f).is_file(), f
     cfg = json.loads((run / "adapter_config.json").read_text())
     assert cfg["peft_type"] == "LORA" and cfg["r"] == 8 and set(cfg["target_modules"]) >= {"q_proj", "down_proj"}
+    # the same adapter scored by greedy generation: it writes the verdict and stops (EOS)
+    from pact.runtime.evaluate import evaluate_artifact
+
+    gen = evaluate_artifact(str(task / "art"), str(task / "test.jsonl"), adapter=str(run), max_len=64, generate=True)
+    assert gen["eval_generated"] == 64
+    assert gen["eval_exact_match"] >= 0.9 and gen["eval_f1"] >= gen["eval_exact_match"]
+
+
+def test_generation_metrics_and_greedy_decoding(task):
+    """EM / F1 as SQuAD defines them (hand-worked cases); greedy tokens == the argmax of the
+    full-sequence logits at every generated position."""
+    from pact.runtime.evaluate import exact_match, greedy_generate, token_f1
+
+    assert exact_match("The  Fresh!", "fresh") == 1.0 and exact_match("fresh tomato", "fresh") == 0.0
+    assert token_f1("fresh tomato", "fresh") == pytest.approx(2 * 0.5 * 1.0 / 1.5)
+    assert token_f1("a", "the") == 1.0 and token_f1("rotten", "fresh") == 0.0
+    model = PactModel(open_artifact(task / "art"), None)
+    prompt = [1, 17, 42, 9]
+    out = greedy_generate(model, prompt, 5, stop_ids=set())
+    assert len(out) == 5
+    logits = model.logits(torch.tensor([prompt + out]))[0]
+    for i, t in enumerate(out):
+        assert int(logits[len(prompt) - 1 + i].argmax()) == t
 
 
 def test_peft_loads_adapter_and_reproduces_logits(task, tmp_path):
