@@ -20,6 +20,7 @@ Chosen once per model from `--kernels` or PACT_KERNELS (default: triton on CUDA,
 
 from __future__ import annotations
 
+import functools
 import os
 from types import SimpleNamespace
 
@@ -86,4 +87,7 @@ def get_ops(name: str, compute: str = "bf16-decode") -> SimpleNamespace:
             gemms["fp8"] = nvfp4_gemm_fp8
     ops = {op: getattr(mod, op) for op in _OPS}
     ops["nvfp4_gemm"] = gemms.get(compute, ops["nvfp4_gemm"])
+    if compute == "fp8":  # the quantizing kernels also write the E4M3 copy the next GEMM reads
+        for op in ("rmsnorm_quant", "silu_mul_quant", "quant_rows"):
+            ops[op] = functools.partial(ops[op], fp8=True)
     return SimpleNamespace(name=f"{name}/{compute}", **ops)

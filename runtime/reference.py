@@ -17,20 +17,28 @@ import torch.nn.functional as F
 
 from pact.formats.nvfp4 import BLOCK, NVFP4Rows, NVFP4Tensor, decode_packed, dequantize_rows, quantize_rows
 
+from .rows import NVFP4RowsFP8
+
 FP8_MAX = 448.0
 
 
-def rmsnorm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[NVFP4Rows, torch.Tensor]:
-    """x [T, H] bf16 -> (NVFP4 rows of x * rstd * w, rstd fp32 [T])."""
+def _attach_fp8(q: NVFP4Rows, fp8: bool) -> NVFP4Rows:
+    """With ``fp8``: q plus its E4M3 copy (runtime/rows.py), as the fused kernels write it."""
+    return NVFP4RowsFP8(q.packed, q.scales, q.row_scale, *fp8_rows(q)) if fp8 else q
+
+
+def rmsnorm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, fp8: bool = False) -> tuple[NVFP4Rows, torch.Tensor]:
+    """x [T, H] bf16 -> (NVFP4 rows of x * rstd * w, rstd fp32 [T]); ``fp8``: E4M3 copy attached."""
     xf = x.float()
     rstd = torch.rsqrt(xf.pow(2).mean(-1) + eps)
-    return quantize_rows(xf * rstd[:, None] * weight.float()), rstd
+    return _attach_fp8(quantize_rows(xf * rstd[:, None] * weight.float()), fp8), rstd
 
 
-def silu_mul_quant(gate_up: torch.Tensor) -> tuple[NVFP4Rows, NVFP4Rows, NVFP4Rows]:
-    """gate_up [T, 2I] bf16 (gate | up) -> NVFP4 rows of (silu(gate) * up, gate, up)."""
+def silu_mul_quant(gate_up: torch.Tensor, fp8: bool = False) -> tuple[NVFP4Rows, NVFP4Rows, NVFP4Rows]:
+    """gate_up [T, 2I] bf16 (gate | up) -> NVFP4 rows of (silu(gate) * up, gate, up); ``fp8``:
+    the first with its E4M3 copy attached."""
     gate, up = gate_up.float().chunk(2, dim=-1)
-    return quantize_rows(F.silu(gate) * up), quantize_rows(gate), quantize_rows(up)
+    return _attach_fp8(quantize_rows(F.silu(gate) * up), fp8), quantize_rows(gate), quantize_rows(up)
 
 
 def rmsnorm_backward(dy: torch.Tensor, yq: NVFP4Rows, rstd: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -92,9 +100,9 @@ def ce_grad_(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return loss
 
 
-def quant_rows(x: torch.Tensor) -> NVFP4Rows:
-    """x [T, K] -> NVFP4 rows (per-row fp32 scale)."""
-    return quantize_rows(x.float())
+def quant_rows(x: torch.Tensor, fp8: bool = False) -> NVFP4Rows:
+    """x [T, K] -> NVFP4 rows (per-row fp32 scale); ``fp8``: E4M3 copy attached."""
+    return _attach_fp8(quantize_rows(x.float()), fp8)
 
 
 def dequant_rows(q: NVFP4Rows, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -138,12 +146,17 @@ def fp8_rows(x: NVFP4Rows | NVFP4Tensor | torch.Tensor, pad_to: int = 16) -> tup
     (cuBLAS's FP8 GEMM wants every dimension a multiple of 16).
 
     Per row: v = q * s_b (exact) or the bf16 value; y = e4m3(v * (448 / amax)); scale =
-    (amax / 448) times the row's / tensor's NVFP4 scale, with amax = max |v| for bf16 rows
-    and 6 * max(s_b) (the bound the block scales set) for NVFP4 rows. Padding: zeros, scale 1."""
+    (amax / 448) times the row's / tensor's NVFP4 scale, with amax = max |v| for bf16 rows,
+    6 * 448 for NVFP4 activation rows and 6 * max(s_b) per row of an NVFP4 weight (the bounds
+    the block scales set). Padding: zeros, scale 1."""
     rows = x.shape[0]
-    if isinstance(x, (NVFP4Rows, NVFP4Tensor)):
+    if isinstance(x, NVFP4Rows):  # every row's largest block scale is 448 (runtime/rows.py)
         v = _decoded_qs(x.packed, x.scales)
-        base = x.row_scale.float() if isinstance(x, NVFP4Rows) else x.global_scale.float().expand(rows)
+        base = x.row_scale.float()
+        amax = torch.full((rows,), 6.0 * 448.0, device=v.device)
+    elif isinstance(x, NVFP4Tensor):
+        v = _decoded_qs(x.packed, x.scales)
+        base = x.global_scale.float().expand(rows)
         amax = 6.0 * x.scales.float().amax(-1) if x.shape[1] else torch.zeros(rows, device=v.device)
     else:
         v = x.float()

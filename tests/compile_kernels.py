@@ -40,13 +40,14 @@ def main(capability: int) -> None:
     from pact.runtime.kernels import nvfp4 as N
 
     rows = {"packed_ptr": "*u8", "scales_ptr": "*u8", "rs_ptr": "*fp32"}
-    _compile_sm(N._quant_rows_kernel, {"x_ptr": "*bf16", "stride_x": "i32", **rows, "K": "i32"},
-                {"BLOCK_K": 16384, "CHUNK": 2048})
+    _compile_sm(N._quant_rows_kernel, {"x_ptr": "*bf16", "stride_x": "i32", **rows, "f8_ptr": "*u8", "K": "i32"},
+                {"BLOCK_K": 16384, "CHUNK": 2048, "EMIT_FP8": True})
     _compile_sm(N._rmsnorm_quant_kernel, {"x_ptr": "*bf16", "stride_x": "i32", "w_ptr": "*bf16", "eps": "fp32", **rows,
-                                          "rstd_ptr": "*fp32", "K": "i32"}, {"BLOCK_K": 2048})
+                                          "rstd_ptr": "*fp32", "f8_ptr": "*u8", "K": "i32"},
+                {"BLOCK_K": 2048, "EMIT_FP8": True})
     three = {f"{p}{s}": t for p in "hgu" for s, t in (("p", "*u8"), ("s", "*u8"), ("r", "*fp32"))}
-    _compile_sm(N._silu_mul_quant_kernel, {"gu_ptr": "*bf16", "stride_gu": "i32", **three, "K": "i32"},
-                {"BLOCK_K": 8192, "CHUNK": 2048})
+    _compile_sm(N._silu_mul_quant_kernel, {"gu_ptr": "*bf16", "stride_gu": "i32", **three, "h8_ptr": "*u8", "K": "i32"},
+                {"BLOCK_K": 8192, "CHUNK": 2048, "EMIT_FP8": True})
     _compile_sm(N._dequant_rows_kernel, {**rows, "out_ptr": "*bf16", "K": "i32"},
                 {"BLOCK_K": 8192, "CHUNK": 2048, "ROUND_BF16": True, "HAS_RS": True})
     _compile_sm(N._rmsnorm_backward_kernel, {"dy_ptr": "*fp32", "stride_dy": "i32", "yp": "*u8", "ys": "*u8", "yr": "*fp32",

@@ -144,6 +144,30 @@ def test_fp8_rows_exact(rows, k):
         assert torch.equal(sa, sb), name
 
 
+@pytest.mark.parametrize("chunk", [2048, 32])
+def test_quantizers_write_the_fp8_copy(monkeypatch, chunk):
+    """RMSNorm / SiLU-mul / row quantization with fp8=True also write the E4M3 copy of what they
+    quantized: bytes and scales == fp8_rows of the NVFP4 rows (the twin), in one pass and
+    walked in pieces; the GEMM reads the copy instead of re-encoding."""
+    from pact.runtime.kernels import nvfp4 as KN
+    from pact.runtime.kernels.fp8 import fp8_rows, nvfp4_gemm_fp8
+
+    monkeypatch.setattr(KN, "ROW_CHUNK", chunk)
+    x = _awkward(21, 272, seed=4)
+    w = (torch.rand(272) + 0.5).to(torch.bfloat16)
+    gu = _awkward(21, 544, seed=5)
+    made = [K.quant_rows(x, fp8=True), K.rmsnorm_quant(x, w, 1e-5, fp8=True)[0], K.silu_mul_quant(gu, fp8=True)[0]]
+    for q in made:
+        b8, sb = fp8_rows(q)
+        assert q.fp8.shape == b8.shape and torch.equal(q.fp8.view(torch.uint8), b8.view(torch.uint8))
+        assert torch.equal(q.fp8_scale, sb)
+        r8, rs = R.fp8_rows(q)
+        assert torch.equal(b8.view(torch.uint8), r8.view(torch.uint8)) and torch.equal(sb, rs)
+    fwd, _ = quantize_weight(torch.randn(48, 272) * 0.05)
+    plain = R.quant_rows(x)
+    assert torch.equal(nvfp4_gemm_fp8(made[0], fwd), nvfp4_gemm_fp8(plain, fwd))
+
+
 def test_fp8_rows_error_bound():
     """Each element moves by at most half an E4M3 step: 2^-4 of its value for normals, 2^-10
     (half the subnormal step) of the row's scale below 2^-6; padding rows are zero."""

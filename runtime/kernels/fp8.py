@@ -15,7 +15,9 @@ well below NVFP4's own (~20 dB SQNR); the FP8 row conversion is what the twin
 
 E4M3 encoding is done on the fp32 bits (normals) and with an exact integer rounding
 (subnormals), never with `.to(tl.float8e4nv)`: the interpreter's cast drops the mantissa carry
-and flushes subnormals.
+and flushes subnormals. The forward GEMMs' A operand arrives with its E4M3 copy already
+written by the kernel that quantized it (RMSNorm, SiLU-mul, o_proj input: runtime/rows.py);
+only the input gradient's dY and the weights are re-encoded here.
 """
 
 from __future__ import annotations
@@ -26,28 +28,12 @@ import triton.language as tl
 
 from pact.formats.nvfp4 import NVFP4Rows, NVFP4Tensor
 
-from .nvfp4 import _block_k, _chunk, _decode_row, _e4m3_value
+from .nvfp4 import _block_k, _chunk, _decode_row, _e4m3_bytes, _e4m3_value
 
 FP8_MAX = tl.constexpr(448.0)
-E4M3_MIN_NORMAL = tl.constexpr(0.015625)  # 2^-6
-_RINT = tl.constexpr(8388608.0)  # 2^23: (x + 2^23) - 2^23 rounds 0 <= x < 2^22 to an integer, ties to even
+NVFP4_ROW_AMAX = tl.constexpr(2688.0)  # 6 * 448: the E4M3 copy of NVFP4 rows (runtime/rows.py)
 
 SRC_BF16, SRC_NVFP4_ROWS, SRC_NVFP4_TENSOR = 0, 1, 2
-
-
-@triton.jit
-def _e4m3_bytes(y):
-    """fp32 y, |y| <= 448 -> e4m3fn bytes (int32), round to nearest even, subnormals kept, and
-    every zero positive (a sign on zero carries nothing into a product; one rule both sides)."""
-    bits = y.to(tl.int32, bitcast=True)
-    sign = (bits >> 31) & 1
-    mag_bits = bits & 0x7FFFFFFF
-    rb = (mag_bits + 0x7FFFF + ((mag_bits >> 20) & 1)) & -1048576  # RNE to 3 mantissa bits
-    normal = ((((rb >> 23) & 0xFF) - 120) << 3) | ((rb >> 20) & 7)
-    a = mag_bits.to(tl.float32, bitcast=True)
-    sub = ((a * 512.0 + _RINT) - _RINT).to(tl.int32)  # multiples of 2^-9; 8 = 2^-6 (the first normal)
-    mag = tl.where(a >= E4M3_MIN_NORMAL, normal, sub)
-    return tl.where(mag == 0, 0, mag | (sign << 7))
 
 
 @triton.jit
@@ -63,15 +49,17 @@ def _fp8_source(src_ptr, src_scales_ptr, stride_src, row, K, c0, SRC: tl.constex
 def _fp8_rows_kernel(src_ptr, src_scales_ptr, src_scale_ptr, stride_src, out_ptr, out_scale_ptr, K,
                      SRC: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr):
     """One row -> E4M3 bytes [K] and its fp32 decode scale (amax / 448 times the source's scale).
-    bf16 rows: amax from the values (a first pass). NVFP4 rows: amax = 6 * max(s_b), the
-    largest magnitude the row's block scales allow, read from the scales alone (1/16 of the
-    row); then one pass decodes and encodes."""
+    bf16 rows: amax from the values (a first pass). NVFP4 activation rows: amax = 6 * 448, the
+    bound every row meets (its per-row scale puts its largest block scale at 448). NVFP4
+    weights (one scale per tensor): amax = 6 * max(s_b), read from the row's scales alone."""
     row = tl.program_id(0)
     amax = 0.0
     if SRC == 0:
         for c0 in tl.static_range(0, BLOCK_K, CHUNK):
             v = _fp8_source(src_ptr, src_scales_ptr, stride_src, row, K, c0, SRC, CHUNK)
             amax = tl.maximum(amax, tl.max(tl.abs(v), axis=0))
+    elif SRC == 1:
+        amax = NVFP4_ROW_AMAX + 0.0
     else:
         offs_s = tl.arange(0, BLOCK_K // 16)
         sb = tl.load(src_scales_ptr + row * (K // 16) + offs_s, mask=offs_s < K // 16, other=0).to(tl.int32)
@@ -131,6 +119,9 @@ def nvfp4_gemm_fp8(a: NVFP4Rows | torch.Tensor, w: NVFP4Tensor, a_hat: torch.Ten
     if a.shape[1] != w.shape[1]:
         raise ValueError(f"nvfp4_gemm_fp8: A has K={a.shape[1]}, W has K={w.shape[1]}")
     m = a.shape[0]
-    a8, sa = fp8_rows(a)
+    if getattr(a, "fp8", None) is not None:  # written by the kernel that quantized A
+        a8, sa = a.fp8, a.fp8_scale
+    else:
+        a8, sa = fp8_rows(a)
     w8, sw = fp8_rows(w)
     return scaled_mm_rows(a8, sa, w8, sw)[:m]

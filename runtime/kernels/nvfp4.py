@@ -24,11 +24,14 @@ import triton.language as tl
 
 from pact.formats.nvfp4 import NVFP4Rows, NVFP4Tensor
 
+from ..rows import NVFP4RowsFP8
+
 # Globals read inside @triton.jit must be tl.constexpr.
 E2M1_MAX = tl.constexpr(6.0)
 E4M3_MAX = tl.constexpr(448.0)
 E4M3_MIN_SCALE = tl.constexpr(0.015625)  # 2^-6: smallest e4m3 normal (torchao's clamp)
 GLOBAL_DIV = tl.constexpr(2688.0)  # 6 * 448
+FP8_FROM_NVFP4 = tl.constexpr(448.0 / 2688.0)  # q * s_b -> E4M3 units (runtime/rows.py)
 # Triton 3.6's interpreter computes tl.dot wrongly on tiles cast to bf16 in the kernel, so
 # under the interpreter the decoded tiles (exact in bf16, hence also in fp32) meet in fp32.
 _DOT_DTYPE = tl.float32 if os.environ.get("TRITON_INTERPRET") == "1" else tl.bfloat16
@@ -53,6 +56,23 @@ def _rne_bf16(v):
     bits = v.to(tl.int32, bitcast=True)
     bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536  # mask 0xFFFF0000
     return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e4m3_bytes(y):
+    """fp32 y, |y| <= 448 -> e4m3fn bytes (int32), round to nearest even, subnormals kept, and
+    every zero positive (a sign on zero carries nothing into a product; one rule both sides).
+    Normals round on the fp32 bits, subnormals by an exact integer rounding: the
+    interpreter's `.to(tl.float8e4nv)` drops the mantissa carry and flushes subnormals."""
+    bits = y.to(tl.int32, bitcast=True)
+    sign = (bits >> 31) & 1
+    mag_bits = bits & 0x7FFFFFFF
+    rb = (mag_bits + 0x7FFFF + ((mag_bits >> 20) & 1)) & -1048576  # RNE to 3 mantissa bits
+    normal = ((((rb >> 23) & 0xFF) - 120) << 3) | ((rb >> 20) & 7)
+    a = mag_bits.to(tl.float32, bitcast=True)
+    sub = ((a * 512.0 + 8388608.0) - 8388608.0).to(tl.int32)  # multiples of 2^-9 (RNE); 8 = 2^-6
+    mag = tl.where(a >= E4M3_MIN_SCALE, normal, sub)
+    return tl.where(mag == 0, 0, mag | (sign << 7))
 
 
 @triton.jit
@@ -102,7 +122,8 @@ def _row_scale(amax):
 
 @triton.jit
 def _quantize_blocks(y, g):
-    """Blocks y [n, 16] fp32 (zeros past K) with row scale g -> packed [n, 8] u8, scale bytes [n]."""
+    """Blocks y [n, 16] fp32 (zeros past K) with row scale g -> codes [n, 16] int32, scale values
+    [n] fp32, scale bytes [n] u8."""
     bamax = tl.max(tl.abs(y), axis=1)
     s = tl.math.div_rn(tl.math.div_rn(bamax, E2M1_MAX), g)
     s = tl.minimum(tl.maximum(s, E4M3_MIN_SCALE), E4M3_MAX)
@@ -110,26 +131,31 @@ def _quantize_blocks(y, g):
     recip = tl.math.div_rn(tl.math.div_rn(1.0, g) + tl.zeros_like(s_val), s_val)
     scaled = y * recip[:, None]
     scaled = tl.minimum(tl.maximum(scaled, -E2M1_MAX), E2M1_MAX)
-    codes = tl.reshape(_e2m1_codes(scaled), (y.shape[0], 8, 2))
-    lo, hi = tl.split(codes)
-    return (lo | (hi << 4)).to(tl.uint8), s_byte.to(tl.uint8)
+    return _e2m1_codes(scaled), s_val, s_byte.to(tl.uint8)
 
 
 @triton.jit
-def _store_blocks(row, c0, y, g, packed_ptr, scales_ptr, K, CHUNK: tl.constexpr):
-    """Quantize elements c0 .. c0+CHUNK of a row (given as blocks [CHUNK/16, 16]) and store them."""
-    packed, s_byte = _quantize_blocks(y, g)
+def _store_blocks(row, c0, y, g, packed_ptr, scales_ptr, K, CHUNK: tl.constexpr, f8_ptr, EMIT_FP8: tl.constexpr):
+    """Quantize elements c0 .. c0+CHUNK of a row (given as blocks [CHUNK/16, 16]) and store them;
+    with EMIT_FP8 also their E4M3 copy e4m3(q * s_b * 448 / 2688) (runtime/rows.py)."""
+    codes, s_val, s_byte = _quantize_blocks(y, g)
+    lo, hi = tl.split(tl.reshape(codes, (CHUNK // 16, 8, 2)))
     offs_b = c0 // 16 + tl.arange(0, CHUNK // 16)
     offs_h = offs_b[:, None] * 8 + tl.arange(0, 8)[None, :]
-    tl.store(packed_ptr + row * (K // 2) + offs_h, packed, mask=offs_h < K // 2)
+    tl.store(packed_ptr + row * (K // 2) + offs_h, (lo | (hi << 4)).to(tl.uint8), mask=offs_h < K // 2)
     tl.store(scales_ptr + row * (K // 16) + offs_b, s_byte, mask=offs_b < K // 16)
+    if EMIT_FP8:
+        v = _e2m1_value(codes) * s_val[:, None]  # q * s_b, exact
+        f8 = _e4m3_bytes(tl.minimum(tl.maximum(v * FP8_FROM_NVFP4, -E4M3_MAX), E4M3_MAX))
+        offs = _block_offsets(c0, CHUNK)
+        tl.store(f8_ptr + row * K + offs, f8.to(tl.uint8), mask=offs < K)
 
 
 @triton.jit
-def _store_row(row, y, packed_ptr, scales_ptr, rs_ptr, K, BLOCK_K: tl.constexpr):
+def _store_row(row, y, packed_ptr, scales_ptr, rs_ptr, K, BLOCK_K: tl.constexpr, f8_ptr, EMIT_FP8: tl.constexpr):
     """Quantize a whole row held as blocks [BLOCK_K/16, 16] (its own amax sets g) and store it."""
     g = _row_scale(tl.max(tl.max(tl.abs(y), axis=1), axis=0))
-    _store_blocks(row, 0, y, g, packed_ptr, scales_ptr, K, BLOCK_K)
+    _store_blocks(row, 0, y, g, packed_ptr, scales_ptr, K, BLOCK_K, f8_ptr, EMIT_FP8)
     tl.store(rs_ptr + row, g)
 
 
@@ -161,8 +187,8 @@ def _decode_tile(p, s, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _quant_rows_kernel(x_ptr, stride_x, packed_ptr, scales_ptr, rs_ptr, K, BLOCK_K: tl.constexpr,
-                       CHUNK: tl.constexpr):
+def _quant_rows_kernel(x_ptr, stride_x, packed_ptr, scales_ptr, rs_ptr, f8_ptr, K, BLOCK_K: tl.constexpr,
+                       CHUNK: tl.constexpr, EMIT_FP8: tl.constexpr):
     row = tl.program_id(0)
     amax = 0.0
     for c0 in tl.static_range(0, BLOCK_K, CHUNK):
@@ -173,13 +199,13 @@ def _quant_rows_kernel(x_ptr, stride_x, packed_ptr, scales_ptr, rs_ptr, K, BLOCK
     for c0 in tl.static_range(0, BLOCK_K, CHUNK):
         offs = _block_offsets(c0, CHUNK)
         y = tl.load(x_ptr + row * stride_x + offs, mask=offs < K, other=0.0).to(tl.float32)
-        _store_blocks(row, c0, y, g, packed_ptr, scales_ptr, K, CHUNK)
+        _store_blocks(row, c0, y, g, packed_ptr, scales_ptr, K, CHUNK, f8_ptr, EMIT_FP8)
     tl.store(rs_ptr + row, g)
 
 
 @triton.jit
-def _rmsnorm_quant_kernel(x_ptr, stride_x, w_ptr, eps, packed_ptr, scales_ptr, rs_ptr, rstd_ptr, K,
-                          BLOCK_K: tl.constexpr):
+def _rmsnorm_quant_kernel(x_ptr, stride_x, w_ptr, eps, packed_ptr, scales_ptr, rs_ptr, rstd_ptr, f8_ptr, K,
+                          BLOCK_K: tl.constexpr, EMIT_FP8: tl.constexpr):
     row = tl.program_id(0)
     offs = _block_offsets(0, BLOCK_K)
     mask = offs < K
@@ -187,12 +213,12 @@ def _rmsnorm_quant_kernel(x_ptr, stride_x, w_ptr, eps, packed_ptr, scales_ptr, r
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     rstd = 1.0 / tl.sqrt_rn(tl.sum(tl.sum(x * x, axis=1), axis=0) / K + eps)
     tl.store(rstd_ptr + row, rstd)
-    _store_row(row, x * rstd * w, packed_ptr, scales_ptr, rs_ptr, K, BLOCK_K)
+    _store_row(row, x * rstd * w, packed_ptr, scales_ptr, rs_ptr, K, BLOCK_K, f8_ptr, EMIT_FP8)
 
 
 @triton.jit
-def _silu_mul_quant_kernel(gu_ptr, stride_gu, hp, hs, hr, gp, gs, gr, up, us, ur, K, BLOCK_K: tl.constexpr,
-                           CHUNK: tl.constexpr):
+def _silu_mul_quant_kernel(gu_ptr, stride_gu, hp, hs, hr, gp, gs, gr, up, us, ur, h8_ptr, K, BLOCK_K: tl.constexpr,
+                           CHUNK: tl.constexpr, EMIT_FP8: tl.constexpr):
     row = tl.program_id(0)
     base = gu_ptr + row * stride_gu
     am_h, am_g, am_u = 0.0, 0.0, 0.0
@@ -210,9 +236,9 @@ def _silu_mul_quant_kernel(gu_ptr, stride_gu, hp, hs, hr, gp, gs, gr, up, us, ur
         g = tl.load(base + offs, mask=offs < K, other=0.0).to(tl.float32)
         u = tl.load(base + K + offs, mask=offs < K, other=0.0).to(tl.float32)
         h = g / (1.0 + tl.exp(-g)) * u
-        _store_blocks(row, c0, h, sh, hp, hs, K, CHUNK)
-        _store_blocks(row, c0, g, sg, gp, gs, K, CHUNK)
-        _store_blocks(row, c0, u, su, up, us, K, CHUNK)
+        _store_blocks(row, c0, h, sh, hp, hs, K, CHUNK, h8_ptr, EMIT_FP8)
+        _store_blocks(row, c0, g, sg, gp, gs, K, CHUNK, h8_ptr, False)
+        _store_blocks(row, c0, u, su, up, us, K, CHUNK, h8_ptr, False)
     tl.store(hr + row, sh)
     tl.store(gr + row, sg)
     tl.store(ur + row, su)
@@ -365,40 +391,63 @@ def _chunk(block_k: int) -> dict:
     return dict(BLOCK_K=block_k, CHUNK=c, num_warps=_warps(c))
 
 
-def quant_rows(x: torch.Tensor) -> NVFP4Rows:
-    """x [T, K] -> NVFP4 rows (per-row fp32 scale)."""
+def _with_fp8(q: NVFP4Rows, fp8: bool) -> tuple[NVFP4Rows, torch.Tensor]:
+    """``q`` as NVFP4RowsFP8 with an E4M3 buffer for the kernel to fill (padding rows zeroed)
+    when ``fp8``; else ``q`` and a dummy pointer."""
+    if not fp8:
+        return q, q.row_scale
+    rows, k = q.shape
+    padded = -(-rows // 16) * 16
+    f8 = torch.empty(padded, k, dtype=torch.float8_e4m3fn, device=q.packed.device)
+    f8[rows:].view(torch.uint8).zero_()
+    scale = torch.ones(padded, dtype=torch.float32, device=q.packed.device)
+    return NVFP4RowsFP8(q.packed, q.scales, q.row_scale, f8, scale), f8.view(torch.uint8)
+
+
+def _fp8_scale_from(q: NVFP4Rows) -> None:
+    if isinstance(q, NVFP4RowsFP8):  # decode scale of the E4M3 copy: (2688 / 448) * g
+        q.fp8_scale[: q.shape[0]] = q.row_scale * 6.0
+
+
+def quant_rows(x: torch.Tensor, fp8: bool = False) -> NVFP4Rows:
+    """x [T, K] -> NVFP4 rows (per-row fp32 scale); ``fp8``: with their E4M3 copy attached."""
     x = x if x.stride(-1) == 1 else x.contiguous()
     T, K = x.shape
-    out = _empty_rows(T, K, x.device)
+    out, f8 = _with_fp8(_empty_rows(T, K, x.device), fp8)
     bk = _block_k(K)
     if T:
-        _quant_rows_kernel[(T,)](x, x.stride(0), *_row_args(out), K, **_chunk(bk))
+        _quant_rows_kernel[(T,)](x, x.stride(0), *_row_args(out), f8, K, **_chunk(bk), EMIT_FP8=fp8)
+    _fp8_scale_from(out)
     return out
 
 
-def rmsnorm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[NVFP4Rows, torch.Tensor]:
-    """x [T, H] bf16 -> (NVFP4 rows of x * rstd * w, rstd fp32 [T])."""
+def rmsnorm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, fp8: bool = False) -> tuple[NVFP4Rows, torch.Tensor]:
+    """x [T, H] bf16 -> (NVFP4 rows of x * rstd * w, rstd fp32 [T]); ``fp8``: E4M3 copy attached."""
     x = x if x.stride(-1) == 1 else x.contiguous()
     T, K = x.shape
-    out = _empty_rows(T, K, x.device)
+    out, f8 = _with_fp8(_empty_rows(T, K, x.device), fp8)
     rstd = torch.empty(T, dtype=torch.float32, device=x.device)
     bk = _block_k(K)
     if T:
-        _rmsnorm_quant_kernel[(T,)](x, x.stride(0), weight, eps, *_row_args(out), rstd, K, BLOCK_K=bk,
-                                    num_warps=_warps(bk))
+        _rmsnorm_quant_kernel[(T,)](x, x.stride(0), weight, eps, *_row_args(out), rstd, f8, K, BLOCK_K=bk,
+                                    EMIT_FP8=fp8, num_warps=_warps(bk))
+    _fp8_scale_from(out)
     return out, rstd
 
 
-def silu_mul_quant(gate_up: torch.Tensor) -> tuple[NVFP4Rows, NVFP4Rows, NVFP4Rows]:
-    """gate_up [T, 2I] bf16 (gate | up) -> NVFP4 rows of (silu(gate) * up, gate, up)."""
+def silu_mul_quant(gate_up: torch.Tensor, fp8: bool = False) -> tuple[NVFP4Rows, NVFP4Rows, NVFP4Rows]:
+    """gate_up [T, 2I] bf16 (gate | up) -> NVFP4 rows of (silu(gate) * up, gate, up); ``fp8``:
+    the first (the down projection's input) with its E4M3 copy attached."""
     gate_up = gate_up if gate_up.stride(-1) == 1 else gate_up.contiguous()
     T, K2 = gate_up.shape
     K = K2 // 2
     h, g, u = (_empty_rows(T, K, gate_up.device) for _ in range(3))
+    h, h8 = _with_fp8(h, fp8)
     bk = _block_k(K)
     if T:
-        _silu_mul_quant_kernel[(T,)](gate_up, gate_up.stride(0), *_row_args(h), *_row_args(g), *_row_args(u), K,
-                                     **_chunk(bk))
+        _silu_mul_quant_kernel[(T,)](gate_up, gate_up.stride(0), *_row_args(h), *_row_args(g), *_row_args(u), h8, K,
+                                     **_chunk(bk), EMIT_FP8=fp8)
+    _fp8_scale_from(h)
     return h, g, u
 
 
