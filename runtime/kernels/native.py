@@ -18,7 +18,7 @@ import triton.language as tl
 
 from pact.formats.nvfp4 import NVFP4Rows, NVFP4Tensor
 
-from .nvfp4 import _grouped_tile, quant_rows
+from .nvfp4 import _tile, quant_rows
 
 
 @triton.jit
@@ -26,12 +26,7 @@ def _nvfp4_native_gemm_kernel(a_ptr, a_scales_ptr, a_rs_ptr, b_ptr, b_scales_ptr
                               K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                               GROUP_M: tl.constexpr):
     """C [M,N] = A [M,K] @ B [N,K]^T with A, B NVFP4 (packed along K, e4m3 scales per 16)."""
-    pid_m, pid_n = _grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_h = tl.arange(0, BLOCK_K // 2)
-    offs_s = tl.arange(0, BLOCK_K // 16)
-    mask_m, mask_n = offs_m < M, offs_n < N
+    offs_m, offs_n, offs_h, offs_s, mask_m, mask_n = _tile(M, N, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kh, ks = k0 // 2 + offs_h, k0 // 16 + offs_s

@@ -317,6 +317,16 @@ def _grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP
 
 
 @triton.jit
+def _tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """This program's output tile of an NVFP4 GEMM: row / column offsets, the byte and scale
+    offsets within a BLOCK_K step, and the row / column masks."""
+    pid_m, pid_n = _grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    return offs_m, offs_n, tl.arange(0, BLOCK_K // 2), tl.arange(0, BLOCK_K // 16), offs_m < M, offs_n < N
+
+
+@triton.jit
 def _nvfp4_gemm_kernel(a_ptr, a_scales_ptr, a_rs_ptr, stride_am, b_ptr, b_scales_ptr, b_gs_ptr, c_ptr, stride_cm,
                        M, N, K: tl.constexpr, A_NVFP4: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_DTYPE: tl.constexpr):
@@ -326,12 +336,7 @@ def _nvfp4_gemm_kernel(a_ptr, a_scales_ptr, a_rs_ptr, stride_am, b_ptr, b_scales
     the byte offsets fold, and (Triton 3.6) the interpreter cannot loop to a runtime scalar
     under NumPy >= 2.4.
     """
-    pid_m, pid_n = _grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_h = tl.arange(0, BLOCK_K // 2)
-    offs_s = tl.arange(0, BLOCK_K // 16)
-    mask_m, mask_n = offs_m < M, offs_n < N
+    offs_m, offs_n, offs_h, offs_s, mask_m, mask_n = _tile(M, N, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kh, ks = k0 // 2 + offs_h, k0 // 16 + offs_s
