@@ -388,12 +388,15 @@ def _warps(block_k: int) -> int:
     return min(16, max(1, block_k // 256))
 
 
-ROW_CHUNK = 2048  # elements a row kernel holds at once (wider rows are walked in pieces)
+# Elements a row kernel holds at once (wider rows are walked in pieces) and warps per program
+# (None: one warp per 256 elements). benchmarks/bench_rows.py measures the choices.
+ROW_CHUNK = int(os.environ.get("PACT_ROW_CHUNK", 2048))
+ROW_WARPS = int(os.environ["PACT_ROW_WARPS"]) if os.environ.get("PACT_ROW_WARPS") else None
 
 
 def _chunk(block_k: int) -> dict:
     c = min(block_k, ROW_CHUNK)
-    return dict(BLOCK_K=block_k, CHUNK=c, num_warps=_warps(c))
+    return dict(BLOCK_K=block_k, CHUNK=c, num_warps=ROW_WARPS or _warps(c))
 
 
 def _with_fp8(q: NVFP4Rows, fp8: bool) -> tuple[NVFP4Rows, torch.Tensor]:
