@@ -20,10 +20,14 @@ from bench_gemm import time_ms
 @click.command()
 @click.option("--tokens", default=16384, show_default=True)
 @click.option("--inter", default=8192, show_default=True)
-def main(tokens: int, inter: int) -> None:
+@click.option("--chunks", default="1024,2048,4096", show_default=True)
+@click.option("--warps", "warps_csv", default="4,8,16", show_default=True)
+def main(tokens: int, inter: int, chunks: str, warps_csv: str) -> None:
     from pact.runtime import kernels as K
     from pact.runtime.kernels import nvfp4 as KN
     from pact.runtime.kernels.fp8 import fp8_rows
+
+    chunks, warps_list = [int(c) for c in chunks.split(",")], [int(w) for w in warps_csv.split(",")]
 
     torch.manual_seed(0)
     gu = torch.randn(tokens, 2 * inter, device="cuda").to(torch.bfloat16)
@@ -38,14 +42,15 @@ def main(tokens: int, inter: int) -> None:
         "fp8_rows(dY 2I)": (lambda: fp8_rows(gu), gu.numel() * 3),
     }
     results = {}
-    for chunk, warps in itertools.product((512, 1024, 2048, 4096), (2, 4, 8, 16)):
+    print(f"{'chunk':>6}{'warps':>6}" + "".join(f"{n:>20}" for n in cases) + f"{'sum ms':>10}", flush=True)
+    for chunk, warps in itertools.product(chunks, warps_list):
         if warps * 32 > chunk:
             continue
         KN.ROW_CHUNK, KN.ROW_WARPS = chunk, warps
-        results[(chunk, warps)] = {name: time_ms(fn) for name, (fn, _) in cases.items()}
-    print(f"{'chunk':>6}{'warps':>6}" + "".join(f"{n:>20}" for n in cases) + f"{'sum ms':>10}")
-    for (chunk, warps), r in results.items():
-        print(f"{chunk:>6}{warps:>6}" + "".join(f"{r[n]:>20.3f}" for n in cases) + f"{sum(r.values()):>10.3f}")
+        r = results[(chunk, warps)] = {name: time_ms(fn) for name, (fn, _) in cases.items()}
+        # one line per choice as soon as it is measured (each choice compiles five kernels)
+        print(f"{chunk:>6}{warps:>6}" + "".join(f"{r[n]:>20.3f}" for n in cases) + f"{sum(r.values()):>10.3f}",
+              flush=True)
     best = min(results, key=lambda c: sum(results[c].values()))
     print("GB/s at the best: " + ", ".join(f"{n} {b / results[best][n] / 1e6:.0f}" for n, (_, b) in cases.items()))
     print(f"best ROW_CHUNK={best[0]} ROW_WARPS={best[1]}")
