@@ -115,7 +115,29 @@ def demo(workdir: Path | None, train_size: int, test_size: int, calib_samples: i
     for name, r in rows:
         click.echo(f"{name:<26}{r.get('eval_accuracy', float('nan')):>10.1%}{r['eval_loss']:>10.3f}")
     click.echo(f"\ntraining loss over {len(losses)} steps: {losses[0]:.3f} {_sparkline(losses)} {losses[-1]:.3f}")
+    png = _loss_png(losses, run / "loss.png")
+    click.echo(f"loss curve: {png}" if png else "loss curve: pip install matplotlib for a PNG (the line above is it)")
     click.echo(f"adapter (PEFT format): {run}")
+
+
+def _loss_png(losses: list[float], path: Path) -> Path | None:
+    """The training loss as a PNG (written to a temp name, then renamed); None without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(range(1, len(losses) + 1), losses, lw=1.5)
+    ax.set(xlabel="step", ylabel="training loss (completion tokens)", title="pact demo: LoRA on NVFP4 SmolLM2-135M")
+    fig.tight_layout()
+    tmp = path.with_name(path.name + ".tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    tmp.replace(path)
+    return path
 
 
 def _majority(test_f: Path) -> float:
