@@ -20,7 +20,8 @@ in the same order for a given seed. Methods:
 
 Where the gap to BF16 LoRA comes from: peft-bf16 -> pact-gptq-bf16act is the NVFP4 weights;
 -> pact-gptq the NVFP4 activations; pact-gptq -> pact-gptq-native the quantized gradient.
-Prints accuracy per seed and mean +- sample std; writes accuracy.csv into the work folder.
+Prints accuracy per seed and mean +- sample std of this invocation; accuracy.csv in the work
+folder's bench-accuracy/ keeps every (method, seed) measured so far (a re-run replaces its row).
 """
 
 from __future__ import annotations
@@ -191,10 +192,18 @@ def main(workdir: Path | None, seeds: str, methods: str, calib_samples: int, ste
             else:
                 continue
             record(method, seed, acc, time.perf_counter() - t)
-    with open(out / "accuracy.csv", "w", newline="") as f:
+    # merge with earlier invocations: a (method, seed) measured again replaces its old row
+    path = out / "accuracy.csv"
+    kept = []
+    if path.is_file():
+        done = {(r["method"], str(r["seed"])) for r in rows}
+        kept = [r for r in csv.DictReader(open(path)) if (r["method"], r["seed"]) not in done]
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=["method", "seed", "accuracy", "seconds"])
         w.writeheader()
-        w.writerows(rows)
+        w.writerows(kept + rows)
+    tmp.replace(path)
     labels = [r for r in rows if r["seed"] != "-"]
     click.echo(f"\nRotten Tomatoes, 200 held-out snippets, {device.type}; accuracy over seeds {seeds}")
     click.echo(f"{'method':<22}{'mean':>8}{'+- std':>9}  per seed")
