@@ -158,7 +158,6 @@ def profile_pact(art_path: Path, bs: int, seq: int, compute: str, checkpoint: bo
 
 def bench_peft(shape: str, bs: int, seq: int, warmup: int, iters: int, checkpoint: bool = False,
                liger: bool = False, qlora_src: Path | None = None) -> tuple[float, float]:
-    from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
     if qlora_src is not None:  # QLoRA: the same random weights, quantized to NF4 by bitsandbytes on load
