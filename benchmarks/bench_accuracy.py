@@ -100,16 +100,12 @@ def _train_hf(model, examples, pad: int, seed: int, device: torch.device, steps:
 def _hf_accuracy(model, examples, pad: int, device: torch.device) -> float:
     """Label likelihood, as pact-eval scores it: the candidate completion with the highest
     summed log-probability wins."""
-    from pact.runtime.data import IGNORE, Example, collate
-    from pact.runtime.evaluate import label_candidates
+    from pact.runtime.data import IGNORE
+    from pact.runtime.evaluate import candidate_batches, label_candidates
 
     cands = label_candidates(examples)
     names, correct = list(cands), 0
-    for i in range(0, len(examples), BATCH):
-        chunk = examples[i : i + BATCH]
-        seqs = [Example(e.prompt_ids + cands[c], [IGNORE] * len(e.prompt_ids) + cands[c], c, e.prompt_ids)
-                for e in chunk for c in names]
-        ids, labels = collate(seqs, list(range(len(seqs))), pad, device)
+    for chunk, ids, labels in candidate_batches(examples, cands, BATCH, pad, device):
         logp = F.log_softmax(model(input_ids=ids).logits[:, :-1].float(), dim=-1)
         tgt = labels[:, 1:]
         tok = logp.gather(2, tgt.clamp(min=0).unsqueeze(-1)).squeeze(-1) * (tgt != IGNORE)

@@ -42,6 +42,16 @@ def label_candidates(examples: list[Example], max_labels: int = 32) -> dict[str,
     return None
 
 
+def candidate_batches(examples: list[Example], cands: dict[str, list[int]], batch_size: int, pad_id: int, device):
+    """Per chunk of ``batch_size`` examples: (chunk, ids, labels) holding every (example,
+    candidate) sequence, candidates in ``cands`` order, only the candidate's tokens labelled."""
+    for i in range(0, len(examples), batch_size):
+        chunk = examples[i : i + batch_size]
+        seqs = [Example(e.prompt_ids + cands[c], [IGNORE] * len(e.prompt_ids) + cands[c], c, e.prompt_ids)
+                for e in chunk for c in cands]
+        yield (chunk, *collate(seqs, list(range(len(seqs))), pad_id, device))
+
+
 @torch.no_grad()
 def evaluate(model, examples: list[Example], *, batch_size: int, pad_id: int) -> dict:
     """{"eval_loss", "eval_tokens", and "eval_accuracy" + "eval_labels" for label-style data}.
@@ -60,11 +70,7 @@ def evaluate(model, examples: list[Example], *, batch_size: int, pad_id: int) ->
         return {"eval_loss": total / max(count, 1), "eval_tokens": count}
     names = list(cands)
     correct = 0
-    for i in range(0, len(examples), batch_size):
-        chunk = examples[i : i + batch_size]
-        seqs = [Example(e.prompt_ids + cands[c], [IGNORE] * len(e.prompt_ids) + cands[c], c, e.prompt_ids)
-                for e in chunk for c in names]
-        ids, labels = collate(seqs, list(range(len(seqs))), pad_id, device)
+    for chunk, ids, labels in candidate_batches(examples, cands, batch_size, pad_id, device):
         logp = sequence_logprobs(model, ids, labels).view(len(chunk), len(names))
         for e, row in zip(chunk, logp):
             correct += names[int(row.argmax())] == e.completion
@@ -91,9 +97,12 @@ def greedy_generate(model, prompt_ids: list[int], max_new_tokens: int, stop_ids:
     return out
 
 
+_PUNCTUATION = set(string.punctuation)
+
+
 def _normalize(text: str) -> str:
     """SQuAD's answer normalization: lower case, no punctuation, no articles, single spaces."""
-    text = "".join(ch for ch in text.lower() if ch not in set(string.punctuation))
+    text = "".join(ch for ch in text.lower() if ch not in _PUNCTUATION)
     return " ".join(re.sub(r"\b(a|an|the)\b", " ", text).split())
 
 

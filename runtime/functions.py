@@ -100,32 +100,22 @@ def project(ops, g: FrozenGroup, xq: NVFP4Rows, x_hat: torch.Tensor) -> tuple[to
         y = y + g.bias
     if not any(lo is not None for lo in g.loras):
         return y, [None] * len(g.loras), [None] * len(g.loras)
-    if _batched(g):
-        xa_all = x_hat @ _a_cat(g, x_hat.dtype).t()  # [T, sum r]
-        xas, off, col = [], 0, 0
-        for lora, n in zip(g.loras, g.sizes):
-            if lora is None:
-                xas.append(None)
-            else:
-                r = lora.A.shape[0]
-                xa = xa_all[:, col : col + r]
-                y[:, off : off + n].addmm_(xa, lora.B.to(x_hat.dtype).t(), alpha=lora.scale)
-                xas.append(xa)
-                col += r
-            off += n
-        return y, xas, [None] * len(g.loras)
-    xas, seeds, off = [], [], 0
-    for lora, n in zip(g.loras, g.sizes):
-        if lora is None:
-            xas.append(None)
-            seeds.append(None)
-        else:
-            seed = _new_seed() if lora.dropout > 0 else None
-            xd = x_hat * _dropout_mask(x_hat, lora.dropout, seed) if seed is not None else x_hat
-            xa = xd @ lora.A.to(x_hat.dtype).t()
+    seeds = [_new_seed() if lo is not None and lo.dropout > 0 else None for lo in g.loras]
+    xas = []
+    if _batched(g):  # every member's xa from one GEMM; each member's is a column slice of it
+        xa_all, col = x_hat @ _a_cat(g, x_hat.dtype).t(), 0  # [T, sum r]
+        for lo in g.loras:
+            r = 0 if lo is None else lo.A.shape[0]
+            xas.append(None if lo is None else xa_all[:, col : col + r])
+            col += r
+    else:
+        for lo, seed in zip(g.loras, seeds):
+            xd = x_hat * _dropout_mask(x_hat, lo.dropout, seed) if seed is not None else x_hat
+            xas.append(None if lo is None else xd @ lo.A.to(x_hat.dtype).t())
+    off = 0
+    for lora, n, xa in zip(g.loras, g.sizes, xas):
+        if lora is not None:
             y[:, off : off + n].addmm_(xa, lora.B.to(x_hat.dtype).t(), alpha=lora.scale)
-            xas.append(xa)
-            seeds.append(seed)
         off += n
     return y, xas, seeds
 

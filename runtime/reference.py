@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from pact.formats.nvfp4 import BLOCK, NVFP4Rows, NVFP4Tensor, decode_packed, dequantize_rows, quantize_rows
 
-from .rows import NVFP4RowsFP8
+from .rows import FP8_ROW_AMAX, NVFP4RowsFP8
 
 FP8_MAX = 448.0
 
@@ -150,14 +150,13 @@ def fp8_rows(x: NVFP4Rows | NVFP4Tensor | torch.Tensor, pad_to: int = 16) -> tup
     6 * 448 for NVFP4 activation rows and 6 * max(s_b) per row of an NVFP4 weight (the bounds
     the block scales set). Padding: zeros, scale 1."""
     rows = x.shape[0]
-    if isinstance(x, NVFP4Rows):  # every row's largest block scale is 448 (runtime/rows.py)
+    if isinstance(x, (NVFP4Rows, NVFP4Tensor)):
         v = _decoded_qs(x.packed, x.scales)
-        base = x.row_scale.float()
-        amax = torch.full((rows,), 6.0 * 448.0, device=v.device)
-    elif isinstance(x, NVFP4Tensor):
-        v = _decoded_qs(x.packed, x.scales)
-        base = x.global_scale.float().expand(rows)
-        amax = 6.0 * x.scales.float().amax(-1) if x.shape[1] else torch.zeros(rows, device=v.device)
+        if isinstance(x, NVFP4Rows):  # every row's largest block scale is 448 (runtime/rows.py)
+            base, amax = x.row_scale.float(), torch.full((rows,), FP8_ROW_AMAX, device=v.device)
+        else:
+            base = x.global_scale.float().expand(rows)
+            amax = 6.0 * x.scales.float().amax(-1) if x.shape[1] else torch.zeros(rows, device=v.device)
     else:
         v = x.float()
         base = torch.ones(rows, device=v.device)

@@ -9,9 +9,11 @@ import torch
 
 from pact.formats.nvfp4 import NVFP4Rows
 
-# E4M3 copy of NVFP4 rows: a product q * s_b is at most 6 * 448, so q * s_b * (448 / 2688) fits
-# E4M3 for every row, and the copy's per-row decode scale is 2688 / 448 = 6 times the row's.
-FP8_FROM_NVFP4 = 448.0 / 2688.0
+# E4M3 copy of NVFP4 activation rows: a product q * s_b is at most 6 * 448 (a per-row scale puts
+# each row's largest block scale at 448), so the copy is e4m3(q * s_b * 448 / FP8_ROW_AMAX) for
+# every row, and its per-row decode scale is FP8_ROW_AMAX / 448 = 6 times the row's. One
+# definition for the fused quantizers, the re-encoding kernel and the twin.
+FP8_ROW_AMAX = 6.0 * 448.0
 
 
 @dataclass(frozen=True)

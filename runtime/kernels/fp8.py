@@ -28,10 +28,11 @@ import triton.language as tl
 
 from pact.formats.nvfp4 import NVFP4Rows, NVFP4Tensor
 
-from .nvfp4 import _block_k, _chunk, _decode_row, _e4m3_bytes, _e4m3_value
+from ..rows import FP8_ROW_AMAX
+from .nvfp4 import _block_k, _check_k, _chunk, _decode_row, _e4m3_bytes, _e4m3_value
 
 FP8_MAX = tl.constexpr(448.0)
-NVFP4_ROW_AMAX = tl.constexpr(2688.0)  # 6 * 448: the E4M3 copy of NVFP4 rows (runtime/rows.py)
+NVFP4_ROW_AMAX = tl.constexpr(FP8_ROW_AMAX)  # the E4M3 copy of NVFP4 rows (runtime/rows.py)
 
 SRC_BF16, SRC_NVFP4_ROWS, SRC_NVFP4_TENSOR = 0, 1, 2
 
@@ -116,8 +117,7 @@ def nvfp4_gemm_fp8(a: NVFP4Rows | torch.Tensor, w: NVFP4Tensor, a_hat: torch.Ten
 
     ``a_hat`` is accepted for the launcher signature and unused: the NVFP4 A is smaller to read.
     """
-    if a.shape[1] != w.shape[1]:
-        raise ValueError(f"nvfp4_gemm_fp8: A has K={a.shape[1]}, W has K={w.shape[1]}")
+    _check_k(a, w)
     m = a.shape[0]
     if getattr(a, "fp8", None) is not None:  # written by the kernel that quantized A
         a8, sa = a.fp8, a.fp8_scale

@@ -24,14 +24,14 @@ import triton.language as tl
 
 from pact.formats.nvfp4 import NVFP4Rows, NVFP4Tensor
 
-from ..rows import NVFP4RowsFP8
+from ..rows import FP8_ROW_AMAX, NVFP4RowsFP8
 
 # Globals read inside @triton.jit must be tl.constexpr.
 E2M1_MAX = tl.constexpr(6.0)
 E4M3_MAX = tl.constexpr(448.0)
 E4M3_MIN_SCALE = tl.constexpr(0.015625)  # 2^-6: smallest e4m3 normal (torchao's clamp)
 GLOBAL_DIV = tl.constexpr(2688.0)  # 6 * 448
-FP8_FROM_NVFP4 = tl.constexpr(448.0 / 2688.0)  # q * s_b -> E4M3 units (runtime/rows.py)
+FP8_FROM_NVFP4 = tl.constexpr(448.0 / FP8_ROW_AMAX)  # q * s_b -> E4M3 units (runtime/rows.py)
 # Triton 3.6's interpreter computes tl.dot wrongly on tiles cast to bf16 in the kernel, so
 # under the interpreter the decoded tiles (exact in bf16, hence also in fp32) meet in fp32.
 _DOT_DTYPE = tl.float32 if os.environ.get("TRITON_INTERPRET") == "1" else tl.bfloat16
@@ -413,8 +413,8 @@ def _with_fp8(q: NVFP4Rows, fp8: bool) -> tuple[NVFP4Rows, torch.Tensor]:
 
 
 def _fp8_scale_from(q: NVFP4Rows) -> None:
-    if isinstance(q, NVFP4RowsFP8):  # decode scale of the E4M3 copy: (2688 / 448) * g
-        q.fp8_scale[: q.shape[0]] = q.row_scale * 6.0
+    if isinstance(q, NVFP4RowsFP8):  # decode scale of the E4M3 copy: (FP8_ROW_AMAX / 448) * g
+        q.fp8_scale[: q.shape[0]] = q.row_scale * (FP8_ROW_AMAX / 448.0)
 
 
 def quant_rows(x: torch.Tensor, fp8: bool = False) -> NVFP4Rows:
