@@ -239,6 +239,8 @@ def test_ce_grad(c, V):
     ref.sum().backward()
     torch.testing.assert_close(lr, ref.detach(), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(zr.float(), zf.grad, rtol=2**-8, atol=1e-6)
+    with pytest.raises(ValueError, match="needs bf16 logits"):
+        K.ce_grad_(z.float(), t)
 
 
 def test_rows_walked_in_chunks(monkeypatch):
@@ -327,6 +329,28 @@ def test_native_gemm_compiles_for_blackwell(capability):
     r = subprocess.run([sys.executable, str(script), str(capability), "native"], env=env, capture_output=True,
                        text=True, timeout=600)
     assert r.returncode == 0 and "ok _nvfp4_native_gemm_kernel" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
+
+
+def test_compute_choice_by_capability(monkeypatch):
+    """auto picks by GPU capability; a backend the GPU cannot run is one clear error naming the
+    flag and the alternative (capabilities faked: no GPU here)."""
+    from pact.formats import PactError
+    from pact.runtime import backends
+
+    gpu = torch.device("cuda")
+    for cap, want in (((12, 0), "nvfp4-native"), ((10, 0), "nvfp4-native"), ((9, 0), "fp8"), ((8, 9), "fp8"),
+                      ((8, 0), "bf16-decode")):
+        monkeypatch.setattr(backends, "_capability", lambda device, cap=cap: cap)
+        assert backends.resolve_compute("auto", gpu) == want
+    monkeypatch.setattr(backends, "_capability", lambda device: (9, 0))
+    with pytest.raises(PactError, match="--compute nvfp4-native needs a Blackwell GPU.*sm_90.*--compute fp8"):
+        backends.resolve_compute("nvfp4-native", gpu)
+    monkeypatch.setattr(backends, "_capability", lambda device: (8, 0))
+    with pytest.raises(PactError, match="--compute fp8 needs FP8 tensor cores.*sm_80.*bf16-decode"):
+        backends.resolve_compute("fp8", gpu)
+    with pytest.raises(PactError, match="--compute must be one of auto, bf16-decode, fp8, nvfp4-native"):
+        backends.resolve_compute("fp4", gpu)
+    assert backends.resolve_compute(None, torch.device("cpu")) == "bf16-decode"
 
 
 def test_native_twin_quantizes_the_gradient():
