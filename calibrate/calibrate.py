@@ -10,6 +10,7 @@ The high-precision weights come from the artifact's source model (its provenance
 from __future__ import annotations
 
 import datetime as _dt
+import hashlib
 import logging
 import os
 from pathlib import Path
@@ -24,6 +25,7 @@ from pact.formats import ArtifactError, ArtifactWriter, PactError, open_artifact
 from pact.formats.artifact import sha256_file
 from pact.formats.nvfp4 import dequantize, quantize, transpose_2d
 from pact.runtime.model import TRAINABLE_FAMILIES, PactModel
+from pact.runtime.vision import ImageSample, VisionTower, image_inputs
 
 from .gptq import GPTQ
 from .prompts import load_prompts
@@ -80,11 +82,12 @@ def calibrate(
     art = open_artifact(artifact)
     if art.meta["family"] not in TRAINABLE_FAMILIES:
         raise PactError(f"{art.path}: pact-calibrate supports {', '.join(TRAINABLE_FAMILIES)} artifacts; "
-                        f"this one is {art.meta['family']} (vision-language calibration is not built yet)")
+                        f"this one is {art.meta['family']}")
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(art.hf_dir)
-    samples = load_prompts(prompts, tokenizer, vision=art.meta["vision"], max_samples=max_samples, seq_len=seq_len)
+    samples = load_prompts(prompts, tokenizer, vision=art.meta["vision"], max_samples=max_samples, seq_len=seq_len,
+                           hf_dir=art.hf_dir)
     prov = art.meta["provenance"]
     src_name = source or prov["source"]
     gguf = str(src_name).endswith(".gguf")
@@ -110,7 +113,7 @@ def _calibrate(art, src, samples, out: Path, *, prompts: Path, damp, actorder, s
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     scaling = art.meta["provenance"]["scaling"]
     model = PactModel(art, None, device=dev)
-    hidden = [torch.nn.functional.embedding(ids.to(dev), model.embed) for ids in samples]  # [S, H] each
+    hidden, rope = _inputs(model, art, samples)
     new: dict[str, tuple] = {}
     errors: dict[str, dict[str, float]] = {}
     for li, L in enumerate(tqdm(model.layers, desc="calibrate", unit="layer", disable=not progress)):
@@ -120,8 +123,8 @@ def _calibrate(art, src, samples, out: Path, *, prompts: Path, damp, actorder, s
         plain = model.ops
         with torch.no_grad():
             model.ops = capture
-            for x in hidden:
-                model._layer(L, x, *model.rope(x, x.shape[0]), 1, x.shape[0])
+            for x, (cos, sin) in zip(hidden, rope):
+                model._layer(L, x, cos, sin, 1, x.shape[0])
             model.ops = plain
         for gname, g in groups.items():
             if g.weight is None:  # a member kept in bf16: the group runs dense, nothing to calibrate
@@ -146,9 +149,34 @@ def _calibrate(art, src, samples, out: Path, *, prompts: Path, damp, actorder, s
             g.weight_t = type(g.weight)(torch.cat([t.packed for t in bwd_parts], 1),
                                         torch.cat([t.scales for t in bwd_parts], 1), g.weight.global_scale)
         with torch.no_grad():
-            hidden = [model._layer(L, x, *model.rope(x, x.shape[0]), 1, x.shape[0]) for x in hidden]
+            hidden = [model._layer(L, x, cos, sin, 1, x.shape[0]) for x, (cos, sin) in zip(hidden, rope)]
     return _write(art, out, new, errors, overwrite=overwrite, prompts=prompts, samples=samples, damp=damp,
                   actorder=actorder, static_scales=static_scales, blocksize=blocksize)
+
+
+def _inputs(model: PactModel, art, samples) -> tuple[list[torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]:
+    """First layer's inputs [S, H] and RoPE tables per sample: token embeddings, or for image
+    prompts the embeddings with the vision tower's features in place and M-RoPE positions."""
+    if not isinstance(samples[0], ImageSample):
+        hidden = [torch.nn.functional.embedding(ids.to(model.device), model.embed) for ids in samples]
+        return hidden, [model.rope(x, x.shape[0]) for x in hidden]
+    tower = VisionTower(art, model.device)
+    hidden, rope = [], []
+    for s in samples:
+        x, pos = image_inputs(model, tower, s)
+        hidden.append(x)
+        rope.append(model.rope_at(x, pos))
+    return hidden, rope
+
+
+def _folder_digest(folder: Path, samples) -> str:
+    """sha256 over the names and bytes of the images used (and the .txt requests beside them)."""
+    h = hashlib.sha256()
+    for s in samples:
+        for f in (Path(s.source), Path(s.source).with_suffix(".txt")):
+            if f.is_file():
+                h.update(f.name.encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()
 
 
 def _write(art, out: Path, new: dict, errors: dict, *, overwrite, prompts: Path, samples, **settings) -> Path:
@@ -167,7 +195,7 @@ def _write(art, out: Path, new: dict, errors: dict, *, overwrite, prompts: Path,
                 w.add_dense(name, art.dense(name), **info)
         for rel in art.meta["files"]:
             w.add_file(art.hf_dir / rel, rel)
-        digest = sha256_file(prompts) if prompts.is_file() else None
+        digest = sha256_file(prompts) if prompts.is_file() else _folder_digest(prompts, samples)
         meta = {k: art.meta[k] for k in ("architecture", "family", "vision", "hf_config")}
         meta["provenance"] = {
             **art.meta["provenance"],
@@ -176,6 +204,7 @@ def _write(art, out: Path, new: dict, errors: dict, *, overwrite, prompts: Path,
                 "from_artifact": str(art.path.resolve()),
                 "prompts": str(prompts),
                 "prompts_sha256": digest,
+                "modality": "images" if isinstance(samples[0], ImageSample) else "text",
                 "samples": len(samples),
                 "tokens": int(sum(s.numel() for s in samples)),
                 "seq_len_max": int(max(s.numel() for s in samples)),

@@ -1,8 +1,10 @@
-"""Calibration prompts -> token ids with the artifact's tokenizer.
+"""Calibration prompts -> model inputs with the artifact's tokenizer and image processor.
 
 .jsonl: one object per line with "text", or "messages" (rendered with the chat template), or
 "prompt" + "completion" (joined). .txt: documents separated by blank lines. A folder: images
-for vision-language artifacts.
+(png/jpg/jpeg/webp) for vision-language artifacts, one prompt each: the image and a request to
+describe it (or the text of a ``<image stem>.txt`` beside it), rendered with the chat template;
+each image is resized so its tokens fit ``seq_len``.
 """
 
 from __future__ import annotations
@@ -13,8 +15,10 @@ import torch
 
 from pact.formats import PactError
 from pact.runtime.data import read_records
+from pact.runtime.vision import ImageSample
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
+IMAGE_REQUEST = "Describe this image in detail."
 
 
 def _texts(path: Path, tokenizer) -> list[str]:
@@ -36,18 +40,76 @@ def _texts(path: Path, tokenizer) -> list[str]:
     return out
 
 
-def load_prompts(path: str | Path, tokenizer, *, vision: bool, max_samples: int, seq_len: int) -> list[torch.Tensor]:
-    """Token id tensors (1-D, at most ``seq_len`` long), at most ``max_samples`` of them."""
+def _size(size, *keys) -> int:
+    """A pixel budget from an image processor's ``size`` (a dict, or transformers 5's SizeDict)."""
+    for k in keys:
+        v = size.get(k) if isinstance(size, dict) else getattr(size, k, None)
+        if v:
+            return int(v)
+    raise PactError(f"image processor size {size} has none of {keys}")
+
+
+def _image_samples(folder: Path, hf_dir: Path, tokenizer, *, max_samples: int, seq_len: int) -> list[ImageSample]:
+    from PIL import Image, UnidentifiedImageError
+    from transformers import AutoConfig, AutoImageProcessor
+
+    images = [f for f in sorted(folder.iterdir()) if f.suffix.lower() in IMAGE_SUFFIXES][:max_samples]
+    if not images:
+        raise PactError(f"--prompts {folder}: no {'/'.join(s[1:] for s in IMAGE_SUFFIXES)} images in this folder")
+    if not (hf_dir / "preprocessor_config.json").is_file():
+        raise PactError(f"{hf_dir.parent}: the artifact has no image processor (preprocessor_config.json): "
+                        "convert from a model folder that has one")
+    cfg = AutoConfig.from_pretrained(hf_dir)
+    processor = AutoImageProcessor.from_pretrained(hf_dir)
+    unit = processor.patch_size * processor.merge_size  # one image token per unit x unit pixels
+    start, pad, end = tokenizer.convert_ids_to_tokens([cfg.vision_start_token_id, cfg.image_token_id,
+                                                       cfg.vision_end_token_id])
+    longest_px = _size(processor.size, "longest_edge", "max_pixels")
+    shortest_px = _size(processor.size, "shortest_edge", "min_pixels")
+    samples = []
+    for f in images:
+        side = f.with_suffix(".txt")
+        request = side.read_text(encoding="utf-8").strip() if side.is_file() else IMAGE_REQUEST
+        text = None
+        if tokenizer.chat_template:
+            text = tokenizer.apply_chat_template(
+                [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": request}]}],
+                tokenize=False, add_generation_prompt=True)
+        if not text or text.count(pad) != 1:  # a template that does not place the image: a bare prompt
+            text = f"{start}{pad}{end}{request}"
+        budget = seq_len - len(tokenizer(text)["input_ids"]) + 1
+        if budget < 4:
+            raise PactError(f"--seq-len {seq_len}: too short for {f.name} and its prompt; raise it")
+        longest = min(longest_px, budget * unit * unit)
+        shortest = min(shortest_px, longest)
+        try:
+            with Image.open(f) as im:
+                rgb = im.convert("RGB")
+        except (OSError, UnidentifiedImageError) as e:
+            raise PactError(f"--prompts {f}: not a readable image ({e})") from None
+        px = processor(images=[rgb], return_tensors="pt", size={"shortest_edge": shortest, "longest_edge": longest})
+        grid = px["image_grid_thw"]
+        n = int(grid.prod()) // processor.merge_size ** 2
+        ids = tokenizer(text.replace(pad, pad * n), return_tensors="pt")["input_ids"][0]
+        if int((ids == cfg.image_token_id).sum()) != n:
+            raise PactError(f"{hf_dir / 'tokenizer.json'}: {pad!r} is not one token; the tokenizer does not match "
+                            "the model config")
+        samples.append(ImageSample(ids, px["pixel_values"], grid, source=str(f)))
+    return samples
+
+
+def load_prompts(path: str | Path, tokenizer, *, vision: bool, max_samples: int, seq_len: int,
+                 hf_dir: Path | None = None) -> list[torch.Tensor] | list[ImageSample]:
+    """Token id tensors (1-D, at most ``seq_len`` long), or for a folder of images ImageSamples;
+    at most ``max_samples`` of them."""
     p = Path(path)
     if not p.exists():
         raise PactError(f"--prompts {p}: no such file or folder")
     if p.is_dir():
-        images = [f for f in sorted(p.iterdir()) if f.suffix.lower() in IMAGE_SUFFIXES]
         if not vision:
             raise PactError(f"--prompts {p}: a folder of images, but this artifact is a text-only model: "
                             "give a .jsonl or .txt of text prompts")
-        raise PactError(f"--prompts {p}: calibrating vision-language artifacts with images ({len(images)} found) "
-                        "is not built yet; use text prompts")
+        return _image_samples(p, hf_dir, tokenizer, max_samples=max_samples, seq_len=seq_len)
     texts = _texts(p, tokenizer)
     samples = []
     for t in texts[:max_samples]:

@@ -14,11 +14,12 @@ from .common import cli_errors
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("artifact", type=click.Path(file_okay=False))
-@click.option("--prompts", required=True, help="Calibration prompts: .jsonl (text | messages | prompt+completion) or .txt.")
+@click.option("--prompts", required=True, help="Calibration prompts: .jsonl (text | messages | prompt+completion), .txt, or a folder of "
+              "images (png/jpg/webp; vision-language artifacts; a <image>.txt beside an image is its request).")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Where the calibrated artifact goes.")
 @click.option("--source", default=None, help="The original model (default: the artifact's recorded source).")
 @click.option("--max-samples", default=128, show_default=True)
-@click.option("--seq-len", default=512, show_default=True)
+@click.option("--seq-len", default=512, show_default=True, help="Longest prompt in tokens (images are resized to fit).")
 @click.option("--damp", default=0.01, show_default=True, help="Dampening, as a fraction of mean(diag H).")
 @click.option("--act-order", is_flag=True, help="Quantize columns in order of decreasing H diagonal (static scales).")
 @click.option("--static-scales", is_flag=True, help="Fix every block scale before the sweep (default: when reached).")

@@ -1,4 +1,5 @@
-"""The compact decoder (Llama, Qwen2, Qwen3) bound to a memory-mapped artifact.
+"""The compact decoder (Llama, Qwen2, Qwen3; the language model of Qwen2-VL / Qwen2.5-VL) bound
+to a memory-mapped artifact.
 
 Frozen tensors are views of the artifact's mapped files (moved to the GPU when training
 there); fused groups (q|k|v, gate|up) are concatenated once at bind time. Only the LoRA
@@ -24,11 +25,12 @@ from .functions import FrozenGroup, Lora, MlpFn, NormProjectionFn, ProjectionFn,
 from .lora import LoraConfig
 from .loss import target_cross_entropy
 
-TRAINABLE_FAMILIES = ("llama", "qwen2", "qwen3")
+TRAINABLE_FAMILIES = ("llama", "qwen2", "qwen3", "qwen2_vl", "qwen2_5_vl")
 
 
 def _rotary(family: str, cfg):
-    if family == "qwen2":
+    # Qwen2-VL's M-RoPE is Qwen2's rotary per position component (rope_at() picks the components)
+    if family in ("qwen2", "qwen2_vl", "qwen2_5_vl"):
         from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding as R
     elif family == "qwen3":
         from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding as R
@@ -64,7 +66,7 @@ class PactModel(nn.Module):
         if self.family not in TRAINABLE_FAMILIES:
             raise PactError(
                 f"{artifact.path}: pact-train supports {', '.join(TRAINABLE_FAMILIES)} artifacts; "
-                f"this one is {self.family} (vision-language training is not built yet)"
+                f"this one is {self.family}"
             )
         self.device = torch.device(device)
         self.checkpoint = checkpoint
@@ -82,27 +84,34 @@ class PactModel(nn.Module):
         self.head_dim = getattr(cfg, "head_dim", None) or self.hidden // self.n_heads
         self.eps = cfg.rms_norm_eps
         self.rotary = _rotary(self.family, cfg).to(self.device)
+        rope_cfg = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+        self.mrope_section = rope_cfg.get("mrope_section")  # Qwen2-VL: frequencies per (t, h, w) component
 
         names = set(artifact.names())
         dev = self.device
-        self.embed = artifact.dense("model.embed_tokens.weight").to(dev)
-        self.final_norm = artifact.dense("model.norm.weight").to(dev)
+        # "model." (Llama, Qwen, VL checkpoints as published) or "model.language_model." (VL re-saved
+        # by transformers 4.52-4.x)
+        p = next((p for p in ("model.", "model.language_model.") if f"{p}embed_tokens.weight" in names), None)
+        if p is None:
+            raise PactError(f"{artifact.path}: no model.embed_tokens.weight: not a decoder this version can bind")
+        self.embed = artifact.dense(f"{p}embed_tokens.weight").to(dev)
+        self.final_norm = artifact.dense(f"{p}norm.weight").to(dev)
         self.lm_head = artifact.dense("lm_head.weight").to(dev) if "lm_head.weight" in names else self.embed
         gen = torch.Generator().manual_seed(seed)
         self.lora_params = nn.ParameterDict()
         self.adapters: dict[str, Lora] = {}
         self.layers: list[Layer] = []
         for i in range(cfg.num_hidden_layers):
-            p = f"model.layers.{i}"
+            lp = f"{p}layers.{i}"
             L = Layer()
-            L.attn_norm = artifact.dense(f"{p}.input_layernorm.weight").to(dev)
-            L.mlp_norm = artifact.dense(f"{p}.post_attention_layernorm.weight").to(dev)
-            if f"{p}.self_attn.q_norm.weight" in names:
-                L.q_norm = artifact.dense(f"{p}.self_attn.q_norm.weight").to(dev)
-                L.k_norm = artifact.dense(f"{p}.self_attn.k_norm.weight").to(dev)
+            L.attn_norm = artifact.dense(f"{lp}.input_layernorm.weight").to(dev)
+            L.mlp_norm = artifact.dense(f"{lp}.post_attention_layernorm.weight").to(dev)
+            if f"{lp}.self_attn.q_norm.weight" in names:
+                L.q_norm = artifact.dense(f"{lp}.self_attn.q_norm.weight").to(dev)
+                L.k_norm = artifact.dense(f"{lp}.self_attn.k_norm.weight").to(dev)
             for group, attr in (("qkv", "qkv"), ("o", "o"), ("gate_up", "gate_up"), ("down", "down")):
                 sub = "self_attn" if group in ("qkv", "o") else "mlp"
-                members = [f"{p}.{sub}.{m}.weight" for m in GROUPS[group]]
+                members = [f"{lp}.{sub}.{m}.weight" for m in GROUPS[group]]
                 setattr(L, attr, self._bind_group(members, names, gen))
             self.layers.append(L)
 
@@ -167,18 +176,36 @@ class PactModel(nn.Module):
         return ProjectionFn.apply(o, L.o, self.ops, *L.o.lora_params())
 
     def rope(self, x: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [seq_len, head_dim / 2] for positions 0..seq_len-1, in x's dtype (transformers'
-        tables, rounded as it rounds them; both halves of its head_dim-wide table are equal)."""
-        pos = torch.arange(seq_len, device=x.device).unsqueeze(0)
-        cos, sin = self.rotary(x, pos)
+        """cos, sin [seq_len, head_dim / 2] for positions 0..seq_len-1, in x's dtype."""
+        return self.rope_at(x, torch.arange(seq_len, device=x.device))
+
+    def rope_at(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [S, head_dim / 2] for token positions [S], or for M-RoPE positions [3, S]
+        (temporal, height, width: frequency j rotates by the component its mrope_section gives it).
+        transformers' tables, rounded as it rounds them (both halves of its table are equal)."""
         half = self.head_dim // 2
-        return cos[0, :, :half].contiguous(), sin[0, :, :half].contiguous()
+        if positions.dim() == 1:
+            cos, sin = self.rotary(x, positions.unsqueeze(0))
+            return cos[0, :, :half].contiguous(), sin[0, :, :half].contiguous()
+        if not self.mrope_section:
+            raise PactError(f"{self.artifact.path}: 3-component (M-RoPE) positions given to a model without mrope_section")
+        if sum(self.mrope_section) != half:
+            raise PactError(f"{self.artifact.path}: mrope_section {self.mrope_section} does not sum to head_dim / 2 = {half}")
+        cos, sin = self.rotary(x, positions)  # [3, S, head_dim]: one table per component
+        dev = cos.device
+        comp = torch.repeat_interleave(torch.arange(len(self.mrope_section), device=dev) % 3,
+                                       torch.tensor(self.mrope_section, device=dev))
+        j = torch.arange(half, device=dev)
+        return cos[comp, :, j].t().contiguous(), sin[comp, :, j].t().contiguous()
 
     def hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Last decoder layer's output (before the final norm), [B, S, H] bf16."""
         B, S = input_ids.shape
         x = F.embedding(input_ids, self.embed).reshape(B * S, self.hidden)
-        cos, sin = self.rope(x, S)
+        return self.run_layers(x, *self.rope(x, S), B, S)
+
+    def run_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, B: int, S: int) -> torch.Tensor:
+        """The decoder layers over input embeddings x [B * S, H] -> [B, S, H] bf16."""
         for L in self.layers:
             if self.checkpoint and torch.is_grad_enabled():
                 # keep only the layer input; the layer runs again in backward (same RNG state)

@@ -21,8 +21,18 @@ TINY_TEXT = [
 ] * 20
 
 
-def make_tokenizer(folder: Path, vocab_size: int = 256):
-    """A byte-level BPE trained on the fly (no downloads), saved as an HF fast tokenizer."""
+VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+VL_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}"
+    "{% else %}{% for c in m['content'] %}{% if c['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% else %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def make_tokenizer(folder: Path, vocab_size: int = 256, vision: bool = False):
+    """A byte-level BPE trained on the fly (no downloads), saved as an HF fast tokenizer (with
+    ``vision``: Qwen2-VL's image tokens and a chat template that places images)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -31,14 +41,14 @@ def make_tokenizer(folder: Path, vocab_size: int = 256):
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + (VISION_TOKENS if vision else []),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator(TINY_TEXT, trainer)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, eos_token="<|im_end|>", bos_token="<|im_start|>", pad_token="<|endoftext|>"
     )
-    fast.chat_template = (
+    fast.chat_template = VL_TEMPLATE if vision else (
         "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
     )
@@ -65,12 +75,19 @@ def make_model(folder: Path, family: str = "llama", seed: int = 0, dtype=torch.b
     elif family == "qwen3":
         cfg = tf.Qwen3Config(**dims, head_dim=16, tie_word_embeddings=True)
         model = tf.Qwen3ForCausalLM(cfg)
-    elif family == "qwen2_vl":
-        cfg = tf.Qwen2VLConfig(
-            text_config=dict(**dims, rope_scaling={"type": "mrope", "mrope_section": [2, 1, 1]}),
-            vision_config=dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, spatial_merge_size=2),
-        )
-        model = tf.Qwen2VLForConditionalGeneration(cfg)
+    elif family in ("qwen2_vl", "qwen2_5_vl"):
+        # token ids of the vision specials as make_tokenizer(vision=True) assigns them (after 3 others)
+        ids = dict(vision_start_token_id=3, vision_end_token_id=4, image_token_id=5, video_token_id=6)
+        text = dict(**dims, rope_scaling={"type": "mrope", "mrope_section": [4, 2, 2]})  # sums to head_dim / 2
+        if family == "qwen2_vl":
+            cfg = tf.Qwen2VLConfig(text_config=text, **ids, vision_config=dict(
+                depth=1, embed_dim=32, hidden_size=dims["hidden_size"], num_heads=2, mlp_ratio=2, spatial_merge_size=2))
+            model = tf.Qwen2VLForConditionalGeneration(cfg)
+        else:
+            cfg = tf.Qwen2_5_VLConfig(text_config=text, **ids, vision_config=dict(
+                depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=dims["hidden_size"],
+                spatial_merge_size=2, window_size=56, fullatt_block_indexes=[1]))
+            model = tf.Qwen2_5_VLForConditionalGeneration(cfg)
     else:
         raise ValueError(family)
     # Random init leaves norms at exactly 1 and biases at 0: perturb so tests see real values.
@@ -79,7 +96,10 @@ def make_model(folder: Path, family: str = "llama", seed: int = 0, dtype=torch.b
             if "norm" in n or n.endswith("bias"):
                 p.add_(torch.randn_like(p) * 0.1)
     model.to(dtype).save_pretrained(folder)
-    make_tokenizer(folder, vocab_size=256)
+    vision = family in ("qwen2_vl", "qwen2_5_vl")
+    make_tokenizer(folder, vocab_size=256, vision=vision)
+    if vision:  # small images: at most 16 image tokens each
+        tf.Qwen2VLImageProcessor(min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 16).save_pretrained(folder)
     return model
 
 
@@ -135,6 +155,21 @@ def tiny_qwen2(tmp_path):
     folder = tmp_path / "qwen2"
     make_model(folder, "qwen2")
     return folder
+
+
+def make_realistic(folder: Path) -> None:
+    """Heavy-tailed weights with a few outlier input channels, as trained LLMs have."""
+    from safetensors.torch import load_file, save_file
+
+    f = folder / "model.safetensors"
+    tensors = load_file(f)
+    g = torch.Generator().manual_seed(0)
+    for name, t in tensors.items():
+        if name.endswith("_proj.weight"):
+            w = torch.distributions.StudentT(3.0).sample(t.shape) * 0.02
+            w[:, torch.randint(0, t.shape[1], (3,), generator=g)] *= 8
+            tensors[name] = w.to(t.dtype)
+    save_file(tensors, f, metadata={"format": "pt"})
 
 
 POSITIVE = ["fresh", "bright", "keep", "learn", "share"]

@@ -5,9 +5,8 @@ import json
 import pytest
 import torch
 from click.testing import CliRunner
-from safetensors.torch import load_file, save_file
 
-from conftest import TINY_TEXT, make_model, make_sentiment_jsonl
+from conftest import TINY_TEXT, make_model, make_realistic, make_sentiment_jsonl
 from pact.calibrate import GPTQ, NVFP4Quantizer, calibrate
 from pact.convert import convert
 from pact.formats import ArtifactError, PactError, open_artifact
@@ -16,24 +15,11 @@ from pact.pipelines.calibrate import main as calibrate_cli
 from pact.runtime.trainer import TrainConfig, train
 
 
-def _realistic(folder):
-    """Heavy-tailed weights with a few outlier input channels, as trained LLMs have."""
-    f = folder / "model.safetensors"
-    tensors = load_file(f)
-    g = torch.Generator().manual_seed(0)
-    for name, t in tensors.items():
-        if name.endswith("_proj.weight"):
-            w = torch.distributions.StudentT(3.0).sample(t.shape) * 0.02
-            w[:, torch.randint(0, t.shape[1], (3,), generator=g)] *= 8
-            tensors[name] = w.to(t.dtype)
-    save_file(tensors, f, metadata={"format": "pt"})
-
-
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     d = tmp_path_factory.mktemp("cal")
     make_model(d / "src", "llama", initializer_range=0.15)
-    _realistic(d / "src")
+    make_realistic(d / "src")
     convert(str(d / "src"), d / "art", progress=False)
     (d / "prompts.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in TINY_TEXT[:40]))
     return d
