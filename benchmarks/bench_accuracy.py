@@ -14,14 +14,14 @@ in the same order for a given seed. Methods:
   reference; on a CPU the frozen weights are those bf16 values computed in fp32).
 - `qlora`: the same with bitsandbytes NF4 weights (CUDA and bitsandbytes only).
 - `pact-rtn`, `pact-gptq`: pact-train on the RTN / GPTQ artifact (`--compute auto`).
-- `pact-gptq-fp8`, `pact-gptq-native`: the GPTQ artifact with `--compute fp8` / `nvfp4-native`
-  (on a CPU their PyTorch twins).
+- `pact-gptq-fp8`, `pact-gptq-bf16dec`, `pact-gptq-native`: the GPTQ artifact with `--compute
+  fp8` / `bf16-decode` / `nvfp4-native` (on a CPU their PyTorch twins).
 - `pact-gptq-bf16act`: `--activations bf16` (weights NVFP4, activations not quantized).
 
 Where the gap to BF16 LoRA comes from: peft-bf16 -> pact-gptq-bf16act is the NVFP4 weights;
 -> pact-gptq the NVFP4 activations; pact-gptq -> pact-gptq-native the quantized gradient.
 Prints accuracy per seed and mean +- sample std of this invocation; accuracy.csv in the work
-folder's bench-accuracy/ keeps every (method, seed) measured so far (a re-run replaces its row).
+folder's bench-accuracy/ keeps every (method, seed, setting) measured so far (a re-run replaces its row).
 """
 
 from __future__ import annotations
@@ -41,10 +41,12 @@ PACT = {  # method -> (artifact, compute, activations)
     "pact-rtn": ("rtn", None, "nvfp4"),
     "pact-gptq": ("gptq", None, "nvfp4"),
     "pact-gptq-fp8": ("gptq", "fp8", "nvfp4"),
+    "pact-gptq-bf16dec": ("gptq", "bf16-decode", "nvfp4"),
     "pact-gptq-native": ("gptq", "nvfp4-native", "nvfp4"),
     "pact-gptq-bf16act": ("gptq", None, "bf16"),
 }
 METHODS = ("zero-shot", "peft-bf16", "qlora", *PACT)
+KEY = ("method", "seed", "steps", "train", "test", "device")  # a row of accuracy.csv is one of these
 
 
 def _hf_model(gguf: Path, device: torch.device, qlora: bool):
@@ -122,7 +124,10 @@ def _hf_accuracy(model, examples, pad: int, device: torch.device) -> float:
               help=f"Comma-separated, from {', '.join(METHODS)}.")
 @click.option("--calib-samples", default=48, show_default=True)
 @click.option("--steps", default=STEPS, show_default=True, help="Training steps (the demo's 40; fewer for a smoke run).")
-def main(workdir: Path | None, seeds: str, methods: str, calib_samples: int, steps: int) -> None:
+@click.option("--train-size", default=320, show_default=True, help="Training snippets (the demo's 320).")
+@click.option("--test-size", default=200, show_default=True, help="Held-out snippets (the demo's 200; up to ~12,000).")
+def main(workdir: Path | None, seeds: str, methods: str, calib_samples: int, steps: int, train_size: int,
+         test_size: int) -> None:
     from transformers import AutoTokenizer
 
     from pact.calibrate import calibrate
@@ -141,7 +146,7 @@ def main(workdir: Path | None, seeds: str, methods: str, calib_samples: int, ste
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     workdir = workdir or default_cache()
     gguf, rt = fetch(SMOLLM2_135M, workdir), fetch(ROTTEN_TOMATOES, workdir)
-    train_f, test_f, calib_f = _splits(rt, workdir / "data", 320, 200, calib_samples)
+    train_f, test_f, calib_f = _splits(rt, workdir / "data", train_size, test_size, calib_samples)
     arts = {"rtn": _cached_artifact(workdir / "smollm2-135m-nvfp4-2d",
                                     lambda p: convert(str(gguf), p, overwrite=p.exists()))}
     arts["gptq"] = _cached_artifact(workdir / f"smollm2-135m-nvfp4-2d-gptq{calib_samples}",
@@ -156,7 +161,8 @@ def main(workdir: Path | None, seeds: str, methods: str, calib_samples: int, ste
     rows: list[dict] = []
 
     def record(method: str, seed, acc: float, seconds: float) -> None:
-        rows.append({"method": method, "seed": seed, "accuracy": acc, "seconds": round(seconds, 1)})
+        rows.append({"method": method, "seed": seed, "steps": steps, "train": train_size, "test": test_size,
+                     "device": device.type, "accuracy": acc, "seconds": round(seconds, 1)})
         click.echo(f"{method:<20} seed {seed}: {acc:.1%} ({seconds:.0f} s)")
 
     if "zero-shot" in chosen:
@@ -177,7 +183,7 @@ def main(workdir: Path | None, seeds: str, methods: str, calib_samples: int, ste
                 del model
             elif method in PACT:
                 art, compute, act = PACT[method]
-                run = out / f"{method}-seed{seed}-steps{steps}"
+                run = out / f"{method}-seed{seed}-steps{steps}-n{train_size}"
                 if not (run / "adapter_model.safetensors").is_file():
                     train(TrainConfig(artifact=str(arts[art]), data=str(train_f), out=str(run), steps=steps,
                                       batch_size=BATCH, max_len=MAX_LEN, lr=LR, lora_r=RANK, lora_alpha=ALPHA,
@@ -192,16 +198,20 @@ def main(workdir: Path | None, seeds: str, methods: str, calib_samples: int, ste
     path = out / "accuracy.csv"
     kept = []
     if path.is_file():
-        done = {(r["method"], str(r["seed"])) for r in rows}
-        kept = [r for r in csv.DictReader(open(path)) if (r["method"], r["seed"]) not in done]
+        def key(r):
+            return tuple(str(r.get(k, "")) for k in KEY)
+
+        done = {key(r) for r in rows}
+        kept = [r for r in csv.DictReader(open(path)) if key(r) not in done]
     tmp = path.with_suffix(".tmp")
     with open(tmp, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=["method", "seed", "accuracy", "seconds"])
+        w = csv.DictWriter(f, fieldnames=[*KEY, "accuracy", "seconds"], restval="")
         w.writeheader()
         w.writerows(kept + rows)
     tmp.replace(path)
     labels = [r for r in rows if r["seed"] != "-"]
-    click.echo(f"\nRotten Tomatoes, 200 held-out snippets, {device.type}; accuracy over seeds {seeds}")
+    click.echo(f"\nRotten Tomatoes, {train_size} training / {test_size} held-out snippets, {steps} steps, {device.type}; "
+               f"accuracy over seeds {seeds}")
     click.echo(f"{'method':<22}{'mean':>8}{'+- std':>9}  per seed")
     for r in rows:
         if r["seed"] == "-":
