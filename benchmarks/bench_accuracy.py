@@ -27,6 +27,7 @@ folder's bench-accuracy/ keeps every (method, seed, setting) measured so far (a 
 from __future__ import annotations
 
 import csv
+import os
 import statistics
 import time
 from pathlib import Path
@@ -49,29 +50,35 @@ METHODS = ("zero-shot", "peft-bf16", "qlora", *PACT)
 KEY = ("method", "seed", "steps", "train", "test", "device")  # a row of accuracy.csv is one of these
 
 
+def _bf16_folder(gguf: Path) -> Path:
+    """The GGUF dequantized into an HF folder once (pact-convert's own reader), beside it."""
+    from pact.convert.sources import open_source
+
+    folder = gguf.parent / "bf16-hf"
+    if not folder.is_dir():
+        tmp = gguf.parent / f".bf16-hf.{os.getpid()}"
+        open_source(str(gguf), workdir=tmp)
+        tmp.rename(folder)  # complete or absent
+    return folder
+
+
 def _hf_model(gguf: Path, device: torch.device, qlora: bool):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    kw = dict(gguf_file=gguf.name)
-    if qlora:  # transformers will not quantize while loading a GGUF: go through a bf16 folder
+    folder = _bf16_folder(gguf)
+    if qlora:
         from transformers import BitsAndBytesConfig
 
-        folder = gguf.parent / "bf16-hf"
-        if not (folder / "config.json").is_file():
-            AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.bfloat16, **kw).save_pretrained(folder)
         model = AutoModelForCausalLM.from_pretrained(
             folder, quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
                                                            bnb_4bit_compute_dtype=torch.bfloat16),
             device_map={"": 0}, dtype=torch.bfloat16)
     else:
         cpu = device.type == "cpu"
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.float32 if cpu else torch.bfloat16, **kw)
-        if cpu:  # bf16 weights, fp32 arithmetic (CPU bf16 matmuls are slow)
-            with torch.no_grad():
-                for p in model.parameters():
-                    p.copy_(p.to(torch.bfloat16).float())
-        model = model.to(device)
+        # bf16 weights; on a CPU computed in fp32 (CPU bf16 matmuls are slow), values unchanged
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
+        model = (model.float() if cpu else model).to(device)
     model = get_peft_model(model, LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0, target_modules=list(TARGETS)))
     for p in model.parameters():
         if p.requires_grad:

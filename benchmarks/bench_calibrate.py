@@ -60,7 +60,10 @@ def pact_loss(art_path: Path, activations: str):
 @click.option("--heldout", default=64, show_default=True)
 @click.option("--seq-len", default=256, show_default=True)
 @click.option("--workdir", type=click.Path(file_okay=False, path_type=Path), default=Path("/tmp/pact-bench"))
-def main(artifact: Path, samples: int, heldout: int, seq_len: int, workdir: Path) -> None:
+@click.option("--static-scales", is_flag=True, help="Fix every block scale before the sweep (default: when reached).")
+@click.option("--act-order", is_flag=True, help="GPTQ act-order (implies static scales).")
+def main(artifact: Path, samples: int, heldout: int, seq_len: int, workdir: Path, static_scales: bool,
+         act_order: bool) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from pact.calibrate import calibrate
@@ -72,7 +75,8 @@ def main(artifact: Path, samples: int, heldout: int, seq_len: int, workdir: Path
     held = plot_texts(heldout, skip=samples)
     out = workdir / f"{artifact.name}-gptq"
     t0 = time.perf_counter()
-    calibrate(str(artifact), prompts, out, max_samples=samples, seq_len=seq_len, overwrite=True)
+    calibrate(str(artifact), prompts, out, max_samples=samples, seq_len=seq_len, static_scales=static_scales,
+              actorder=act_order, overwrite=True)
     cal_s = time.perf_counter() - t0
     errs = open_artifact(out).meta["provenance"]["calibration"]["layer_output_error"]
     ratios = {n: e["gptq"] / e["rtn"] for n, e in errs.items()}
@@ -94,8 +98,9 @@ def main(artifact: Path, samples: int, heldout: int, seq_len: int, workdir: Path
     for label, path in (("RTN", artifact), ("GPTQ", out)):
         for act in ("bf16", "nvfp4"):
             rows[f"{label} weights, {act} activations"] = perplexity(pact_loss(path, act), tok, held, seq_len)
-    print(f"\ncalibration: {samples} samples x <= {seq_len} tokens, {cal_s:.0f} s on {torch.get_num_threads()} CPU threads"
-          if not torch.cuda.is_available() else f"\ncalibration: {cal_s:.0f} s on {torch.cuda.get_device_name()}")
+    print(f"\nblock scales: {'static' if static_scales or act_order else 'dynamic'}, act-order: {act_order}")
+    print(f"calibration: {samples} samples x <= {seq_len} tokens, {cal_s:.0f} s on {torch.get_num_threads()} CPU threads"
+          if not torch.cuda.is_available() else f"calibration: {cal_s:.0f} s on {torch.cuda.get_device_name()}")
     print("output-error ratio GPTQ/RTN per projection (median, max):")
     for role, rs in sorted(by_role.items()):
         print(f"  {role:<10} {statistics.median(rs):.3f}  {max(rs):.3f}")

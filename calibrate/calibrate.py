@@ -169,7 +169,7 @@ def _inputs(model: PactModel, art, samples) -> tuple[list[torch.Tensor], list[tu
     return hidden, rope
 
 
-def _folder_digest(folder: Path, samples) -> str:
+def _folder_digest(samples) -> str:
     """sha256 over the names and bytes of the images used (and the .txt requests beside them)."""
     h = hashlib.sha256()
     for s in samples:
@@ -195,7 +195,7 @@ def _write(art, out: Path, new: dict, errors: dict, *, overwrite, prompts: Path,
                 w.add_dense(name, art.dense(name), **info)
         for rel in art.meta["files"]:
             w.add_file(art.hf_dir / rel, rel)
-        digest = sha256_file(prompts) if prompts.is_file() else _folder_digest(prompts, samples)
+        digest = sha256_file(prompts) if prompts.is_file() else _folder_digest(samples)
         meta = {k: art.meta[k] for k in ("architecture", "family", "vision", "hf_config")}
         meta["provenance"] = {
             **art.meta["provenance"],

@@ -39,15 +39,17 @@ def main(capability: int) -> None:
     CAPABILITY = capability
     from pact.runtime.kernels import nvfp4 as N
 
+    e4m3 = 2 if capability >= 90 else 1  # as kernels.nvfp4._e4m3_mode picks it on that GPU
+
     rows = {"packed_ptr": "*u8", "scales_ptr": "*u8", "rs_ptr": "*fp32"}
     _compile_sm(N._quant_rows_kernel, {"x_ptr": "*bf16", "stride_x": "i32", **rows, "f8_ptr": "*u8", "K": "i32"},
-                {"BLOCK_K": 16384, "CHUNK": 2048, "EMIT_FP8": True})
+                {"BLOCK_K": 16384, "CHUNK": 2048, "EMIT_FP8": e4m3})
     _compile_sm(N._rmsnorm_quant_kernel, {"x_ptr": "*bf16", "stride_x": "i32", "w_ptr": "*bf16", "eps": "fp32", **rows,
                                           "rstd_ptr": "*fp32", "f8_ptr": "*u8", "K": "i32"},
-                {"BLOCK_K": 2048, "EMIT_FP8": True})
+                {"BLOCK_K": 2048, "EMIT_FP8": e4m3})
     three = {f"{p}{s}": t for p in "hgu" for s, t in (("p", "*u8"), ("s", "*u8"), ("r", "*fp32"))}
     _compile_sm(N._silu_mul_quant_kernel, {"gu_ptr": "*bf16", "stride_gu": "i32", **three, "h8_ptr": "*u8", "K": "i32"},
-                {"BLOCK_K": 8192, "CHUNK": 2048, "EMIT_FP8": True})
+                {"BLOCK_K": 8192, "CHUNK": 2048, "EMIT_FP8": e4m3})
     _compile_sm(N._dequant_rows_kernel, {**rows, "out_ptr": "*bf16", "K": "i32"},
                 {"BLOCK_K": 8192, "CHUNK": 2048, "ROUND_BF16": True, "HAS_RS": True})
     _compile_sm(N._rmsnorm_backward_kernel, {"dy_ptr": "*fp32", "stride_dy": "i32", "yp": "*u8", "ys": "*u8", "yr": "*fp32",
@@ -68,7 +70,8 @@ def main(capability: int) -> None:
     for src in (F8.SRC_BF16, F8.SRC_NVFP4_ROWS, F8.SRC_NVFP4_TENSOR):
         _compile_sm(F8._fp8_rows_kernel, {"src_ptr": "*bf16" if src == F8.SRC_BF16 else "*u8", "src_scales_ptr": "*u8",
                                           "src_scale_ptr": "*fp32", "stride_src": "i32", "out_ptr": "*u8",
-                                          "out_scale_ptr": "*fp32", "K": "i32"}, {"SRC": src, "BLOCK_K": 16384, "CHUNK": 2048})
+                                          "out_scale_ptr": "*fp32", "K": "i32"},
+                    {"SRC": src, "BLOCK_K": 16384, "CHUNK": 2048, "MODE": e4m3})
     from pact.runtime.kernels import rotary as RO
 
     for inverse in (False, True):

@@ -13,9 +13,8 @@ so each operand element moves by at most 2^-4 of its value (RNE; bound tested). 
 well below NVFP4's own (~20 dB SQNR); the FP8 row conversion is what the twin
 `reference.nvfp4_gemm_fp8` reproduces bit for bit.
 
-E4M3 encoding is done on the fp32 bits (normals) and with an exact integer rounding
-(subnormals), never with `.to(tl.float8e4nv)`: the interpreter's cast drops the mantissa carry
-and flushes subnormals. The forward GEMMs' A operand arrives with its E4M3 copy already
+E4M3 bytes: the GPU's own conversion on sm_90+, an exact emulation on the bits under the
+interpreter and on sm_89 (kernels/nvfp4.py's docstring says why). The forward GEMMs' A operand arrives with its E4M3 copy already
 written by the kernel that quantized it (RMSNorm, SiLU-mul, o_proj input: runtime/rows.py);
 only the input gradient's dY and the weights are re-encoded here.
 """
@@ -29,7 +28,7 @@ import triton.language as tl
 from pact.formats.nvfp4 import NVFP4Rows, NVFP4Tensor
 
 from ..rows import FP8_ROW_AMAX
-from .nvfp4 import _block_k, _check_k, _chunk, _decode_row, _e4m3_bytes, _e4m3_value
+from .nvfp4 import _block_k, _check_k, _chunk, _decode_row, _e4m3_bytes, _e4m3_mode, _e4m3_value
 
 FP8_MAX = tl.constexpr(448.0)
 NVFP4_ROW_AMAX = tl.constexpr(FP8_ROW_AMAX)  # the E4M3 copy of NVFP4 rows (runtime/rows.py)
@@ -48,7 +47,7 @@ def _fp8_source(src_ptr, src_scales_ptr, stride_src, row, K, c0, SRC: tl.constex
 
 @triton.jit
 def _fp8_rows_kernel(src_ptr, src_scales_ptr, src_scale_ptr, stride_src, out_ptr, out_scale_ptr, K,
-                     SRC: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr):
+                     SRC: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr, MODE: tl.constexpr):
     """One row -> E4M3 bytes [K] and its fp32 decode scale (amax / 448 times the source's scale).
     bf16 rows: amax from the values (a first pass). NVFP4 activation rows: amax = 6 * 448, the
     bound every row meets (its per-row scale puts its largest block scale at 448). NVFP4
@@ -71,7 +70,7 @@ def _fp8_rows_kernel(src_ptr, src_scales_ptr, src_scale_ptr, stride_src, out_ptr
         v = _fp8_source(src_ptr, src_scales_ptr, stride_src, row, K, c0, SRC, CHUNK)
         y = tl.minimum(tl.maximum(v * inv, -FP8_MAX), FP8_MAX)
         offs = c0 + tl.arange(0, CHUNK)
-        tl.store(out_ptr + row * K + offs, _e4m3_bytes(y).to(tl.uint8), mask=offs < K)
+        tl.store(out_ptr + row * K + offs, _e4m3_bytes(y, MODE).to(tl.uint8), mask=offs < K)
     if SRC == 0:
         base = 1.0
     elif SRC == 1:
@@ -103,7 +102,8 @@ def fp8_rows(x: NVFP4Rows | NVFP4Tensor | torch.Tensor, pad_to: int = 16) -> tup
         scale[rows:] = 1.0
     bk = _block_k(k)
     if rows:
-        _fp8_rows_kernel[(rows,)](*args, out.view(torch.uint8), scale, k, SRC=src, **_chunk(bk))
+        _fp8_rows_kernel[(rows,)](*args, out.view(torch.uint8), scale, k, SRC=src, **_chunk(bk),
+                                  MODE=_e4m3_mode(device))
     return out, scale
 
 

@@ -5,9 +5,13 @@ Each launcher has a twin of the same name and signature in runtime/reference.py.
 Numerics (the reference does the same on purpose):
 - Scales use IEEE division (`div_rn`): Triton's plain `/` lowers to an approximate divide
   on NVIDIA GPUs, which would move codes across rounding midpoints.
-- E4M3 rounding is done on the fp32 bits (RNE onto 3 mantissa bits) rather than with
-  `.to(tl.float8e4nv)`: the interpreter's cast drops the mantissa carry. Block scales are
-  clamped to [2^-6, 448] first, so they are always e4m3 normals.
+- E4M3 block scales are rounded on the fp32 bits (RNE onto 3 mantissa bits); they are clamped
+  to [2^-6, 448] first, so always e4m3 normals. E4M3 element bytes (the fp8 backend's copies,
+  ``EMIT_FP8`` / ``FP8_MODE``: 0 none, 1 emulated, 2 hardware) are emulated exactly on the bits
+  under the interpreter (whose `.to(tl.float8e4nv)` drops the mantissa carry and flushes
+  subnormals) and on sm_89 (Triton converts there through fp16 rounded toward zero: a double
+  rounding); on sm_90+ the GPU's own `cvt.rn.satfinite.e4m3x2.f32` does it, one instruction per
+  pair. Both give torch's float8_e4m3fn bytes with every zero positive.
 - Operands are decoded as q * s_b, exact in bf16; per-tensor and per-row fp32 scales
   multiply the fp32 accumulator. `tl.dot` on the decoded bf16 tiles is the `bf16-decode`
   backend: the exact NVFP4 product up to summation order, on any GPU with bf16 MMA.
@@ -15,6 +19,7 @@ Numerics (the reference does the same on purpose):
 
 from __future__ import annotations
 
+import functools
 import os
 import weakref
 
@@ -59,20 +64,25 @@ def _rne_bf16(v):
 
 
 @triton.jit
-def _e4m3_bytes(y):
+def _e4m3_bytes(y, MODE: tl.constexpr):
     """fp32 y, |y| <= 448 -> e4m3fn bytes (int32), round to nearest even, subnormals kept, and
     every zero positive (a sign on zero carries nothing into a product; one rule both sides).
-    Normals round on the fp32 bits, subnormals by an exact integer rounding: the
-    interpreter's `.to(tl.float8e4nv)` drops the mantissa carry and flushes subnormals."""
-    bits = y.to(tl.int32, bitcast=True)
-    sign = (bits >> 31) & 1
-    mag_bits = bits & 0x7FFFFFFF
-    rb = (mag_bits + 0x7FFFF + ((mag_bits >> 20) & 1)) & -1048576  # RNE to 3 mantissa bits
-    normal = ((((rb >> 23) & 0xFF) - 120) << 3) | ((rb >> 20) & 7)
-    a = mag_bits.to(tl.float32, bitcast=True)
-    sub = ((a * 512.0 + 8388608.0) - 8388608.0).to(tl.int32)  # multiples of 2^-9 (RNE); 8 = 2^-6
-    mag = tl.where(a >= E4M3_MIN_SCALE, normal, sub)
-    return tl.where(mag == 0, 0, mag | (sign << 7))
+    MODE 2: the GPU's conversion (sm_90+), with -0 (also what tiny negatives round to) made +0.
+    MODE 1: normals rounded on the fp32 bits, subnormals by an exact integer rounding."""
+    if MODE == 2:
+        b = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
+        out = tl.where(b == 128, 0, b)
+    else:
+        bits = y.to(tl.int32, bitcast=True)
+        sign = (bits >> 31) & 1
+        mag_bits = bits & 0x7FFFFFFF
+        rb = (mag_bits + 0x7FFFF + ((mag_bits >> 20) & 1)) & -1048576  # RNE to 3 mantissa bits
+        normal = ((((rb >> 23) & 0xFF) - 120) << 3) | ((rb >> 20) & 7)
+        a = mag_bits.to(tl.float32, bitcast=True)
+        sub = ((a * 512.0 + 8388608.0) - 8388608.0).to(tl.int32)  # multiples of 2^-9 (RNE); 8 = 2^-6
+        mag = tl.where(a >= E4M3_MIN_SCALE, normal, sub)
+        out = tl.where(mag == 0, 0, mag | (sign << 7))
+    return out
 
 
 @triton.jit
@@ -137,7 +147,8 @@ def _quantize_blocks(y, g):
 @triton.jit
 def _store_blocks(row, c0, y, g, packed_ptr, scales_ptr, K, CHUNK: tl.constexpr, f8_ptr, EMIT_FP8: tl.constexpr):
     """Quantize elements c0 .. c0+CHUNK of a row (given as blocks [CHUNK/16, 16]) and store them;
-    with EMIT_FP8 also their E4M3 copy e4m3(q * s_b * 448 / 2688) (runtime/rows.py)."""
+    with EMIT_FP8 (1 emulated, 2 hardware conversion) also their E4M3 copy e4m3(q * s_b * 448 / 2688)
+    (runtime/rows.py)."""
     codes, s_val, s_byte = _quantize_blocks(y, g)
     lo, hi = tl.split(tl.reshape(codes, (CHUNK // 16, 8, 2)))
     offs_b = c0 // 16 + tl.arange(0, CHUNK // 16)
@@ -146,7 +157,7 @@ def _store_blocks(row, c0, y, g, packed_ptr, scales_ptr, K, CHUNK: tl.constexpr,
     tl.store(scales_ptr + row * (K // 16) + offs_b, s_byte, mask=offs_b < K // 16)
     if EMIT_FP8:
         v = _e2m1_value(codes) * s_val[:, None]  # q * s_b, exact
-        f8 = _e4m3_bytes(tl.minimum(tl.maximum(v * FP8_FROM_NVFP4, -E4M3_MAX), E4M3_MAX))
+        f8 = _e4m3_bytes(tl.minimum(tl.maximum(v * FP8_FROM_NVFP4, -E4M3_MAX), E4M3_MAX), EMIT_FP8)
         offs = _block_offsets(c0, CHUNK)
         tl.store(f8_ptr + row * K + offs, f8.to(tl.uint8), mask=offs < K)
 
@@ -237,8 +248,8 @@ def _silu_mul_quant_kernel(gu_ptr, stride_gu, hp, hs, hr, gp, gs, gr, up, us, ur
         u = tl.load(base + K + offs, mask=offs < K, other=0.0).to(tl.float32)
         h = g / (1.0 + tl.exp(-g)) * u
         _store_blocks(row, c0, h, sh, hp, hs, K, CHUNK, h8_ptr, EMIT_FP8)
-        _store_blocks(row, c0, g, sg, gp, gs, K, CHUNK, h8_ptr, False)
-        _store_blocks(row, c0, u, su, up, us, K, CHUNK, h8_ptr, False)
+        _store_blocks(row, c0, g, sg, gp, gs, K, CHUNK, h8_ptr, 0)
+        _store_blocks(row, c0, u, su, up, us, K, CHUNK, h8_ptr, 0)
     tl.store(hr + row, sh)
     tl.store(gr + row, sg)
     tl.store(ur + row, su)
@@ -399,6 +410,21 @@ def _chunk(block_k: int) -> dict:
     return dict(BLOCK_K=block_k, CHUNK=c, num_warps=ROW_WARPS or _warps(c))
 
 
+@functools.lru_cache(maxsize=None)
+def _e4m3_mode(device: torch.device) -> int:
+    """How kernels on ``device`` write E4M3 element bytes: 2 = the GPU's own correctly rounded
+    conversion (sm_90+), 1 = the exact emulation (the interpreter; sm_89, where Triton's
+    conversion rounds twice). See the module docstring."""
+    if os.environ.get("TRITON_INTERPRET") == "1" or device.type != "cuda":
+        return 1
+    return 2 if torch.cuda.get_device_capability(device) >= (9, 0) else 1
+
+
+def fp8_mode(fp8: bool, device: torch.device) -> int:
+    """EMIT_FP8 for a quantizing kernel: 0 (no E4M3 copy) or how to write it."""
+    return _e4m3_mode(device) if fp8 else 0
+
+
 def _with_fp8(q: NVFP4Rows, fp8: bool) -> tuple[NVFP4Rows, torch.Tensor]:
     """``q`` as NVFP4RowsFP8 with an E4M3 buffer for the kernel to fill (padding rows zeroed)
     when ``fp8``; else ``q`` and a dummy pointer."""
@@ -424,7 +450,7 @@ def quant_rows(x: torch.Tensor, fp8: bool = False) -> NVFP4Rows:
     out, f8 = _with_fp8(_empty_rows(T, K, x.device), fp8)
     bk = _block_k(K)
     if T:
-        _quant_rows_kernel[(T,)](x, x.stride(0), *_row_args(out), f8, K, **_chunk(bk), EMIT_FP8=fp8)
+        _quant_rows_kernel[(T,)](x, x.stride(0), *_row_args(out), f8, K, **_chunk(bk), EMIT_FP8=fp8_mode(fp8, x.device))
     _fp8_scale_from(out)
     return out
 
@@ -438,7 +464,7 @@ def rmsnorm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, fp8: bool =
     bk = _block_k(K)
     if T:
         _rmsnorm_quant_kernel[(T,)](x, x.stride(0), weight, eps, *_row_args(out), rstd, f8, K, BLOCK_K=bk,
-                                    EMIT_FP8=fp8, num_warps=_warps(bk))
+                                    EMIT_FP8=fp8_mode(fp8, x.device), num_warps=_warps(bk))
     _fp8_scale_from(out)
     return out, rstd
 
@@ -454,7 +480,7 @@ def silu_mul_quant(gate_up: torch.Tensor, fp8: bool = False) -> tuple[NVFP4Rows,
     bk = _block_k(K)
     if T:
         _silu_mul_quant_kernel[(T,)](gate_up, gate_up.stride(0), *_row_args(h), *_row_args(g), *_row_args(u), h8, K,
-                                     **_chunk(bk), EMIT_FP8=fp8)
+                                     **_chunk(bk), EMIT_FP8=fp8_mode(fp8, gate_up.device))
     _fp8_scale_from(h)
     return h, g, u
 
