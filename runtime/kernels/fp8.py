@@ -14,9 +14,10 @@ well below NVFP4's own (~20 dB SQNR); the FP8 row conversion is what the twin
 `reference.nvfp4_gemm_fp8` reproduces bit for bit.
 
 E4M3 bytes: the GPU's own conversion on sm_90+, an exact emulation on the bits under the
-interpreter and on sm_89 (kernels/nvfp4.py's docstring says why). The forward GEMMs' A operand arrives with its E4M3 copy already
-written by the kernel that quantized it (RMSNorm, SiLU-mul, o_proj input: runtime/rows.py);
-only the input gradient's dY and the weights are re-encoded here.
+interpreter and on sm_89 (kernels/nvfp4.py's docstring says why). The forward GEMMs' A
+operand arrives with its E4M3 copy already written by the kernel that quantized it (RMSNorm,
+SiLU-mul, o_proj input: runtime/rows.py); only the input gradient's dY and the weights are
+re-encoded here.
 """
 
 from __future__ import annotations
