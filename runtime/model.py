@@ -188,9 +188,11 @@ class PactModel(nn.Module):
             cos, sin = self.rotary(x, positions.unsqueeze(0))
             return cos[0, :, :half].contiguous(), sin[0, :, :half].contiguous()
         if not self.mrope_section:
-            raise PactError(f"{self.artifact.path}: 3-component (M-RoPE) positions given to a model without mrope_section")
+            raise PactError(f"{self.artifact.path}: 3-component (M-RoPE) positions given to a model "
+                            "without mrope_section")
         if sum(self.mrope_section) != half:
-            raise PactError(f"{self.artifact.path}: mrope_section {self.mrope_section} does not sum to head_dim / 2 = {half}")
+            raise PactError(f"{self.artifact.path}: mrope_section {self.mrope_section} does not sum to "
+                            f"head_dim / 2 = {half}")
         cos, sin = self.rotary(x, positions)  # [3, S, head_dim]: one table per component
         dev = cos.device
         comp = torch.repeat_interleave(torch.arange(len(self.mrope_section), device=dev) % 3,
