@@ -13,6 +13,7 @@ import datetime as _dt
 import hashlib
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -33,6 +34,7 @@ from .quantizer import NVFP4Quantizer
 
 log = logging.getLogger(__name__)
 GROUPS = ("qkv", "o", "gate_up", "down")
+BATCH_TOKENS = 4096  # text prompts go through a layer in right-padded batches of about this many tokens
 
 
 def _output_error(W: torch.Tensor, Q: torch.Tensor, H: torch.Tensor) -> float:
@@ -44,16 +46,33 @@ def _output_error(W: torch.Tensor, Q: torch.Tensor, H: torch.Tensor) -> float:
     return float(torch.sqrt(num / den)) if den > 0 else 0.0
 
 
-def _capturing_ops(ops, targets: dict[int, GPTQ]) -> SimpleNamespace:
-    """``ops`` whose GEMM adds its (dequantized) input to the Hessian of the weight it multiplies."""
+def _capturing_ops(ops, targets: dict[int, GPTQ], unit: "Unit") -> SimpleNamespace:
+    """``ops`` whose GEMM adds its (dequantized) input rows, padding rows left out, to the
+    Hessian of the weight it multiplies."""
 
     def nvfp4_gemm(a, w, a_hat=None):
         h = targets.get(id(w))
         if h is not None:
-            h.add_batch(a_hat if a_hat is not None else ops.dequant_rows(a))
+            x = a_hat if a_hat is not None else ops.dequant_rows(a)
+            h.add_batch(x if unit.real is None else x[unit.real])
         return ops.nvfp4_gemm(a, w, a_hat)
 
     return SimpleNamespace(**{**vars(ops), "nvfp4_gemm": nvfp4_gemm})
+
+
+@dataclass
+class Unit:
+    """Prompts run through a layer together: inputs x [B * S, H] (right-padded to S), RoPE tables,
+    and which rows are real tokens (None: all). Causal attention never lets a real token see the
+    padding after it, and every kernel works per row, so a real row's values are those of its
+    prompt run alone."""
+
+    x: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    B: int
+    S: int
+    real: torch.Tensor | None = None
 
 
 def calibrate(
@@ -113,18 +132,17 @@ def _calibrate(art, src, samples, out: Path, *, prompts: Path, damp, actorder, s
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     scaling = art.meta["provenance"]["scaling"]
     model = PactModel(art, None, device=dev)
-    hidden, rope = _inputs(model, art, samples)
+    units = _units(model, art, samples)
     new: dict[str, tuple] = {}
     errors: dict[str, dict[str, float]] = {}
     for li, L in enumerate(tqdm(model.layers, desc="calibrate", unit="layer", disable=not progress)):
         groups = {name: getattr(L, name) for name in GROUPS}
         hess = {id(g.weight): GPTQ(g.weight.shape[1], dev) for g in groups.values() if g.weight is not None}
-        capture = _capturing_ops(model.ops, hess)
         plain = model.ops
         with torch.no_grad():
-            model.ops = capture
-            for x, (cos, sin) in zip(hidden, rope):
-                model._layer(L, x, cos, sin, 1, x.shape[0])
+            for u in units:
+                model.ops = _capturing_ops(plain, hess, u)
+                model._layer(L, u.x, u.cos, u.sin, u.B, u.S)
             model.ops = plain
         for gname, g in groups.items():
             if g.weight is None:  # a member kept in bf16: the group runs dense, nothing to calibrate
@@ -149,24 +167,37 @@ def _calibrate(art, src, samples, out: Path, *, prompts: Path, damp, actorder, s
             g.weight_t = type(g.weight)(torch.cat([t.packed for t in bwd_parts], 1),
                                         torch.cat([t.scales for t in bwd_parts], 1), g.weight.global_scale)
         with torch.no_grad():
-            hidden = [model._layer(L, x, cos, sin, 1, x.shape[0]) for x, (cos, sin) in zip(hidden, rope)]
+            for u in units:
+                u.x = model._layer(L, u.x, u.cos, u.sin, u.B, u.S)
     return _write(art, out, new, errors, overwrite=overwrite, prompts=prompts, samples=samples, damp=damp,
                   actorder=actorder, static_scales=static_scales, blocksize=blocksize)
 
 
-def _inputs(model: PactModel, art, samples) -> tuple[list[torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]:
-    """First layer's inputs [S, H] and RoPE tables per sample: token embeddings, or for image
-    prompts the embeddings with the vision tower's features in place and M-RoPE positions."""
-    if not isinstance(samples[0], ImageSample):
-        hidden = [torch.nn.functional.embedding(ids.to(model.device), model.embed) for ids in samples]
-        return hidden, [model.rope(x, x.shape[0]) for x in hidden]
-    tower = VisionTower(art, model.device)
-    hidden, rope = [], []
-    for s in samples:
-        x, pos = image_inputs(model, tower, s)
-        hidden.append(x)
-        rope.append(model.rope_at(x, pos))
-    return hidden, rope
+def _units(model: PactModel, art, samples) -> list[Unit]:
+    """First layer's inputs. Text prompts: token embeddings, longest first, right-padded into
+    batches of at most BATCH_TOKENS (padded) tokens. Image prompts, one each: embeddings with
+    the vision tower's features in place and M-RoPE positions."""
+    dev = model.device
+    if isinstance(samples[0], ImageSample):
+        tower = VisionTower(art, dev)
+        units = []
+        for s in samples:
+            x, pos = image_inputs(model, tower, s)
+            units.append(Unit(x, *model.rope_at(x, pos), 1, x.shape[0]))
+        return units
+    order = sorted(samples, key=len, reverse=True)
+    units, i = [], 0
+    while i < len(order):
+        S = len(order[i])
+        B = max(1, min(len(order) - i, BATCH_TOKENS // S))
+        ids = torch.zeros(B, S, dtype=torch.long)
+        real = torch.zeros(B, S, dtype=torch.bool)
+        for b, t in enumerate(order[i:i + B]):
+            ids[b, : len(t)], real[b, : len(t)] = t, True
+        x = torch.nn.functional.embedding(ids.to(dev), model.embed).reshape(B * S, -1)
+        units.append(Unit(x, *model.rope(x, S), B, S, None if bool(real.all()) else real.reshape(-1).to(dev)))
+        i += B
+    return units
 
 
 def _folder_digest(samples) -> str:
