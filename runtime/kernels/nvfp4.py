@@ -6,10 +6,10 @@ Numerics (the reference does the same on purpose):
 - Scales use IEEE division (`div_rn`): Triton's plain `/` lowers to an approximate divide
   on NVIDIA GPUs, which would move codes across rounding midpoints.
 - E4M3 block scales are rounded on the fp32 bits (RNE onto 3 mantissa bits); they are clamped
-  to [2^-6, 448] first, so always e4m3 normals. E4M3 element bytes (the fp8 backend's copies,
-  ``EMIT_FP8`` / ``FP8_MODE``: 0 none, 1 emulated, 2 hardware) are emulated exactly on the bits
-  under the interpreter (whose `.to(tl.float8e4nv)` drops the mantissa carry and flushes
-  subnormals) and on sm_89 (Triton converts there through fp16 rounded toward zero: a double
+  to [2^-6, 448] first, so always e4m3 normals. E4M3 element bytes (the fp8 backend's
+  copies; the quantizers' ``EMIT_FP8`` and fp8.py's ``MODE``: 0 none, 1 emulated, 2 hardware)
+  are emulated exactly on the bits under the interpreter (whose `.to(tl.float8e4nv)` drops
+  the mantissa carry and flushes subnormals) and on sm_89 (Triton converts there through fp16 rounded toward zero: a double
   rounding); on sm_90+ the GPU's own `cvt.rn.satfinite.e4m3x2.f32` does it, one instruction per
   pair. Both give torch's float8_e4m3fn bytes with every zero positive.
 - Operands are decoded as q * s_b, exact in bf16; per-tensor and per-row fp32 scales
@@ -39,7 +39,8 @@ GLOBAL_DIV = tl.constexpr(2688.0)  # 6 * 448
 FP8_FROM_NVFP4 = tl.constexpr(448.0 / FP8_ROW_AMAX)  # q * s_b -> E4M3 units (runtime/rows.py)
 # Triton 3.6's interpreter computes tl.dot wrongly on tiles cast to bf16 in the kernel, so
 # under the interpreter the decoded tiles (exact in bf16, hence also in fp32) meet in fp32.
-_DOT_DTYPE = tl.float32 if os.environ.get("TRITON_INTERPRET") == "1" else tl.bfloat16
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+_DOT_DTYPE = tl.float32 if _INTERPRET else tl.bfloat16
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -416,27 +417,24 @@ def _e4m3_mode(device: torch.device) -> int:
     """How kernels on ``device`` write E4M3 element bytes: 2 = the GPU's own correctly rounded
     conversion (sm_90+), 1 = the exact emulation (the interpreter; sm_89, where Triton's
     conversion rounds twice). See the module docstring."""
-    if os.environ.get("TRITON_INTERPRET") == "1" or device.type != "cuda":
+    if _INTERPRET or device.type != "cuda":
         return 1
     return 2 if torch.cuda.get_device_capability(device) >= (9, 0) else 1
 
 
-def fp8_mode(fp8: bool, device: torch.device) -> int:
-    """EMIT_FP8 for a quantizing kernel: 0 (no E4M3 copy) or how to write it."""
-    return _e4m3_mode(device) if fp8 else 0
-
-
-def _with_fp8(q: NVFP4Rows, fp8: bool) -> tuple[NVFP4Rows, torch.Tensor]:
-    """``q`` as NVFP4RowsFP8 with an E4M3 buffer for the kernel to fill (padding rows zeroed)
-    when ``fp8``; else ``q`` and a dummy pointer."""
+def _with_fp8(q: NVFP4Rows, fp8: bool) -> tuple[NVFP4Rows, torch.Tensor, int]:
+    """(rows, E4M3 buffer, EMIT_FP8) for a quantizing kernel: with ``fp8``, ``q`` as NVFP4RowsFP8
+    with a buffer for the kernel to fill (padding rows zeroed) and how to write it; else ``q``,
+    a dummy pointer and 0."""
     if not fp8:
-        return q, q.row_scale
+        return q, q.row_scale, 0
     rows, k = q.shape
+    dev = q.packed.device
     padded = -(-rows // 16) * 16
-    f8 = torch.empty(padded, k, dtype=torch.float8_e4m3fn, device=q.packed.device)
+    f8 = torch.empty(padded, k, dtype=torch.float8_e4m3fn, device=dev)
     f8[rows:].view(torch.uint8).zero_()
-    scale = torch.ones(padded, dtype=torch.float32, device=q.packed.device)
-    return NVFP4RowsFP8(q.packed, q.scales, q.row_scale, f8, scale), f8.view(torch.uint8)
+    scale = torch.ones(padded, dtype=torch.float32, device=dev)
+    return NVFP4RowsFP8(q.packed, q.scales, q.row_scale, f8, scale), f8.view(torch.uint8), _e4m3_mode(dev)
 
 
 def _fp8_scale_from(q: NVFP4Rows) -> None:
@@ -448,10 +446,10 @@ def quant_rows(x: torch.Tensor, fp8: bool = False) -> NVFP4Rows:
     """x [T, K] -> NVFP4 rows (per-row fp32 scale); ``fp8``: with their E4M3 copy attached."""
     x = x if x.stride(-1) == 1 else x.contiguous()
     T, K = x.shape
-    out, f8 = _with_fp8(_empty_rows(T, K, x.device), fp8)
+    out, f8, emit = _with_fp8(_empty_rows(T, K, x.device), fp8)
     bk = _block_k(K)
     if T:
-        _quant_rows_kernel[(T,)](x, x.stride(0), *_row_args(out), f8, K, **_chunk(bk), EMIT_FP8=fp8_mode(fp8, x.device))
+        _quant_rows_kernel[(T,)](x, x.stride(0), *_row_args(out), f8, K, **_chunk(bk), EMIT_FP8=emit)
     _fp8_scale_from(out)
     return out
 
@@ -460,12 +458,12 @@ def rmsnorm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, fp8: bool =
     """x [T, H] bf16 -> (NVFP4 rows of x * rstd * w, rstd fp32 [T]); ``fp8``: E4M3 copy attached."""
     x = x if x.stride(-1) == 1 else x.contiguous()
     T, K = x.shape
-    out, f8 = _with_fp8(_empty_rows(T, K, x.device), fp8)
+    out, f8, emit = _with_fp8(_empty_rows(T, K, x.device), fp8)
     rstd = torch.empty(T, dtype=torch.float32, device=x.device)
     bk = _block_k(K)
     if T:
         _rmsnorm_quant_kernel[(T,)](x, x.stride(0), weight, eps, *_row_args(out), rstd, f8, K, BLOCK_K=bk,
-                                    EMIT_FP8=fp8_mode(fp8, x.device), num_warps=_warps(bk))
+                                    EMIT_FP8=emit, num_warps=_warps(bk))
     _fp8_scale_from(out)
     return out, rstd
 
@@ -477,11 +475,11 @@ def silu_mul_quant(gate_up: torch.Tensor, fp8: bool = False) -> tuple[NVFP4Rows,
     T, K2 = gate_up.shape
     K = K2 // 2
     h, g, u = (_empty_rows(T, K, gate_up.device) for _ in range(3))
-    h, h8 = _with_fp8(h, fp8)
+    h, h8, emit = _with_fp8(h, fp8)
     bk = _block_k(K)
     if T:
         _silu_mul_quant_kernel[(T,)](gate_up, gate_up.stride(0), *_row_args(h), *_row_args(g), *_row_args(u), h8, K,
-                                     **_chunk(bk), EMIT_FP8=fp8_mode(fp8, gate_up.device))
+                                     **_chunk(bk), EMIT_FP8=emit)
     _fp8_scale_from(h)
     return h, g, u
 
