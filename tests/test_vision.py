@@ -118,6 +118,28 @@ def test_calibrate_with_images(vl, tmp_path):
     assert r["step"] == 2
 
 
+def test_language_model_prefix_binds(vl, tmp_path):
+    """VL checkpoints re-saved with transformers' nested names (model.language_model.*,
+    model.visual.*) bind to the same model; an artifact without token embeddings is refused."""
+    from safetensors.torch import load_file, save_file
+
+    def resave(folder, rename):
+        shutil.copytree(vl / "src", folder)
+        t = load_file(folder / "model.safetensors")
+        save_file({rename(k): v for k, v in t.items()}, folder / "model.safetensors", metadata={"format": "pt"})
+        return open_artifact(convert(str(folder), tmp_path / f"{folder.name}-art", progress=False))
+
+    nested = resave(tmp_path / "nested", lambda k: "model.language_model." + k[len("model."):]
+                    if k.startswith("model.") else "model." + k if k.startswith("visual.") else k)
+    ids = torch.tensor([[1, 17, 42, 9, 33]])
+    want = PactModel(open_artifact(vl / "art"), None).logits(ids)
+    assert torch.equal(PactModel(nested, None).logits(ids), want)
+    assert VisionTower(nested, "cpu").image_token_id == 5  # model.visual.* loads too
+    bare = resave(tmp_path / "bare", lambda k: k.replace("embed_tokens", "tok_embeddings"))
+    with pytest.raises(PactError, match="no model.embed_tokens.weight"):
+        PactModel(bare, None)
+
+
 def test_image_prompt_errors(vl, tmp_path):
     art = vl / "art"
     (tmp_path / "empty").mkdir()
