@@ -51,6 +51,8 @@ def test_mrope_positions():
     assert pos.tolist() == [[0, 1, 2, 2, 2, 2, 4, 5], [0, 1, 2, 2, 3, 3, 4, 5], [0, 1, 2, 3, 2, 3, 4, 5]]
     with pytest.raises(PactError, match="needs 4 image-pad tokens"):
         mrope_positions(ids[:5], torch.tensor([[1, 4, 4]]), image_token_id=5, merge=2)
+    with pytest.raises(PactError, match="more image-pad tokens than the 1 image grid"):
+        mrope_positions(torch.tensor([5] * 8), torch.tensor([[1, 4, 4]]), image_token_id=5, merge=2)
     with pytest.raises(PactError, match="2 image grid"):
         mrope_positions(ids, torch.tensor([[1, 4, 4], [1, 2, 2]]), image_token_id=5, merge=2)
 
