@@ -50,8 +50,12 @@ def main(capability: int) -> None:
     three = {f"{p}{s}": t for p in "hgu" for s, t in (("p", "*u8"), ("s", "*u8"), ("r", "*fp32"))}
     _compile_sm(N._silu_mul_quant_kernel, {"gu_ptr": "*bf16", "stride_gu": "i32", **three, "h8_ptr": "*u8", "K": "i32"},
                 {"BLOCK_K": 8192, "CHUNK": 2048, "EMIT_FP8": e4m3})
-    _compile_sm(N._dequant_rows_kernel, {**rows, "out_ptr": "*bf16", "K": "i32"},
-                {"BLOCK_K": 8192, "CHUNK": 2048, "ROUND_BF16": True, "HAS_RS": True})
+    _compile_sm(N._dequant_rows_kernel, {**rows, "out_ptr": "*fp32", "K": "i32"}, {"BLOCK_K": 8192, "CHUNK": 2048})
+    for what in (N.PAIRS_QS, N.PAIRS_ROWS, N.PAIRS_E4M3_W, N.PAIRS_E4M3_ROWS):
+        _compile_sm(N._decode_pairs_kernel, {"packed_ptr": "*u8", "scales_ptr": "*u8", "sc_ptr": "*fp32",
+                                             "out_ptr": "*i32" if what < N.PAIRS_E4M3_W else "*i16",
+                                             "out_scale_ptr": "*fp32", "ROWS": "i32"},
+                    {"KB": 1024, "OUT": what, "MODE": e4m3, "R": N.PAIR_ROWS, "CB": N.PAIR_BYTES, "SB": 128})
     _compile_sm(N._rmsnorm_backward_kernel, {"dy_ptr": "*fp32", "stride_dy": "i32", "yp": "*u8", "ys": "*u8", "yr": "*fp32",
                                              "rstd_ptr": "*fp32", "w_ptr": "*bf16", "dx_ptr": "*bf16", "K": "i32"},
                 {"BLOCK_K": 2048})
@@ -67,11 +71,9 @@ def main(capability: int) -> None:
                                                  "DOT_DTYPE": tl.bfloat16})
     from pact.runtime.kernels import fp8 as F8
 
-    for src in (F8.SRC_BF16, F8.SRC_NVFP4_ROWS, F8.SRC_NVFP4_TENSOR):
-        _compile_sm(F8._fp8_rows_kernel, {"src_ptr": "*bf16" if src == F8.SRC_BF16 else "*u8", "src_scales_ptr": "*u8",
-                                          "src_scale_ptr": "*fp32", "stride_src": "i32", "out_ptr": "*u8",
-                                          "out_scale_ptr": "*fp32", "K": "i32"},
-                    {"SRC": src, "BLOCK_K": 16384, "CHUNK": 2048, "MODE": e4m3})
+    _compile_sm(F8._fp8_rows_kernel, {"src_ptr": "*bf16", "stride_src": "i32", "out_ptr": "*u8",
+                                      "out_scale_ptr": "*fp32", "K": "i32"},
+                {"BLOCK_K": 16384, "CHUNK": 2048, "MODE": e4m3})
     from pact.runtime.kernels import rotary as RO
 
     for inverse in (False, True):

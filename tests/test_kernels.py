@@ -267,6 +267,24 @@ def test_rows_walked_in_chunks(monkeypatch):
         assert torch.equal(a8.view(torch.uint8), b8.view(torch.uint8)) and torch.equal(sa, sb)
 
 
+def test_pair_decoder_tiles(monkeypatch):
+    """The pair-decoding kernel (bf16 decode, E4M3 re-encode) walks rows and bytes in tiles:
+    with 4 rows x 16 bytes, a 37 x 272 operand takes 10 x 9 programs (partial tiles on both
+    edges; the row scale written by the first column, a weight's amax read from whole rows)."""
+    from pact.runtime.kernels import nvfp4 as KN
+    from pact.runtime.kernels.fp8 import fp8_rows
+
+    monkeypatch.setattr(KN, "PAIR_ROWS", 4)
+    monkeypatch.setattr(KN, "PAIR_BYTES", 16)
+    q = R.quant_rows(_awkward(37, 272, seed=9))
+    w = quantize_weight(torch.randn(48, 272) * 0.05)[0]  # 12 x 9 programs
+    assert torch.equal(K.dequant_rows(q), R.dequant_rows(q))
+    assert torch.equal(KN.decode_qs(w.packed, w.scales), R._decoded_qs(w.packed, w.scales).to(torch.bfloat16))
+    for src in (q, w):
+        (a8, sa), (b8, sb) = fp8_rows(src), R.fp8_rows(src)
+        assert torch.equal(a8.view(torch.uint8), b8.view(torch.uint8)) and torch.equal(sa, sb)
+
+
 def test_gemm_rejects_mismatched_k():
     fwd, _ = quantize_weight(torch.randn(16, 32))
     with pytest.raises(ValueError, match="K=48"):
@@ -377,4 +395,4 @@ def test_kernels_compile_for_gpus():
     script = Path(__file__).with_name("compile_kernels.py")
     r = subprocess.run([sys.executable, str(script), "90"], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert r.stdout.count("ok") == 15, r.stdout
+    assert r.stdout.count("ok") == 17, r.stdout

@@ -28,82 +28,53 @@ import triton.language as tl
 
 from pact.formats.nvfp4 import NVFP4Rows, NVFP4Tensor
 
-from ..rows import FP8_ROW_AMAX
-from .nvfp4 import _block_k, _check_k, _chunk, _decode_row, _e4m3_bytes, _e4m3_mode, _e4m3_value
+from .nvfp4 import PAIRS_E4M3_ROWS, PAIRS_E4M3_W, _block_k, _check_k, _chunk, _e4m3_bytes, _e4m3_mode, decode_pairs
 
 FP8_MAX = tl.constexpr(448.0)
-NVFP4_ROW_AMAX = tl.constexpr(FP8_ROW_AMAX)  # the E4M3 copy of NVFP4 rows (runtime/rows.py)
-
-SRC_BF16, SRC_NVFP4_ROWS, SRC_NVFP4_TENSOR = 0, 1, 2
 
 
 @triton.jit
-def _fp8_source(src_ptr, src_scales_ptr, stride_src, row, K, c0, SRC: tl.constexpr, CHUNK: tl.constexpr):
-    """Elements c0 .. c0+CHUNK of a source row as fp32 (bf16 values, or q * s_b exactly)."""
-    if SRC == 0:
-        offs = c0 + tl.arange(0, CHUNK)
-        return tl.load(src_ptr + row * stride_src + offs, mask=offs < K, other=0.0).to(tl.float32)
-    return _decode_row(src_ptr, src_scales_ptr, row, K, c0, CHUNK)
-
-
-@triton.jit
-def _fp8_rows_kernel(src_ptr, src_scales_ptr, src_scale_ptr, stride_src, out_ptr, out_scale_ptr, K,
-                     SRC: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr, MODE: tl.constexpr):
-    """One row -> E4M3 bytes [K] and its fp32 decode scale (amax / 448 times the source's scale).
-    bf16 rows: amax from the values (a first pass). NVFP4 activation rows: amax = 6 * 448, the
-    bound every row meets (its per-row scale puts its largest block scale at 448). NVFP4
-    weights (one scale per tensor): amax = 6 * max(s_b), read from the row's scales alone."""
+def _fp8_rows_kernel(src_ptr, stride_src, out_ptr, out_scale_ptr, K, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr,
+                     MODE: tl.constexpr):
+    """One bf16 row -> E4M3 bytes [K] and its fp32 decode scale amax / 448 (a first pass takes
+    the amax). NVFP4 sources take nvfp4.py's _decode_pairs_kernel."""
     row = tl.program_id(0)
     amax = 0.0
-    if SRC == 0:
-        for c0 in tl.static_range(0, BLOCK_K, CHUNK):
-            v = _fp8_source(src_ptr, src_scales_ptr, stride_src, row, K, c0, SRC, CHUNK)
-            amax = tl.maximum(amax, tl.max(tl.abs(v), axis=0))
-    elif SRC == 1:
-        amax = NVFP4_ROW_AMAX + 0.0
-    else:
-        offs_s = tl.arange(0, BLOCK_K // 16)
-        sb = tl.load(src_scales_ptr + row * (K // 16) + offs_s, mask=offs_s < K // 16, other=0).to(tl.int32)
-        amax = 6.0 * tl.max(_e4m3_value(sb), axis=0)
+    for c0 in tl.static_range(0, BLOCK_K, CHUNK):
+        offs = c0 + tl.arange(0, CHUNK)
+        v = tl.load(src_ptr + row * stride_src + offs, mask=offs < K, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.max(tl.abs(v), axis=0))
     amax = tl.where(amax > 0, amax, FP8_MAX)
     inv = tl.math.div_rn(FP8_MAX + tl.zeros_like(amax), amax)
     for c0 in tl.static_range(0, BLOCK_K, CHUNK):
-        v = _fp8_source(src_ptr, src_scales_ptr, stride_src, row, K, c0, SRC, CHUNK)
-        y = tl.minimum(tl.maximum(v * inv, -FP8_MAX), FP8_MAX)
         offs = c0 + tl.arange(0, CHUNK)
+        v = tl.load(src_ptr + row * stride_src + offs, mask=offs < K, other=0.0).to(tl.float32)
+        y = tl.minimum(tl.maximum(v * inv, -FP8_MAX), FP8_MAX)
         tl.store(out_ptr + row * K + offs, _e4m3_bytes(y, MODE).to(tl.uint8), mask=offs < K)
-    if SRC == 0:
-        base = 1.0
-    elif SRC == 1:
-        base = tl.load(src_scale_ptr + row)
-    else:
-        base = tl.load(src_scale_ptr)
-    tl.store(out_scale_ptr + row, tl.math.div_rn(amax, FP8_MAX) * base)
+    tl.store(out_scale_ptr + row, tl.math.div_rn(amax, FP8_MAX))
 
 
 def fp8_rows(x: NVFP4Rows | NVFP4Tensor | torch.Tensor, pad_to: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows of x -> (E4M3 [R', K], fp32 scale [R']) with R' = R rounded up to ``pad_to``
-    (cuBLAS wants every dimension a multiple of 16); padding rows are zeros with scale 1."""
-    if isinstance(x, (NVFP4Rows, NVFP4Tensor)):
-        rows, k = x.shape
-        if isinstance(x, NVFP4Rows):
-            args, src = (x.packed, x.scales.view(torch.uint8), x.row_scale, 0), SRC_NVFP4_ROWS
-        else:
-            args, src = (x.packed, x.scales.view(torch.uint8), x.global_scale.reshape(1), 0), SRC_NVFP4_TENSOR
-        device = x.packed.device
-    else:
-        x = x if x.stride(-1) == 1 else x.contiguous()
-        rows, k = x.shape
-        args, src, device = (x, x, x, x.stride(0)), SRC_BF16, x.device
+    (cuBLAS wants every dimension a multiple of 16); padding rows are zeros with scale 1.
+    amax per row: max |v| of bf16 rows; FP8_ROW_AMAX for NVFP4 activation rows (the bound
+    every row meets: its per-row scale puts its largest block scale at 448); 6 * max(s_b) of
+    the row for an NVFP4 weight (one scale per tensor), read from the row's scales alone."""
+    rows, k = x.shape
+    device = x.packed.device if isinstance(x, (NVFP4Rows, NVFP4Tensor)) else x.device
     padded = -(-rows // pad_to) * pad_to
     out = torch.empty(padded, k, dtype=torch.float8_e4m3fn, device=device)
     scale = torch.empty(padded, dtype=torch.float32, device=device)
     if padded > rows:
         out[rows:].view(torch.uint8).zero_()
         scale[rows:] = 1.0
-    bk = _block_k(k)
-    if rows:
-        _fp8_rows_kernel[(rows,)](*args, out.view(torch.uint8), scale, k, SRC=src, **_chunk(bk),
+    if isinstance(x, NVFP4Rows):
+        decode_pairs(x.packed, x.scales, x.row_scale, out[:rows], PAIRS_E4M3_ROWS, scale)
+    elif isinstance(x, NVFP4Tensor):
+        decode_pairs(x.packed, x.scales, x.global_scale.reshape(1), out[:rows], PAIRS_E4M3_W, scale)
+    elif rows:
+        x = x if x.stride(-1) == 1 else x.contiguous()
+        _fp8_rows_kernel[(rows,)](x, x.stride(0), out.view(torch.uint8), scale, k, **_chunk(_block_k(k)),
                                   MODE=_e4m3_mode(device))
     return out, scale
 
@@ -124,5 +95,8 @@ def nvfp4_gemm_fp8(a: NVFP4Rows | torch.Tensor, w: NVFP4Tensor, a_hat: torch.Ten
         a8, sa = a.fp8, a.fp8_scale
     else:
         a8, sa = fp8_rows(a)
-    w8, sw = fp8_rows(w)
+    if getattr(w, "fp8", None) is not None:  # resident copy (--fp8-weights resident)
+        w8, sw = w.fp8, w.fp8_scale
+    else:
+        w8, sw = fp8_rows(w)
     return scaled_mm_rows(a8, sa, w8, sw)[:m]

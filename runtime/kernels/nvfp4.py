@@ -37,6 +37,7 @@ E4M3_MAX = tl.constexpr(448.0)
 E4M3_MIN_SCALE = tl.constexpr(0.015625)  # 2^-6: smallest e4m3 normal (torchao's clamp)
 GLOBAL_DIV = tl.constexpr(2688.0)  # 6 * 448
 FP8_FROM_NVFP4 = tl.constexpr(448.0 / FP8_ROW_AMAX)  # q * s_b -> E4M3 units (runtime/rows.py)
+NVFP4_ROW_AMAX = tl.constexpr(FP8_ROW_AMAX)
 # Triton 3.6's interpreter computes tl.dot wrongly on tiles cast to bf16 in the kernel, so
 # under the interpreter the decoded tiles (exact in bf16, hence also in fp32) meet in fp32.
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -108,11 +109,12 @@ def _e2m1_codes(x):
 
 @triton.jit
 def _e2m1_value(c):
-    """E2M1 code (int32) -> fp32."""
-    e = (c >> 1) & 3
-    m = (c & 1).to(tl.float32)
-    pow2 = tl.where(e == 3, 4.0, tl.where(e == 2, 2.0, 1.0))
-    v = tl.where(e == 0, 0.5 * m, pow2 * (1.0 + 0.5 * m))
+    """E2M1 code (int32) -> fp32, built on the bits: the magnitude's 3 bits (e1 e0 m) placed at
+    fp32 bits 24..22 over an exponent of 126 give 2^(e-1) * (1 + m/2) for e > 0; codes 0 and 1
+    (0 and 0.5) are the exception. The sign is bit 3."""
+    mag = c & 7
+    v = ((mag << 22) + (126 << 23)).to(tl.float32, bitcast=True)
+    v = tl.where(mag < 2, mag.to(tl.float32) * 0.5, v)
     return tl.where((c & 8) != 0, -v, v)
 
 
@@ -257,17 +259,65 @@ def _silu_mul_quant_kernel(gu_ptr, stride_gu, hp, hs, hr, gp, gs, gr, up, us, ur
 
 
 @triton.jit
-def _dequant_rows_kernel(packed_ptr, scales_ptr, rs_ptr, out_ptr, K, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr,
-                         ROUND_BF16: tl.constexpr, HAS_RS: tl.constexpr):
+def _dequant_rows_kernel(packed_ptr, scales_ptr, rs_ptr, out_ptr, K, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr):
+    """NVFP4 rows -> fp32 (q * s_b) * g_r; bf16 outputs take _decode_pairs_kernel."""
     row = tl.program_id(0)
     for c0 in tl.static_range(0, BLOCK_K, CHUNK):
-        v = _decode_row(packed_ptr, scales_ptr, row, K, c0, CHUNK)
-        if HAS_RS:  # without: q * s_b alone, exact in bf16 (operands for cuBLAS)
-            v = v * tl.load(rs_ptr + row)
-        if ROUND_BF16:
-            v = _rne_bf16(v)
+        v = _decode_row(packed_ptr, scales_ptr, row, K, c0, CHUNK) * tl.load(rs_ptr + row)
         offs = c0 + tl.arange(0, CHUNK)
-        tl.store(out_ptr + row * K + offs, v.to(out_ptr.dtype.element_ty), mask=offs < K)
+        tl.store(out_ptr + row * K + offs, v, mask=offs < K)
+
+
+# What _decode_pairs_kernel writes per packed byte (its two elements, the low nibble first).
+PAIRS_QS, PAIRS_ROWS, PAIRS_E4M3_W, PAIRS_E4M3_ROWS = 0, 1, 2, 3
+
+
+@triton.jit
+def _decode_pairs_kernel(packed_ptr, scales_ptr, sc_ptr, out_ptr, out_scale_ptr, ROWS, KB: tl.constexpr,
+                         OUT: tl.constexpr, MODE: tl.constexpr, R: tl.constexpr, CB: tl.constexpr,
+                         SB: tl.constexpr):
+    """NVFP4 [ROWS, 2*KB] (KB packed bytes per row) decoded in tiles of R rows x CB bytes: one
+    output word per byte, so the nibble pair never has to be interleaved in registers (a
+    join + reshape costs shuffles through shared memory) and loads and stores stay contiguous.
+    OUT: PAIRS_QS   -> bf16 pair (as uint32) of q * s_b (exact: no rounding)
+         PAIRS_ROWS -> bf16 pair of q * s_b * g_r rounded to nearest even (g_r = sc_ptr[row])
+         PAIRS_E4M3_W / PAIRS_E4M3_ROWS -> E4M3 pair (as uint16) of q * s_b * 448 / amax, and the
+         row's fp32 decode scale amax / 448 * (sc_ptr[0] | sc_ptr[row]) written by the first
+         column of programs; amax = 6 * max(s_b) of the row (a weight: its scales, SB >= KB/8,
+         are read whole) or FP8_ROW_AMAX (activation rows, runtime/rows.py): fp8.py's conventions."""
+    rows = tl.program_id(0) * R + tl.arange(0, R)
+    blk = tl.program_id(1) * (CB // 8) + tl.arange(0, CB // 8)  # NVFP4 blocks (8 bytes each) of this tile
+    byte = blk[None, :, None] * 8 + tl.arange(0, 8)[None, None, :]
+    rmask = rows < ROWS
+    bmask = rmask[:, None] & (blk[None, :] < KB // 8)
+    p = tl.load(packed_ptr + rows[:, None, None] * KB + byte, mask=bmask[:, :, None], other=0).to(tl.int32)
+    s = _e4m3_value(tl.load(scales_ptr + rows[:, None] * (KB // 8) + blk[None, :], mask=bmask, other=0).to(tl.int32))
+    lo = _e2m1_value(p & 15) * s[:, :, None]
+    hi = _e2m1_value(p >> 4) * s[:, :, None]
+    if OUT < 2:  # bf16 pairs
+        if OUT == 1:  # PAIRS_ROWS
+            g = tl.load(sc_ptr + rows, mask=rmask, other=0.0)[:, None, None]
+            lo, hi = _rne_bf16(lo * g), _rne_bf16(hi * g)
+        lo_b, hi_b = lo.to(tl.int32, bitcast=True), hi.to(tl.int32, bitcast=True)  # bf16 = the high halves
+        word = ((lo_b >> 16) & 0xFFFF) | (hi_b & -65536)
+        tl.store(out_ptr + rows[:, None, None] * KB + byte, word, mask=bmask[:, :, None])
+    else:
+        if OUT == 2:  # PAIRS_E4M3_W
+            offs_s = tl.arange(0, SB)
+            all_s = tl.load(scales_ptr + rows[:, None] * (KB // 8) + offs_s[None, :],
+                            mask=rmask[:, None] & (offs_s[None, :] < KB // 8), other=0).to(tl.int32)
+            amax = 6.0 * tl.max(_e4m3_value(all_s), axis=1)
+            base = tl.load(sc_ptr) + tl.zeros_like(amax)
+        else:
+            amax = tl.zeros((R,), dtype=tl.float32) + NVFP4_ROW_AMAX
+            base = tl.load(sc_ptr + rows, mask=rmask, other=1.0)
+        amax = tl.where(amax > 0, amax, E4M3_MAX)
+        inv = tl.math.div_rn(E4M3_MAX + tl.zeros_like(amax), amax)[:, None, None]
+        lo8 = _e4m3_bytes(tl.minimum(tl.maximum(lo * inv, -E4M3_MAX), E4M3_MAX), MODE)
+        hi8 = _e4m3_bytes(tl.minimum(tl.maximum(hi * inv, -E4M3_MAX), E4M3_MAX), MODE)
+        tl.store(out_ptr + rows[:, None, None] * KB + byte, (lo8 | (hi8 << 8)).to(tl.int16), mask=bmask[:, :, None])
+        if tl.program_id(1) == 0:
+            tl.store(out_scale_ptr + rows, tl.math.div_rn(amax, E4M3_MAX) * base, mask=rmask)
 
 
 @triton.jit
@@ -484,14 +534,36 @@ def silu_mul_quant(gate_up: torch.Tensor, fp8: bool = False) -> tuple[NVFP4Rows,
     return h, g, u
 
 
+# Tiles of the pair-decoding kernel: rows x packed bytes per program (8192 elements), and warps.
+PAIR_ROWS, PAIR_BYTES, PAIR_WARPS = 16, 256, 4
+
+
+def decode_pairs(packed: torch.Tensor, scales: torch.Tensor, sc: torch.Tensor, out: torch.Tensor, what: int,
+                 out_scale: torch.Tensor | None = None) -> None:
+    """Launch _decode_pairs_kernel: NVFP4 ``packed`` [rows, KB] / ``scales`` -> ``out`` [rows, 2*KB]
+    (bf16, or E4M3 with ``out_scale`` [rows]); ``what`` is one of the PAIRS_* modes."""
+    rows, kb = packed.shape
+    if not rows or not kb:
+        return
+    words = out.view(torch.int32 if what < PAIRS_E4M3_W else torch.int16)
+    cb = min(PAIR_BYTES, max(8, triton.next_power_of_2(kb)))
+    grid = (triton.cdiv(rows, PAIR_ROWS), triton.cdiv(kb, cb))
+    _decode_pairs_kernel[grid](packed, scales.view(torch.uint8), sc, words, sc if out_scale is None else out_scale,
+                               rows, kb, OUT=what, MODE=_e4m3_mode(packed.device), R=PAIR_ROWS, CB=cb,
+                               SB=max(2, triton.next_power_of_2(kb // 8)), num_warps=PAIR_WARPS)
+
+
 def dequant_rows(q: NVFP4Rows, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """NVFP4 rows -> (q * s_b) * g_r in ``dtype`` (bf16: rounded to nearest even)."""
     T, K = q.shape
-    out = torch.empty(T, K, dtype=dtype, device=q.packed.device)
-    bk = _block_k(K)
+    if dtype == torch.bfloat16:
+        out = torch.empty(T, K, dtype=dtype, device=q.packed.device)
+        decode_pairs(q.packed, q.scales, q.row_scale, out, PAIRS_ROWS)
+        return out
+    out = torch.empty(T, K, dtype=torch.float32, device=q.packed.device)
     if T:
-        _dequant_rows_kernel[(T,)](*_row_args(q), out, K, ROUND_BF16=dtype == torch.bfloat16, HAS_RS=True,
-                                   **_chunk(bk))
-    return out
+        _dequant_rows_kernel[(T,)](*_row_args(q), out, K, **_chunk(_block_k(K)))
+    return out.to(dtype)
 
 
 def rmsnorm_backward(dy: torch.Tensor, yq: NVFP4Rows, rstd: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -529,12 +601,8 @@ def silu_mul_backward(dh: torch.Tensor, gq: NVFP4Rows, uq: NVFP4Rows) -> torch.T
 
 def decode_qs(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """q * s_b as bf16 [rows, cols] (exact: at most 6 significant bits), no global/row scale."""
-    rows, k = packed.shape[0], packed.shape[1] * 2
-    out = torch.empty(rows, k, dtype=torch.bfloat16, device=packed.device)
-    bk = _block_k(k)
-    if rows:
-        _dequant_rows_kernel[(rows,)](packed, scales.view(torch.uint8), packed, out, k, ROUND_BF16=True,
-                                      HAS_RS=False, **_chunk(bk))
+    out = torch.empty(packed.shape[0], packed.shape[1] * 2, dtype=torch.bfloat16, device=packed.device)
+    decode_pairs(packed, scales, scales, out, PAIRS_QS)
     return out
 
 
