@@ -3,7 +3,9 @@
     python benchmarks/bench_gemm.py --tokens 8192 --model llama-1b
 
 Forward: C[T,N] = Xq[T,K] (NVFP4 rows) @ W[N,K]^T (NVFP4); input gradient: dX[T,K] =
-dY[T,N] (bf16) @ (W^T[K,N] NVFP4)^T. Times are medians of CUDA-event timings after warm-up;
+dY[T,N] (bf16) @ (W^T[K,N] NVFP4)^T. `pact_fp8_*`: A arrives with its E4M3 copy (written by the
+quantizer, as in training; dY is re-encoded), W re-encoded per call; `pact_fp8res_*`: W's
+E4M3 copy resident (--fp8-weights resident). Times are medians of CUDA-event timings after warm-up;
 TFLOP/s = 2*T*N*K / time. Needs a CUDA GPU.
 """
 
@@ -41,6 +43,7 @@ def run(model: str, tokens: int) -> list[dict]:
     from pact.runtime import kernels as K
     from pact.runtime.kernels.fp8 import fp8_rows, nvfp4_gemm_fp8
     from pact.runtime.kernels.nvfp4 import decode_qs, nvfp4_gemm_cublas, nvfp4_gemm_fused
+    from pact.runtime.rows import NVFP4TensorFP8
 
     rows = []
     for name, n, k in SHAPES[model]:
@@ -50,7 +53,9 @@ def run(model: str, tokens: int) -> list[dict]:
         x = torch.randn(tokens, k, device="cuda").to(torch.bfloat16)
         dy = torch.randn(tokens, n, device="cuda").to(torch.bfloat16)
         xq = K.quant_rows(x)
+        xq8 = K.quant_rows(x, fp8=True)  # as the fp8 backend's quantizers hand it over: E4M3 copy attached
         x_hat = K.dequant_rows(xq)  # what training's forward hands the cuBLAS path (the LoRA branch needs it too)
+        fwd8, bwd8 = (NVFP4TensorFP8(t.packed, t.scales, t.global_scale, *fp8_rows(t)) for t in (fwd, bwd))
         wb = w.to(torch.bfloat16)
         flop = 2 * tokens * n * k
         xf8, wf8 = x.to(torch.float8_e4m3fn), wb.to(torch.float8_e4m3fn)
@@ -66,10 +71,13 @@ def run(model: str, tokens: int) -> list[dict]:
             "pact_cublas_dgrad": lambda: nvfp4_gemm_cublas(dy, bwd),
             "pact_decode_w": lambda: decode_qs(fwd.packed, fwd.scales),
             "pact_quant_rows": lambda: K.quant_rows(x),
-            "pact_fp8_fwd": lambda: nvfp4_gemm_fp8(xq, fwd),
+            "pact_fp8_fwd": lambda: nvfp4_gemm_fp8(xq8, fwd),
             "pact_fp8_dgrad": lambda: nvfp4_gemm_fp8(dy, bwd),
+            "pact_fp8res_fwd": lambda: nvfp4_gemm_fp8(xq8, fwd8),
+            "pact_fp8res_dgrad": lambda: nvfp4_gemm_fp8(dy, bwd8),
             "pact_fp8_encode_w": lambda: fp8_rows(fwd),
             "pact_fp8_encode_a": lambda: fp8_rows(xq),
+            "pact_fp8_encode_dy": lambda: fp8_rows(dy),
             "cublas_bf16_fwd": lambda: x @ wb.t(),
             "cublas_bf16_dgrad": lambda: dy @ wb,
             "cublas_fp8_rowwise_fwd": lambda: torch._scaled_mm(xf8, wf8.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16),

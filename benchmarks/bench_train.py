@@ -5,8 +5,9 @@
         --methods pact-fp8,pact-fp8-ckpt,peft,peft-ckpt,qlora,qlora-ckpt,liger,liger-ckpt --csv-out cap.csv
     python benchmarks/bench_train.py --model llama-1b --batch 16 --methods pact-fp8 --profile
 
-pact runs each compute backend it can on this GPU (`pact-fp8`: --compute fp8, `pact-bf16`:
---compute bf16-decode), with and without --checkpoint. Peers: PEFT bf16, QLoRA (bitsandbytes
+pact runs each compute backend it can on this GPU (`pact-fp8`: --compute fp8, `pact-fp8res`:
+the same with --fp8-weights resident, `pact-bf16`: --compute bf16-decode), with and without
+--checkpoint. Peers: PEFT bf16, QLoRA (bitsandbytes
 NF4, double quant), PEFT + Liger kernels (liger-kernel), each with and without gradient
 checkpointing. `--csv-out` writes every row; `benchmarks/plot_train.py` turns CSVs into a PNG.
 `--profile` prints where a pact step's CUDA time goes (kernel categories, like PACT's Table 11).
@@ -61,12 +62,13 @@ def _time_training(loss_fn, params, warmup: int, iters: int) -> tuple[float, flo
 
 
 def _pact(art_path: Path, compute: str, checkpoint: bool):
+    """``compute``: a key of COMPUTE (fp8, fp8res = fp8 with resident E4M3 weights, bf16)."""
     from pact.formats import open_artifact
     from pact.runtime.lora import LoraConfig
     from pact.runtime.model import PactModel
 
-    return PactModel(open_artifact(art_path), LoraConfig(r=16, alpha=32), device="cuda", compute=compute,
-                     checkpoint=checkpoint)
+    return PactModel(open_artifact(art_path), LoraConfig(r=16, alpha=32), device="cuda", compute=COMPUTE[compute],
+                     checkpoint=checkpoint, fp8_weights="resident" if compute == "fp8res" else "per-call")
 
 
 def bench_pact(art_path: Path, bs: int, seq: int, warmup: int, iters: int, compute: str,
@@ -195,9 +197,9 @@ def _peft_step(model, bs: int, seq: int, warmup: int, iters: int, checkpoint: bo
                           [p for p in model.parameters() if p.requires_grad], warmup, iters)
 
 
-METHODS = ("pact-fp8", "pact-fp8-ckpt", "pact-bf16", "pact-bf16-ckpt", "peft", "peft-ckpt", "qlora", "qlora-ckpt",
+METHODS = ("pact-fp8", "pact-fp8-ckpt", "pact-fp8res", "pact-fp8res-ckpt", "pact-bf16", "pact-bf16-ckpt", "peft", "peft-ckpt", "qlora", "qlora-ckpt",
            "liger", "liger-ckpt")  # liger last: it patches transformers' Llama in place
-COMPUTE = {"fp8": "fp8", "bf16": "bf16-decode"}
+COMPUTE = {"fp8": "fp8", "fp8res": "fp8", "bf16": "bf16-decode"}  # method's middle word -> --compute
 # candidate batch sizes for the capped search (ascending; the search stops at the first OOM)
 CAP_BATCHES = (1, 2, 3, 4, 6, 8, 12, 16, 20, 24, 32, 40, 48, 64, 96)
 
@@ -209,7 +211,7 @@ def measure(method: str, art: Path, src: Path, shape: str, bs: int, seq: int, wa
     try:
         ckpt = method.endswith("-ckpt")
         if method.startswith("pact"):
-            ms, peak = bench_pact(art, bs, seq, warmup, iters, COMPUTE[method.split("-")[1]], checkpoint=ckpt)
+            ms, peak = bench_pact(art, bs, seq, warmup, iters, method.split("-")[1], checkpoint=ckpt)
         else:
             ms, peak = bench_peft(shape, bs, seq, warmup, iters, checkpoint=ckpt, liger=method.startswith("liger"),
                                   qlora_src=src if method.startswith("qlora") else None)
@@ -297,7 +299,7 @@ def main(shape, batches, methods, memory_cap_gib, seq, workdir, warmup, iters, c
         for method in (m for m in chosen if m.startswith("pact")):
             gc.collect()
             torch.cuda.empty_cache()
-            parts, tops = profile_pact(art, bs, seq, COMPUTE[method.split("-")[1]], method.endswith("-ckpt"))
+            parts, tops = profile_pact(art, bs, seq, method.split("-")[1], method.endswith("-ckpt"))
             total = sum(ms for _, ms in parts)
             print(f"\n{method} bs {bs}: CUDA time of one step by kernel category ({total:.1f} ms)")
             for cat, ms in parts:

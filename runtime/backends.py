@@ -90,4 +90,10 @@ def get_ops(name: str, compute: str = "bf16-decode") -> SimpleNamespace:
     if compute == "fp8":  # the quantizing kernels also write the E4M3 copy the next GEMM reads
         for op in ("rmsnorm_quant", "silu_mul_quant", "quant_rows"):
             ops[op] = functools.partial(ops[op], fp8=True)
+        if name == "torch":
+            ops["fp8_rows"] = mod.fp8_rows
+        else:
+            from .kernels.fp8 import fp8_rows
+
+            ops["fp8_rows"] = fp8_rows  # resident weight copies (--fp8-weights resident)
     return SimpleNamespace(name=f"{name}/{compute}", **ops)

@@ -24,8 +24,12 @@ from .backends import get_ops, resolve_compute, resolve_kernels
 from .functions import FrozenGroup, Lora, MlpFn, NormProjectionFn, ProjectionFn, RopeFn, dense_activation_ops
 from .lora import LoraConfig
 from .loss import target_cross_entropy
+from .rows import NVFP4TensorFP8
 
 TRAINABLE_FAMILIES = ("llama", "qwen2", "qwen3", "qwen2_vl", "qwen2_5_vl")
+# fp8 backend: re-encode each frozen weight to E4M3 per GEMM call, or keep E4M3 copies on the GPU
+# (1 byte per parameter per layout; no re-encode: cuBLAS FP8 speed).
+FP8_WEIGHTS = ("per-call", "resident")
 
 
 def _rotary(family: str, cfg):
@@ -57,7 +61,7 @@ class PactModel(nn.Module):
 
     def __init__(self, artifact: Artifact, lora: LoraConfig | None, *, device: str | torch.device = "cpu",
                  kernels: str | None = None, compute: str | None = None, activations: str = "nvfp4",
-                 checkpoint: bool = False, seed: int = 0):
+                 checkpoint: bool = False, seed: int = 0, fp8_weights: str = "per-call"):
         super().__init__()
         from transformers import AutoConfig
 
@@ -75,6 +79,12 @@ class PactModel(nn.Module):
             raise PactError(f"--activations must be nvfp4 or bf16, got {activations!r}")
         self.compute = resolve_compute(compute, self.device)
         self.ops = get_ops(self.kernels, self.compute)
+        if fp8_weights not in FP8_WEIGHTS:
+            raise PactError(f"--fp8-weights must be one of {', '.join(FP8_WEIGHTS)}, got {fp8_weights!r}")
+        if fp8_weights == "resident" and self.compute != "fp8":
+            raise PactError(f"--fp8-weights resident keeps E4M3 copies for the fp8 backend; this run computes with "
+                            f"{self.compute}: add --compute fp8 or leave --fp8-weights at per-call")
+        self._fp8_copy = self.ops.fp8_rows if fp8_weights == "resident" else None
         if activations == "bf16":  # ablation: what NVFP4 activations cost (weights stay NVFP4)
             self.ops = dense_activation_ops(self.ops)
         cfg = AutoConfig.from_pretrained(artifact.hf_dir).get_text_config()
@@ -133,6 +143,9 @@ class PactModel(nn.Module):
             gs = fwd[0].global_scale.to(dev)
             g.weight = NVFP4Tensor(cat([t.packed for t in fwd], 0), cat([t.scales for t in fwd], 0), gs)
             g.weight_t = NVFP4Tensor(cat([t.packed for t in bwd], 1), cat([t.scales for t in bwd], 1), gs)
+            if self._fp8_copy is not None:
+                g.weight, g.weight_t = (NVFP4TensorFP8(w.packed, w.scales, w.global_scale, *self._fp8_copy(w))
+                                        for w in (g.weight, g.weight_t))
         else:
             # a member kept in bf16: the group runs dense (NVFP4 members decoded once to bf16)
             g.dense = torch.cat([art.dequantize(m).to(torch.bfloat16) for m in members], 0).to(dev)

@@ -177,6 +177,6 @@ def nvfp4_gemm_fp8(a: NVFP4Rows | torch.Tensor, w: NVFP4Tensor, a_hat: torch.Ten
     """Twin of the `fp8` GEMM: both operands re-encoded as E4M3 rows (``fp8_rows``), product in
     fp32, row scales applied to the accumulator, one rounding to bf16."""
     a8, sa = fp8_rows(a, pad_to=1)
-    w8, sw = fp8_rows(w, pad_to=1)
+    w8, sw = (w.fp8, w.fp8_scale) if getattr(w, "fp8", None) is not None else fp8_rows(w, pad_to=1)
     acc = a8.float() @ w8.float().t()
     return (acc * sa[:, None] * sw[None, :]).to(torch.bfloat16)

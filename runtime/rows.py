@@ -1,5 +1,5 @@
 """Activation rows as the runtime passes them between kernels (the saved format is
-`formats.nvfp4.NVFP4Rows`)."""
+`formats.nvfp4.NVFP4Rows`), and the `fp8` backend's resident weight copies."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pact.formats.nvfp4 import NVFP4Rows
+from pact.formats.nvfp4 import NVFP4Rows, NVFP4Tensor
 
 # E4M3 copy of NVFP4 activation rows: a product q * s_b is at most 6 * 448 (a per-row scale puts
 # each row's largest block scale at 448), so the copy is e4m3(q * s_b * 448 / FP8_ROW_AMAX) for
@@ -21,6 +21,17 @@ class NVFP4RowsFP8(NVFP4Rows):
     """NVFP4 rows plus, for the `fp8` backend's next GEMM, their E4M3 copy written by the same
     kernel that quantized them: fp8 [T', K] (T' = T rounded up to 16, zero padding) and its
     decode scale fp8_scale [T'] (6 * row_scale; padding 1). Never saved for backward."""
+
+    fp8: torch.Tensor | None = None
+    fp8_scale: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class NVFP4TensorFP8(NVFP4Tensor):
+    """A frozen NVFP4 weight plus its E4M3 copy, made once when the model binds it (`--fp8-weights
+    resident`): fp8 [N, K] and its per-row decode scale fp8_scale [N], the bytes the `fp8`
+    backend would otherwise re-encode on every call (same values: fp8_rows). Costs 1 byte per
+    parameter per layout on the GPU."""
 
     fp8: torch.Tensor | None = None
     fp8_scale: torch.Tensor | None = None

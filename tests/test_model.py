@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from conftest import make_model
 from pact.convert import convert
-from pact.formats import open_artifact
+from pact.formats import PactError, open_artifact
 from pact.runtime.functions import saved_bytes_per_token
 from pact.runtime.lora import ALL_TARGETS, LoraConfig
 from pact.runtime.model import PactModel
@@ -232,3 +232,31 @@ def test_compute_twins_train(tmp_path, compute):
     else:
         assert out[1][0] == pytest.approx(out[0][0], rel=2e-3)
         assert cos[len(cos) // 2] >= 0.97 and cos[0] >= 0.93, cos
+
+
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+def test_resident_fp8_weights_change_nothing(tmp_path, kernels):
+    """`--fp8-weights resident` multiplies the E4M3 copies made once at binding: the same bytes
+    the fp8 backend re-encodes per call, so loss and gradients are bit-identical; other
+    backends refuse the flag."""
+    from pact.runtime.rows import NVFP4TensorFP8
+
+    art = _artifact(tmp_path, "llama")
+    ids, labels = _batch(b=1, s=16)
+    out = []
+    for fp8_weights in ("per-call", "resident"):
+        model = PactModel(art, LoraConfig(r=R, alpha=ALPHA), kernels=kernels, compute="fp8", fp8_weights=fp8_weights)
+        resident = isinstance(model.layers[0].qkv.weight, NVFP4TensorFP8)
+        assert resident == (fp8_weights == "resident") and resident == isinstance(model.layers[0].down.weight_t,
+                                                                                  NVFP4TensorFP8)
+        _random_adapters(model)
+        loss, n = model(ids, labels)
+        (loss / n).backward()
+        out.append((loss.item(), {k: p.grad.clone() for k, p in model.lora_params.items()}))
+    assert out[0][0] == out[1][0]
+    for k in out[0][1]:
+        assert torch.equal(out[0][1][k], out[1][1][k]), k
+    with pytest.raises(PactError, match="--fp8-weights resident .* add --compute fp8"):
+        PactModel(art, LoraConfig(r=R, alpha=ALPHA), compute="bf16-decode", fp8_weights="resident")
+    with pytest.raises(PactError, match="--fp8-weights must be one of"):
+        PactModel(art, LoraConfig(r=R, alpha=ALPHA), compute="fp8", fp8_weights="always")
