@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import csv
 import os
+import shutil
 import statistics
 import time
 from pathlib import Path
@@ -58,7 +59,10 @@ def _bf16_folder(gguf: Path) -> Path:
     if not folder.is_dir():
         tmp = gguf.parent / f".bf16-hf.{os.getpid()}"
         open_source(str(gguf), workdir=tmp)
-        tmp.rename(folder)  # complete or absent
+        try:
+            tmp.rename(folder)  # complete or absent
+        except OSError:  # another invocation (seeds run in parallel) made it first
+            shutil.rmtree(tmp)
     return folder
 
 
@@ -104,7 +108,7 @@ def _train_hf(model, examples, pad: int, seed: int, device: torch.device, steps:
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(float(loss))
+        losses.append(loss.item())
     return losses
 
 
@@ -137,8 +141,11 @@ def _hf_accuracy(model, examples, pad: int, device: torch.device) -> float:
 @click.option("--train-size", default=320, show_default=True, help="Training snippets (the demo's 320).")
 @click.option("--test-size", default=200, show_default=True, help="Held-out snippets (the demo's 200; up to ~12,000).")
 @click.option("--lr", default=LR, show_default=True, help="Peak learning rate (the demo's 1e-3), every method.")
+@click.option("--csv", "csv_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Rows file (default: bench-accuracy/accuracy.csv in the work folder); give invocations "
+                   "run in parallel one each, then `accuracy_table.py` reads them together.")
 def main(workdir: Path | None, seeds: str, methods: str, calib_samples: int, steps: int, train_size: int,
-         test_size: int, lr: float) -> None:
+         test_size: int, lr: float, csv_path: Path | None) -> None:
     from transformers import AutoTokenizer
 
     from pact.calibrate import calibrate
@@ -160,7 +167,7 @@ def main(workdir: Path | None, seeds: str, methods: str, calib_samples: int, ste
     train_f, test_f, calib_f = _splits(rt, workdir / "data", train_size, test_size, calib_samples)
     arts = {"rtn": _cached_artifact(workdir / "smollm2-135m-nvfp4-2d",
                                     lambda p: convert(str(gguf), p, overwrite=p.exists()))}
-    arts["gptq"] = _cached_artifact(workdir / f"smollm2-135m-nvfp4-2d-gptq{calib_samples}",
+    arts["gptq"] = _cached_artifact(workdir / f"smollm2-135m-nvfp4-2d-gptq{calib_f.stem.removeprefix('rt-calib-')}",
                                     lambda p: calibrate(str(arts["rtn"]), calib_f, p, max_samples=calib_samples,
                                                         seq_len=128, overwrite=p.exists()))
     tok = AutoTokenizer.from_pretrained(open_artifact(arts["rtn"]).hf_dir)
@@ -206,7 +213,7 @@ def main(workdir: Path | None, seeds: str, methods: str, calib_samples: int, ste
                 continue
             record(method, seed, acc, time.perf_counter() - t)
     # merge with earlier invocations: a (method, seed) measured again replaces its old row
-    path = out / "accuracy.csv"
+    path = csv_path or out / "accuracy.csv"
     kept = []
     if path.is_file():
         def key(r):

@@ -41,8 +41,12 @@ def _cached_artifact(path: Path, make) -> Path:
 
 
 def _splits(csv_bz2: Path, folder: Path, n_train: int, n_test: int, n_calib: int, seed: int = 0) -> tuple[Path, ...]:
-    """Deterministic disjoint train / test / calibration files from the labelled snippets."""
-    paths = tuple(folder / f"rt-{name}-{n}.jsonl" for name, n in (("train", n_train), ("test", n_test), ("calib", n_calib)))
+    """Deterministic disjoint train / test / calibration files from the labelled snippets: test is
+    the first n_test of one shuffle, train the next n_train, calibration the next n_calib. A
+    file's name says where it starts (train and calibration move with the splits before them),
+    so a cached file is only reused for the same content."""
+    paths = (folder / f"rt-train-{n_train}-at{n_test}.jsonl", folder / f"rt-test-{n_test}.jsonl",
+             folder / f"rt-calib-{n_calib}-at{n_test + n_train}.jsonl")
     if all(p.is_file() for p in paths):
         return paths
     folder.mkdir(parents=True, exist_ok=True)
@@ -95,7 +99,7 @@ def demo(workdir: Path | None, train_size: int, test_size: int, calib_samples: i
     click.echo(f"model: {gguf}\ndata:  {rt}")
     train_f, test_f, calib_f = _splits(rt, workdir / "data", train_size, test_size, calib_samples)
     art = _cached_artifact(workdir / "smollm2-135m-nvfp4-2d", lambda p: convert(str(gguf), p, overwrite=p.exists()))
-    cal = _cached_artifact(workdir / f"smollm2-135m-nvfp4-2d-gptq{calib_samples}",
+    cal = _cached_artifact(workdir / f"smollm2-135m-nvfp4-2d-gptq{calib_f.stem.removeprefix('rt-calib-')}",
                            lambda p: calibrate(str(art), calib_f, p, max_samples=calib_samples, seq_len=128,
                                                overwrite=p.exists()))
     rows = [("zero-shot, NVFP4 (RTN)", evaluate_artifact(str(art), str(test_f), max_len=128, batch_size=batch_size)),
