@@ -285,6 +285,34 @@ def test_pair_decoder_tiles(monkeypatch):
         assert torch.equal(a8.view(torch.uint8), b8.view(torch.uint8)) and torch.equal(sa, sb)
 
 
+def test_host_scale_cached_without_tensor_ops():
+    """The cuBLAS path's alpha (a weight's global scale as a float) is read once per tensor; a
+    hit runs no tensor op (a WeakKeyDictionary compares keys with ==, whose bool() synchronizes
+    a CUDA device on every GEMM), and the entry goes with its tensor."""
+    import gc
+
+    from torch.overrides import TorchFunctionMode
+
+    from pact.runtime.kernels import nvfp4 as KN
+
+    calls = []
+
+    class Count(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            calls.append(func)
+            return func(*args, **(kwargs or {}))
+
+    g = torch.tensor(0.375)
+    assert KN._host_scale(g) == 0.375
+    with Count():
+        assert KN._host_scale(g) == 0.375
+    assert calls == []
+    key = id(g)
+    del g
+    gc.collect()
+    assert key not in KN._HOST_SCALES
+
+
 def test_gemm_rejects_mismatched_k():
     fwd, _ = quantize_weight(torch.randn(16, 32))
     with pytest.raises(ValueError, match="K=48"):

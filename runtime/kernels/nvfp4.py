@@ -639,15 +639,19 @@ def nvfp4_gemm(a: NVFP4Rows | torch.Tensor, w: NVFP4Tensor, a_hat: torch.Tensor 
     return nvfp4_gemm_fused(a, w)
 
 
-_HOST_SCALES: "weakref.WeakKeyDictionary[torch.Tensor, float]" = weakref.WeakKeyDictionary()
+# id(global scale tensor) -> (weak reference, value). Not a WeakKeyDictionary: its lookups
+# compare tensors with ==, and bool() of a CUDA comparison synchronizes the device per call.
+_HOST_SCALES: dict[int, tuple[weakref.ref, float]] = {}
 
 
 def _host_scale(t: torch.Tensor) -> float:
     """The global scale as a Python float, read from the device once per weight."""
-    v = _HOST_SCALES.get(t)
-    if v is None:
-        v = _HOST_SCALES[t] = float(t)
-    return v
+    hit = _HOST_SCALES.get(id(t))
+    if hit is not None and hit[0]() is t:
+        return hit[1]
+    key = id(t)
+    _HOST_SCALES[key] = (weakref.ref(t, lambda _, key=key: _HOST_SCALES.pop(key, None)), float(t))
+    return _HOST_SCALES[key][1]
 
 
 def nvfp4_gemm_cublas(a: NVFP4Rows | torch.Tensor, w: NVFP4Tensor) -> torch.Tensor:
