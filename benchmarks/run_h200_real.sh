@@ -43,9 +43,15 @@ stage3)
     | tee $OUT/accuracy.txt | grep --line-buffered -v "Warn\|warn"
   cp /tmp/wd/bench-accuracy/accuracy.csv $OUT/
   ;;
-acc1)
+acc1|gemm)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whlz/*.whl || exit 1
   cp .gg1/* /tmp/wd/ && ls -la /tmp/wd
+  if [ $stage = gemm ]; then  # the GEMMs (eager and CUDA-graph device time), pact's 1B bs 16 step
+    (cd benchmarks && timeout 200 python3 bench_gemm.py --tokens 8192 --csv-out $OUT/gemm_1b.csv) > $OUT/gemm.txt 2>&1
+    (cd benchmarks && timeout 150 python3 bench_train.py --model llama-1b --warmup 1 --iters 3 --batch 16 \
+       --methods pact-fp8,pact-fp8res,pact-bf16 --csv-out $OUT/bs16_pact.csv 2>&1 | grep --line-buffered "^{")
+    grep -v "^gpu=" $OUT/gemm.txt
+  fi
   ;;
 acc2|acc3)
   if [ $stage = acc2 ]; then
