@@ -160,3 +160,21 @@ def test_image_prompt_errors(vl, tmp_path):
         f.unlink()
     with pytest.raises(PactError, match="no image processor"):
         calibrate(str(bare), vl / "images", tmp_path / "c4")
+
+
+def test_image_pad_token_mismatch(vl, tmp_path):
+    """A config whose image token id names a string the tokenizer does not keep as one token
+    (here an ordinary byte-level piece): one error naming the tokenizer, not a silent misplacement."""
+    from transformers import AutoTokenizer
+
+    bad = tmp_path / "bad"
+    shutil.copytree(vl / "art", bad)
+    cfg_path = next(bad.rglob("config.json"))
+    tok = AutoTokenizer.from_pretrained(cfg_path.parent)
+    piece = tok.convert_tokens_to_ids("\u0120")  # the space byte: as literal text it becomes two other bytes
+    cfg = json.loads(cfg_path.read_text())
+    cfg["image_token_id"] = piece
+    cfg_path.write_text(json.dumps(cfg))
+    with pytest.raises(PactError, match="is not one token; the tokenizer does not match the model config"):
+        calibrate(str(bad), vl / "images", tmp_path / "c")
+
