@@ -7,9 +7,8 @@
 
 pact runs each compute backend it can on this GPU (`pact-fp8`: --compute fp8, `pact-fp8res`:
 the same with --fp8-weights resident, `pact-bf16`: --compute bf16-decode), with and without
---checkpoint. Peers: PEFT bf16, QLoRA (bitsandbytes
-NF4, double quant), PEFT + Liger kernels (liger-kernel), each with and without gradient
-checkpointing. `--csv-out` writes every row; `benchmarks/plot_train.py` turns CSVs into a PNG.
+--checkpoint. Peers: PEFT bf16, QLoRA (bitsandbytes NF4, double quant), PEFT + Liger kernels
+(liger-kernel), each with and without gradient checkpointing. `--csv-out` writes every row; `benchmarks/plot_train.py` turns CSVs into a PNG.
 `--profile` prints where a pact step's CUDA time goes (kernel categories, like PACT's Table 11).
 
 Random weights with Llama-3.2 shapes (the artifact is converted once into --workdir), LoRA
@@ -197,8 +196,8 @@ def _peft_step(model, bs: int, seq: int, warmup: int, iters: int, checkpoint: bo
                           [p for p in model.parameters() if p.requires_grad], warmup, iters)
 
 
-METHODS = ("pact-fp8", "pact-fp8-ckpt", "pact-fp8res", "pact-fp8res-ckpt", "pact-bf16", "pact-bf16-ckpt", "peft", "peft-ckpt", "qlora", "qlora-ckpt",
-           "liger", "liger-ckpt")  # liger last: it patches transformers' Llama in place
+METHODS = ("pact-fp8", "pact-fp8-ckpt", "pact-fp8res", "pact-fp8res-ckpt", "pact-bf16", "pact-bf16-ckpt",
+           "peft", "peft-ckpt", "qlora", "qlora-ckpt", "liger", "liger-ckpt")  # liger last: it patches transformers' Llama in place
 COMPUTE = {"fp8": "fp8", "fp8res": "fp8", "bf16": "bf16-decode"}  # method's middle word -> --compute
 # candidate batch sizes for the capped search (ascending; the search stops at the first OOM)
 CAP_BATCHES = (1, 2, 3, 4, 6, 8, 12, 16, 20, 24, 32, 40, 48, 64, 96)

@@ -7,7 +7,8 @@ Numerics (the reference does the same on purpose):
   on NVIDIA GPUs, which would move codes across rounding midpoints.
 - E4M3 block scales are rounded on the fp32 bits (RNE onto 3 mantissa bits); they are clamped
   to [2^-6, 448] first, so always e4m3 normals. E4M3 element bytes (the fp8 backend's
-  copies; the quantizers' ``EMIT_FP8`` and fp8.py's ``MODE``: 0 none, 1 emulated, 2 hardware)
+  copies; the quantizers' ``EMIT_FP8``, the pair decoder's and fp8.py's ``MODE``: 0 none, 1
+  emulated, 2 hardware)
   are emulated exactly on the bits under the interpreter (whose `.to(tl.float8e4nv)` drops
   the mantissa carry and flushes subnormals) and on sm_89 (Triton converts there through fp16 rounded toward zero: a double
   rounding); on sm_90+ the GPU's own `cvt.rn.satfinite.e4m3x2.f32` does it, one instruction per
@@ -37,7 +38,7 @@ E4M3_MAX = tl.constexpr(448.0)
 E4M3_MIN_SCALE = tl.constexpr(0.015625)  # 2^-6: smallest e4m3 normal (torchao's clamp)
 GLOBAL_DIV = tl.constexpr(2688.0)  # 6 * 448
 FP8_FROM_NVFP4 = tl.constexpr(448.0 / FP8_ROW_AMAX)  # q * s_b -> E4M3 units (runtime/rows.py)
-NVFP4_ROW_AMAX = tl.constexpr(FP8_ROW_AMAX)
+NVFP4_ROW_AMAX = tl.constexpr(FP8_ROW_AMAX)  # amax of every NVFP4 activation row's E4M3 copy
 # Triton 3.6's interpreter computes tl.dot wrongly on tiles cast to bf16 in the kernel, so
 # under the interpreter the decoded tiles (exact in bf16, hence also in fp32) meet in fp32.
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
