@@ -6,13 +6,13 @@ Numerics (the reference does the same on purpose):
 - Scales use IEEE division (`div_rn`): Triton's plain `/` lowers to an approximate divide
   on NVIDIA GPUs, which would move codes across rounding midpoints.
 - E4M3 block scales are rounded on the fp32 bits (RNE onto 3 mantissa bits); they are clamped
-  to [2^-6, 448] first, so always e4m3 normals. E4M3 element bytes (the fp8 backend's
-  copies; the quantizers' ``EMIT_FP8``, the pair decoder's and fp8.py's ``MODE``: 0 none, 1
-  emulated, 2 hardware)
-  are emulated exactly on the bits under the interpreter (whose `.to(tl.float8e4nv)` drops
-  the mantissa carry and flushes subnormals) and on sm_89 (Triton converts there through fp16 rounded toward zero: a double
-  rounding); on sm_90+ the GPU's own `cvt.rn.satfinite.e4m3x2.f32` does it, one instruction per
-  pair. Both give torch's float8_e4m3fn bytes with every zero positive.
+  to [2^-6, 448] first, so always e4m3 normals. E4M3 element bytes (the fp8 backend's copies;
+  the quantizers' ``EMIT_FP8``, the pair decoder's and fp8.py's ``MODE``: 0 none, 1 emulated,
+  2 hardware) are emulated exactly on the bits under the interpreter (whose
+  `.to(tl.float8e4nv)` drops the mantissa carry and flushes subnormals) and on sm_89 (Triton
+  converts there through fp16 rounded toward zero: a double rounding); on sm_90+ the GPU's own
+  `cvt.rn.satfinite.e4m3x2.f32` does it, one instruction per pair. Both give torch's
+  float8_e4m3fn bytes with every zero positive.
 - Operands are decoded as q * s_b, exact in bf16; per-tensor and per-row fp32 scales
   multiply the fp32 accumulator. `tl.dot` on the decoded bf16 tiles is the `bf16-decode`
   backend: the exact NVFP4 product up to summation order, on any GPU with bf16 MMA.
