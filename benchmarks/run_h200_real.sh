@@ -38,7 +38,7 @@ stage2)
 stage3)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
   python3 benchmarks/bench_accuracy.py --workdir /tmp/wd --seeds ${SEEDS:-0,1,2} --steps ${STEPS:-40} \
-    --train-size ${TRAIN:-320} --test-size ${TEST:-1000} --lr ${LR:-1e-3} \
+    --train-size ${TRAIN:-320} --test-size ${TEST:-1000} --lr ${LR:-1e-3} --calib-samples ${CALIB:-48} \
     --methods ${METHODS:-zero-shot,peft-bf16,qlora,pact-rtn,pact-gptq,pact-gptq-bf16dec,pact-gptq-bf16act} 2>&1 \
     | tee $OUT/accuracy.txt | grep --line-buffered -v "Warn\|warn"
   cp /tmp/wd/bench-accuracy/accuracy.csv $OUT/
