@@ -85,7 +85,7 @@ def run(model: str, tokens: int) -> list[dict]:
         xq = K.quant_rows(x)
         xq8 = K.quant_rows(x, fp8=True)  # as the fp8 backend's quantizers hand it over: E4M3 copy attached
         x_hat = K.dequant_rows(xq)  # what training's forward hands the cuBLAS path (the LoRA branch needs it too)
-        fwd8, bwd8 = (NVFP4TensorFP8(t.packed, t.scales, t.global_scale, *fp8_rows(t)) for t in (fwd, bwd))
+        fwd8, bwd8 = (NVFP4TensorFP8.of(t, fp8_rows) for t in (fwd, bwd))
         wb = w.to(torch.bfloat16)
         flop = 2 * tokens * n * k
         xf8, wf8 = x.to(torch.float8_e4m3fn), wb.to(torch.float8_e4m3fn)

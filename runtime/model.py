@@ -144,8 +144,7 @@ class PactModel(nn.Module):
             g.weight = NVFP4Tensor(cat([t.packed for t in fwd], 0), cat([t.scales for t in fwd], 0), gs)
             g.weight_t = NVFP4Tensor(cat([t.packed for t in bwd], 1), cat([t.scales for t in bwd], 1), gs)
             if self._fp8_copy is not None:
-                g.weight, g.weight_t = (NVFP4TensorFP8(w.packed, w.scales, w.global_scale, *self._fp8_copy(w))
-                                        for w in (g.weight, g.weight_t))
+                g.weight, g.weight_t = (NVFP4TensorFP8.of(w, self._fp8_copy) for w in (g.weight, g.weight_t))
         else:
             # a member kept in bf16: the group runs dense (NVFP4 members decoded once to bf16)
             g.dense = torch.cat([art.dequantize(m).to(torch.bfloat16) for m in members], 0).to(dev)

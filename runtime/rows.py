@@ -35,3 +35,8 @@ class NVFP4TensorFP8(NVFP4Tensor):
 
     fp8: torch.Tensor | None = None
     fp8_scale: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, w: NVFP4Tensor, fp8_rows) -> "NVFP4TensorFP8":
+        """``w`` with the E4M3 copy that ``fp8_rows`` (a backend's launcher) makes of it."""
+        return cls(w.packed, w.scales, w.global_scale, *fp8_rows(w))

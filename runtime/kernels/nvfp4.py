@@ -647,12 +647,13 @@ _HOST_SCALES: dict[int, tuple[weakref.ref, float]] = {}
 
 def _host_scale(t: torch.Tensor) -> float:
     """The global scale as a Python float, read from the device once per weight."""
-    hit = _HOST_SCALES.get(id(t))
+    key = id(t)
+    hit = _HOST_SCALES.get(key)
     if hit is not None and hit[0]() is t:
         return hit[1]
-    key = id(t)
-    _HOST_SCALES[key] = (weakref.ref(t, lambda _, key=key: _HOST_SCALES.pop(key, None)), float(t))
-    return _HOST_SCALES[key][1]
+    v = float(t)
+    _HOST_SCALES[key] = (weakref.ref(t, lambda _, key=key: _HOST_SCALES.pop(key, None)), v)
+    return v
 
 
 def nvfp4_gemm_cublas(a: NVFP4Rows | torch.Tensor, w: NVFP4Tensor) -> torch.Tensor:
