@@ -157,7 +157,7 @@ def main(workdir: Path | None, seeds: str, methods: str, calib_samples: int, ste
     from pact.convert import convert
     from pact.convert.offline import ROTTEN_TOMATOES, SMOLLM2_135M, default_cache, fetch
     from pact.formats import open_artifact
-    from pact.pipelines.demo import _cached_artifact, _splits
+    from pact.pipelines.demo import _cached_artifact, _gptq_dir, _splits
     from pact.runtime.data import pad_id, read_records, tokenize
     from pact.runtime.evaluate import evaluate_artifact
     from pact.runtime.trainer import TrainConfig, train
@@ -172,7 +172,7 @@ def main(workdir: Path | None, seeds: str, methods: str, calib_samples: int, ste
     train_f, test_f, calib_f = _splits(rt, workdir / "data", train_size, test_size, calib_samples)
     arts = {"rtn": _cached_artifact(workdir / "smollm2-135m-nvfp4-2d",
                                     lambda p: convert(str(gguf), p, overwrite=p.exists()))}
-    arts["gptq"] = _cached_artifact(workdir / f"smollm2-135m-nvfp4-2d-gptq{calib_f.stem.removeprefix('rt-calib-')}",
+    arts["gptq"] = _cached_artifact(_gptq_dir(workdir, calib_f),
                                     lambda p: calibrate(str(arts["rtn"]), calib_f, p, max_samples=calib_samples,
                                                         seq_len=128, overwrite=p.exists()))
     tok = AutoTokenizer.from_pretrained(open_artifact(arts["rtn"]).hf_dir)

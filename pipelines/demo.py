@@ -69,6 +69,11 @@ def _splits(csv_bz2: Path, folder: Path, n_train: int, n_test: int, n_calib: int
     return paths
 
 
+def _gptq_dir(workdir: Path, calib_f: Path) -> Path:
+    """The calibrated artifact's cache folder, keyed by its calibration file (count and start)."""
+    return workdir / f"smollm2-135m-nvfp4-2d-gptq{calib_f.stem.removeprefix('rt-calib-')}"
+
+
 def _sparkline(values: list[float], width: int = 40) -> str:
     if not values:
         return ""
@@ -99,7 +104,7 @@ def demo(workdir: Path | None, train_size: int, test_size: int, calib_samples: i
     click.echo(f"model: {gguf}\ndata:  {rt}")
     train_f, test_f, calib_f = _splits(rt, workdir / "data", train_size, test_size, calib_samples)
     art = _cached_artifact(workdir / "smollm2-135m-nvfp4-2d", lambda p: convert(str(gguf), p, overwrite=p.exists()))
-    cal = _cached_artifact(workdir / f"smollm2-135m-nvfp4-2d-gptq{calib_f.stem.removeprefix('rt-calib-')}",
+    cal = _cached_artifact(_gptq_dir(workdir, calib_f),
                            lambda p: calibrate(str(art), calib_f, p, max_samples=calib_samples, seq_len=128,
                                                overwrite=p.exists()))
     rows = [("zero-shot, NVFP4 (RTN)", evaluate_artifact(str(art), str(test_f), max_len=128, batch_size=batch_size)),
