@@ -25,6 +25,7 @@ from pact.convert.sources import open_source, remove_tree
 from pact.formats import ArtifactError, ArtifactWriter, PactError, open_artifact
 from pact.formats.artifact import sha256_file
 from pact.formats.nvfp4 import dequantize, quantize, transpose_2d
+from pact.runtime.backends import resolve_device
 from pact.runtime.model import TRAINABLE_FAMILIES, PactModel
 from pact.runtime.vision import ImageSample, VisionTower, image_inputs
 
@@ -47,13 +48,13 @@ def _output_error(W: torch.Tensor, Q: torch.Tensor, H: torch.Tensor) -> float:
 
 
 def _capturing_ops(ops, targets: dict[int, GPTQ], unit: "Unit") -> SimpleNamespace:
-    """``ops`` whose GEMM adds its (dequantized) input rows, padding rows left out, to the
-    Hessian of the weight it multiplies."""
+    """``ops`` whose GEMM adds its input rows (dequantized, or bf16 where the recipe keeps them so),
+    padding rows left out, to the Hessian of the weight it multiplies."""
 
     def nvfp4_gemm(a, w, a_hat=None):
         h = targets.get(id(w))
         if h is not None:
-            x = a_hat if a_hat is not None else ops.dequant_rows(a)
+            x = a_hat if a_hat is not None else a if isinstance(a, torch.Tensor) else ops.dequant_rows(a)
             h.add_batch(x if unit.real is None else x[unit.real])
         return ops.nvfp4_gemm(a, w, a_hat)
 
@@ -129,7 +130,7 @@ def calibrate(
 
 def _calibrate(art, src, samples, out: Path, *, prompts: Path, damp, actorder, static_scales, blocksize, device,
                overwrite, progress) -> Path:
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dev = resolve_device(device)
     scaling = art.meta["provenance"]["scaling"]
     model = PactModel(art, None, device=dev)
     units = _units(model, art, samples)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from pact.formats import PactError
+from pact.formats import PactError, require
 from pact.runtime.data import read_records
 from pact.runtime.vision import ImageSample
 
@@ -50,7 +50,8 @@ def _size(size, *keys) -> int:
 
 
 def _image_samples(folder: Path, hf_dir: Path, tokenizer, *, max_samples: int, seq_len: int) -> list[ImageSample]:
-    from PIL import Image, UnidentifiedImageError
+    pil = require("PIL.Image", "vision", f"--prompts {folder} (image prompts)")
+    Image, UnidentifiedImageError = pil, pil.UnidentifiedImageError
     from transformers import AutoConfig, AutoImageProcessor
 
     images = [f for f in sorted(folder.iterdir()) if f.suffix.lower() in IMAGE_SUFFIXES][:max_samples]

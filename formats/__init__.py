@@ -1,7 +1,7 @@
 """NVFP4 numerics and the on-disk artifact. Imports nothing else of pact's."""
 
 from .artifact import FORMAT_NAME, FORMAT_VERSION, Artifact, ArtifactWriter, open_artifact
-from .errors import ArtifactError, PactError
+from .errors import ArtifactError, PactError, require
 from .families import ARCHITECTURES, classify, family_of, text_config
 from .nvfp4 import (
     BLOCK,
@@ -30,6 +30,7 @@ __all__ = [
     "open_artifact",
     "quantize",
     "quantize_weight",
+    "require",
     "sqnr_db",
     "text_config",
 ]

@@ -7,3 +7,13 @@ class PactError(ValueError):
 
 class ArtifactError(PactError):
     """An artifact that is missing, truncated, corrupted or of an unknown format version."""
+
+
+def require(module: str, extra: str, purpose: str):
+    """Import an optional dependency, or fail in one line naming the extra that installs it."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise PactError(f"{purpose} needs the {module.split('.')[0]} package: pip install \"pact[{extra}]\"") from None

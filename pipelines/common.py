@@ -23,3 +23,11 @@ def cli_errors(fn: Callable) -> Callable:
             raise click.ClickException(str(e)) from None
 
     return wrapper
+
+
+ACTIVATIONS_HELP = (
+    "Precision recipe of the activations (weights stay NVFP4): a preset, default 'nvfp4' (PACT's data flow), or "
+    "'bf16' (nothing quantized: the reference), optionally followed by SITE.FIELD=VALUE overrides, e.g. "
+    "'nvfp4,down.saved=bf16' (SITE: qkv, o, gate_up, down or *; FIELD: gemm, lora, saved; VALUE: nvfp4, bf16). "
+    "See README 'Precision recipe'."
+)

@@ -9,7 +9,7 @@ import click
 
 from pact.runtime.evaluate import evaluate_artifact
 
-from .common import cli_errors
+from .common import ACTIVATIONS_HELP, cli_errors
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -18,7 +18,7 @@ from .common import cli_errors
 @click.option("--adapter", default=None, type=click.Path(file_okay=False), help="A pact-train run folder (PEFT adapter); none = zero-shot.")
 @click.option("--max-len", default=1024, show_default=True)
 @click.option("--batch-size", default=8, show_default=True)
-@click.option("--activations", type=click.Choice(["nvfp4", "bf16"]), default="nvfp4", show_default=True)
+@click.option("--activations", default=None, metavar="RECIPE", help=ACTIVATIONS_HELP)
 @click.option("--device", default=None)
 @click.option("--generate/--no-generate", default=None,
               help="Score greedy generations (exact match, token F1). Default: when completions are not class labels.")

@@ -9,7 +9,7 @@ import click
 from pact.runtime.lora import ALL_TARGETS
 from pact.runtime.trainer import TrainConfig, train
 
-from .common import cli_errors
+from .common import ACTIVATIONS_HELP, cli_errors
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -42,8 +42,7 @@ from .common import cli_errors
 @click.option("--fp8-weights", type=click.Choice(["per-call", "resident"]), default="per-call", show_default=True,
               help="With --compute fp8: resident keeps E4M3 copies of the frozen weights on the GPU (+2 bytes per "
                    "parameter) instead of re-encoding them from NVFP4 at every GEMM; same numbers, faster steps.")
-@click.option("--activations", type=click.Choice(["nvfp4", "bf16"]), default="nvfp4", show_default=True,
-              help="bf16 keeps activations unquantized (an ablation; weights stay NVFP4).")
+@click.option("--activations", default=None, metavar="RECIPE", help=ACTIVATIONS_HELP)
 @click.option("--checkpoint", is_flag=True, help="Recompute each decoder layer in backward (less memory, ~1/3 more compute).")
 @click.option("--device", default=None, help="cuda, cuda:1, cpu (default: cuda if available).")
 @click.option("--quiet", is_flag=True)

@@ -26,12 +26,45 @@ from types import SimpleNamespace
 
 import torch
 
-from pact.formats import PactError
+from pact.formats import PactError, require
+
+from .rows import DenseRows
 
 KERNELS = ("torch", "triton")
 COMPUTE = ("bf16-decode", "fp8", "nvfp4-native")
 _OPS = ("rmsnorm_quant", "silu_mul_quant", "quant_rows", "dequant_rows", "nvfp4_gemm", "rmsnorm_backward",
         "silu_mul_h", "silu_mul_backward", "rope", "ce_grad_")
+# Ops reading saved rows: unquantized rows (DenseRows, a recipe's "bf16" sites) go to the twins,
+# elementwise torch in fp32 on either device; NVFP4 rows to the chosen implementation.
+_ROW_READERS = ("dequant_rows", "rmsnorm_backward", "silu_mul_h", "silu_mul_backward")
+
+
+def _dense_aware(op, twin):
+    def run(*args, **kw):
+        return twin(*args, **kw) if any(isinstance(a, DenseRows) for a in args) else op(*args, **kw)
+
+    run.__name__ = op.__name__
+    return run
+
+
+def resolve_device(name: str | None, flag: str = "--device") -> torch.device:
+    """The torch device for ``--device`` (default: cuda when a GPU is visible, else cpu), checked
+    here so that an unavailable one fails in one line rather than deep inside torch."""
+    try:
+        device = torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except RuntimeError as e:
+        raise PactError(f"{flag} {name!r}: not a device name ({e}); use cuda, cuda:N or cpu") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise PactError(f"{flag} {name}: no CUDA device here (torch {torch.__version__}, "
+                            f"built {'with CUDA ' + torch.version.cuda if torch.version.cuda else 'for the CPU only'}): "
+                            f"drop {flag} to run on the CPU, or install a CUDA build of torch")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise PactError(f"{flag} {name}: this machine has {torch.cuda.device_count()} CUDA device(s): "
+                            f"use cuda:0..cuda:{torch.cuda.device_count() - 1}")
+    elif device.type != "cpu":
+        raise PactError(f"{flag} {name}: pact runs on cuda or cpu")
+    return device
 
 
 def resolve_kernels(name: str | None, device: torch.device) -> str:
@@ -74,6 +107,7 @@ def get_ops(name: str, compute: str = "bf16-decode") -> SimpleNamespace:
 
         gemms = {"nvfp4-native": mod.nvfp4_gemm_native, "fp8": mod.nvfp4_gemm_fp8}
     else:
+        require("triton", "kernels", "--kernels triton")
         from . import kernels as mod
 
         gemms = {}
@@ -85,7 +119,13 @@ def get_ops(name: str, compute: str = "bf16-decode") -> SimpleNamespace:
             from .kernels.fp8 import nvfp4_gemm_fp8
 
             gemms["fp8"] = nvfp4_gemm_fp8
+    from . import reference
+
     ops = {op: getattr(mod, op) for op in _OPS}
+    if mod is not reference:
+        ops.update({op: _dense_aware(ops[op], getattr(reference, op)) for op in _ROW_READERS})
+    ops["rmsnorm_rows"], ops["silu_mul_rows"] = reference.rmsnorm_rows, reference.silu_mul_rows
+    ops["quant_saved"] = ops["quant_rows"]  # NVFP4 rows only kept for backward: never an E4M3 copy
     ops["nvfp4_gemm"] = gemms.get(compute, ops["nvfp4_gemm"])
     if compute == "fp8":  # the quantizing kernels also write the E4M3 copy the next GEMM reads
         for op in ("rmsnorm_quant", "silu_mul_quant", "quant_rows"):

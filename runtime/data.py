@@ -36,9 +36,9 @@ def read_records(path: str | Path, flag: str = "--data") -> list[dict]:
     if not p.exists():
         raise PactError(f"{flag} {p}: no such file or folder")
     if p.is_dir():
-        try:
-            import datasets
+        import datasets  # a declared dependency: imported outside the try so a broken install is not "not a folder"
 
+        try:
             ds = datasets.load_from_disk(str(p))
         except Exception as e:
             raise PactError(f"{flag} {p}: not a datasets.save_to_disk folder ({e})") from None

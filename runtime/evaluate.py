@@ -10,6 +10,7 @@ from collections import Counter
 import torch
 import torch.nn.functional as F
 
+from .backends import resolve_device
 from .data import IGNORE, Example, collate
 from .model import rmsnorm
 
@@ -137,7 +138,7 @@ def evaluate_generation(model, examples: list[Example], tokenizer, *, max_new_to
 
 
 def evaluate_artifact(artifact: str, data: str, *, adapter: str | None = None, max_len: int = 1024, batch_size: int = 8,
-                      device: str | None = None, activations: str = "nvfp4", generate: bool | None = None,
+                      device: str | None = None, activations: str | None = None, generate: bool | None = None,
                       max_new_tokens: int | None = None) -> dict:
     """Held-out loss (and label accuracy) of an artifact, with a PEFT adapter folder or zero-shot.
     ``generate`` (default: when completions are not class labels) adds exact match / token F1."""
@@ -151,7 +152,7 @@ def evaluate_artifact(artifact: str, data: str, *, adapter: str | None = None, m
 
     art = open_artifact(artifact)
     tokenizer = AutoTokenizer.from_pretrained(art.hf_dir)
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dev = resolve_device(device)
     lora_cfg, weights = load_peft_adapter(adapter) if adapter else (None, None)
     model = PactModel(art, lora_cfg, device=dev, activations=activations)
     if weights is not None:

@@ -29,11 +29,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
-from pact.formats.nvfp4 import NVFP4Rows, NVFP4Tensor
+from pact.formats.nvfp4 import NVFP4Tensor
 
-from . import reference
+from .recipe import Site
+from .rows import DenseRows
 
 
 @dataclass
@@ -87,15 +87,20 @@ def _a_cat(g: FrozenGroup, dtype) -> torch.Tensor:
     return torch.cat([lo.A for lo in g.loras if lo is not None]).to(dtype)
 
 
-def project(ops, g: FrozenGroup, xq: NVFP4Rows, x_hat: torch.Tensor) -> tuple[torch.Tensor, list, list]:
+def project(ops, g: FrozenGroup, a, x_hat: torch.Tensor, a_hat: torch.Tensor | None = None
+            ) -> tuple[torch.Tensor, list, list]:
     """Frozen GEMM (+bias) + LoRA per member. Returns y [T,N] bf16, saved xa's, dropout seeds.
 
+    ``a`` is the GEMM's operand (NVFP4 rows, or DenseRows), ``a_hat`` its bf16 value when already
+    decoded, ``x_hat`` the LoRA branch's bf16 input (runtime/recipe.py: the same, or unquantized).
     Without dropout, one GEMM computes every member's xa and each member's update is added
     into its slice of y by cuBLAS (addmm, alpha = scale): no [T, N_i] temporaries."""
+    a_val = a.data if isinstance(a, DenseRows) else a
     if g.weight is not None:
-        y = ops.nvfp4_gemm(xq, g.weight, x_hat)
+        y = ops.nvfp4_gemm(a_val, g.weight, a_hat)
     else:
-        y = x_hat @ g.dense.t()
+        dense_a = a_val if isinstance(a, DenseRows) else a_hat if a_hat is not None else ops.dequant_rows(a)
+        y = dense_a @ g.dense.t()
     if g.bias is not None:
         y = y + g.bias
     if not any(lo is not None for lo in g.loras):
@@ -180,14 +185,6 @@ def _flat_grads(groups: list[FrozenGroup], grads: list[list]) -> list:
     return out
 
 
-@dataclass(frozen=True)
-class DenseRows:
-    """Activations kept in bf16 instead of NVFP4 (the switch that measures what NVFP4
-    activations cost: ``dense_activation_ops``)."""
-
-    data: torch.Tensor
-
-
 def _rows_tensors(q) -> tuple[torch.Tensor, ...]:
     return (q.data,) if isinstance(q, DenseRows) else (q.packed, q.scales, q.row_scale)
 
@@ -198,39 +195,26 @@ def _rows_from(kind: type, tensors: list[torch.Tensor]):
     return kind(*tensors[:n]), tensors[n:]
 
 
-def dense_activation_ops(ops):
-    """``ops`` with every saved/GEMM-input activation kept in bf16 (weights stay NVFP4)."""
-    from types import SimpleNamespace
+def _operands(ops, site: Site, y: torch.Tensor, q=None):
+    """For a site's unquantized bf16 rows y (and their NVFP4 copy q, when made already):
+    (GEMM operand, its bf16 value when that is what the LoRA branch reads else None, LoRA
+    input, rows saved for backward)."""
+    if q is None and site.needs_nvfp4:
+        q = (ops.quant_rows if site.gemm == "nvfp4" else ops.quant_saved)(y)
+    q_hat = ops.dequant_rows(q) if site.lora == "nvfp4" else None  # the LoRA input, and A for cuBLAS
+    gemm = q if site.gemm == "nvfp4" else DenseRows(y)
+    return (gemm, q_hat if site.gemm == "nvfp4" else None, y if q_hat is None else q_hat,
+            q if site.saved == "nvfp4" else DenseRows(y))
 
-    def rmsnorm_quant(x, w, eps):
-        xf = x.float()
-        rstd = torch.rsqrt(xf.pow(2).mean(-1) + eps)
-        return DenseRows((xf * rstd[:, None] * w.float()).to(torch.bfloat16)), rstd
 
-    def silu_mul_quant(gu):
-        g, u = gu.float().chunk(2, dim=-1)
-        return tuple(DenseRows(t.to(torch.bfloat16)) for t in (F.silu(g) * u, g, u))
-
-    def dequant_rows(q, dtype=torch.bfloat16):
-        return q.data.to(dtype) if isinstance(q, DenseRows) else ops.dequant_rows(q, dtype)
-
-    def nvfp4_gemm(a, w, a_hat=None):
-        return ops.nvfp4_gemm(a.data if isinstance(a, DenseRows) else a, w)
-
-    def rmsnorm_backward(dy, yq, rstd, w):
-        return reference._rmsnorm_backward(dy, yq.data.float(), rstd, w)
-
-    def silu_mul_h(gq, uq):
-        return reference._silu_h(gq.data.float(), uq.data.float())
-
-    def silu_mul_backward(dh, gq, uq):
-        return reference._silu_backward(dh, gq.data.float(), uq.data.float())
-
-    return SimpleNamespace(name=ops.name + "+bf16-activations", rmsnorm_quant=rmsnorm_quant,
-                           silu_mul_quant=silu_mul_quant, quant_rows=lambda x: DenseRows(x.to(torch.bfloat16)),
-                           dequant_rows=dequant_rows, nvfp4_gemm=nvfp4_gemm, rmsnorm_backward=rmsnorm_backward,
-                           silu_mul_h=silu_mul_h, silu_mul_backward=silu_mul_backward, rope=ops.rope,
-                           ce_grad_=ops.ce_grad_)
+def _norm_operands(ops, site: Site, x, norm_w, eps):
+    """RMSNorm of x as the site asks: (GEMM operand, a_hat, LoRA input, saved rows, rstd)."""
+    if site.quantized:  # one fused kernel: NVFP4 rows (and the fp8 backend's E4M3 copy)
+        xq, rstd = ops.rmsnorm_quant(x, norm_w, eps)
+        x_hat = ops.dequant_rows(xq)
+        return xq, x_hat, x_hat, xq, rstd
+    y, rstd = ops.rmsnorm_rows(x, norm_w, eps)
+    return (*_operands(ops, site, y), rstd)
 
 
 class RopeFn(torch.autograd.Function):
@@ -250,11 +234,11 @@ class NormProjectionFn(torch.autograd.Function):
     """y = RMSNorm(x) quantized -> frozen group + LoRA. Saves Xq and rstd (and LoRA xa's)."""
 
     @staticmethod
-    def forward(ctx, x, norm_w, eps, group, ops, *params):
-        xq, rstd = ops.rmsnorm_quant(x, norm_w, eps)
-        y, xas, seeds = project(ops, group, xq, ops.dequant_rows(xq))
-        ctx.ops, ctx.group, ctx.norm_w, ctx.seeds, ctx.kind = ops, group, norm_w, seeds, type(xq)
-        ctx.save_for_backward(*_rows_tensors(xq), rstd, *[xa for xa in xas if xa is not None])
+    def forward(ctx, x, norm_w, eps, group, ops, site, *params):
+        a, a_hat, x_lora, saved, rstd = _norm_operands(ops, site, x, norm_w, eps)
+        y, xas, seeds = project(ops, group, a, x_lora, a_hat)
+        ctx.ops, ctx.group, ctx.norm_w, ctx.seeds, ctx.kind = ops, group, norm_w, seeds, type(saved)
+        ctx.save_for_backward(*_rows_tensors(saved), rstd, *[xa for xa in xas if xa is not None])
         return y
 
     @staticmethod
@@ -263,18 +247,18 @@ class NormProjectionFn(torch.autograd.Function):
         xas = _per_member(ctx.group.loras, xas_kept)
         dxn, grads = project_backward(ctx.ops, ctx.group, dy, ctx.ops.dequant_rows(xq), xas, ctx.seeds)
         dx = ctx.ops.rmsnorm_backward(dxn, xq, rstd, ctx.norm_w) if ctx.needs_input_grad[0] else None
-        return (dx, None, None, None, None, *_flat_grads([ctx.group], [grads]))
+        return (dx, None, None, None, None, None, *_flat_grads([ctx.group], [grads]))
 
 
 class ProjectionFn(torch.autograd.Function):
     """y = quantize(x) -> frozen group + LoRA (o_proj). Saves Xq (and LoRA xa's)."""
 
     @staticmethod
-    def forward(ctx, x, group, ops, *params):
-        xq = ops.quant_rows(x)
-        y, xas, seeds = project(ops, group, xq, ops.dequant_rows(xq))
-        ctx.ops, ctx.group, ctx.seeds, ctx.kind = ops, group, seeds, type(xq)
-        ctx.save_for_backward(*_rows_tensors(xq), *[xa for xa in xas if xa is not None])
+    def forward(ctx, x, group, ops, site, *params):
+        a, a_hat, x_lora, saved = _operands(ops, site, x)
+        y, xas, seeds = project(ops, group, a, x_lora, a_hat)
+        ctx.ops, ctx.group, ctx.seeds, ctx.kind = ops, group, seeds, type(saved)
+        ctx.save_for_backward(*_rows_tensors(saved), *[xa for xa in xas if xa is not None])
         return y
 
     @staticmethod
@@ -283,26 +267,35 @@ class ProjectionFn(torch.autograd.Function):
         xas = _per_member(ctx.group.loras, xas_kept)
         dx, grads = project_backward(ctx.ops, ctx.group, dy, ctx.ops.dequant_rows(xq), xas, ctx.seeds)
         dx = dx.to(dy.dtype) if ctx.needs_input_grad[0] else None
-        return (dx, None, None, *_flat_grads([ctx.group], [grads]))
+        return (dx, None, None, None, *_flat_grads([ctx.group], [grads]))
 
 
 class MlpFn(torch.autograd.Function):
     """out = down(silu(gate) * up) on RMSNorm(x), all frozen GEMMs NVFP4, LoRA on each.
 
-    Saves Xq, rstd, NVFP4 gate and up (h for down's LoRA is recomputed from them).
+    Saves the RMSNorm rows, rstd, gate and up (h for down's LoRA is recomputed from them), each
+    as its recipe site says (the gate_up site for the first, the down site's ``saved`` for gate and up).
     """
 
     @staticmethod
-    def forward(ctx, x, norm_w, eps, gate_up, down, ops, *params):
-        xq, rstd = ops.rmsnorm_quant(x, norm_w, eps)
-        gu, xas1, seeds1 = project(ops, gate_up, xq, ops.dequant_rows(xq))
-        hq, gq, uq = ops.silu_mul_quant(gu)
-        out, xas2, seeds2 = project(ops, down, hq, ops.dequant_rows(hq))
+    def forward(ctx, x, norm_w, eps, gate_up, down, ops, sites, *params):
+        site1, site2 = sites
+        a, a_hat, x_lora, saved, rstd = _norm_operands(ops, site1, x, norm_w, eps)
+        gu, xas1, seeds1 = project(ops, gate_up, a, x_lora, a_hat)
+        if site2.quantized:  # one fused kernel: NVFP4 h (+ E4M3 copy), gate and up
+            hq, gq, uq = ops.silu_mul_quant(gu)
+            h_hat = ops.dequant_rows(hq)
+            h_op, h_lora = hq, h_hat
+        else:
+            h, g, u = ops.silu_mul_rows(gu)
+            h_op, h_hat, h_lora, _ = _operands(ops, site2, h)
+            gq, uq = (DenseRows(g), DenseRows(u)) if site2.saved == "bf16" else (ops.quant_saved(g), ops.quant_saved(u))
+        out, xas2, seeds2 = project(ops, down, h_op, h_lora, h_hat)
         ctx.ops, ctx.groups, ctx.norm_w, ctx.seeds = ops, (gate_up, down), norm_w, (seeds1, seeds2)
         ctx.n_xa1 = sum(xa is not None for xa in xas1)
-        ctx.kinds = (type(xq), type(gq), type(uq))
+        ctx.kinds = (type(saved), type(gq), type(uq))
         kept = [xa for xa in xas1 + xas2 if xa is not None]
-        ctx.save_for_backward(*_rows_tensors(xq), rstd, *_rows_tensors(gq), *_rows_tensors(uq), *kept)
+        ctx.save_for_backward(*_rows_tensors(saved), rstd, *_rows_tensors(gq), *_rows_tensors(uq), *kept)
         return out
 
     @staticmethod
@@ -317,7 +310,7 @@ class MlpFn(torch.autograd.Function):
         dgu = ops.silu_mul_backward(dh, gq, uq)
         dxn, grads1 = project_backward(ops, gate_up, dgu, ops.dequant_rows(xq), xas1, ctx.seeds[0])
         dx = ops.rmsnorm_backward(dxn, xq, rstd, ctx.norm_w) if ctx.needs_input_grad[0] else None
-        return (dx, None, None, None, None, None, *_flat_grads([gate_up, down], [grads1, grads2]))
+        return (dx, None, None, None, None, None, None, *_flat_grads([gate_up, down], [grads1, grads2]))
 
 
 def saved_bytes_per_token(hidden: int, attn: int, inter: int, rank_members: dict[str, int]) -> int:

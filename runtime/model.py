@@ -21,9 +21,10 @@ from pact.formats.families import GROUPS
 from pact.formats.nvfp4 import NVFP4Tensor
 
 from .backends import get_ops, resolve_compute, resolve_kernels
-from .functions import FrozenGroup, Lora, MlpFn, NormProjectionFn, ProjectionFn, RopeFn, dense_activation_ops
+from .functions import FrozenGroup, Lora, MlpFn, NormProjectionFn, ProjectionFn, RopeFn
 from .lora import LoraConfig
 from .loss import target_cross_entropy
+from .recipe import Recipe, parse_recipe
 from .rows import NVFP4TensorFP8
 
 TRAINABLE_FAMILIES = ("llama", "qwen2", "qwen3", "qwen2_vl", "qwen2_5_vl")
@@ -60,7 +61,7 @@ class PactModel(nn.Module):
     """LoRA training model over an NVFP4 artifact. ``forward`` returns (summed loss, #targets)."""
 
     def __init__(self, artifact: Artifact, lora: LoraConfig | None, *, device: str | torch.device = "cpu",
-                 kernels: str | None = None, compute: str | None = None, activations: str = "nvfp4",
+                 kernels: str | None = None, compute: str | None = None, activations: str | Recipe | None = None,
                  checkpoint: bool = False, seed: int = 0, fp8_weights: str = "per-call"):
         super().__init__()
         from transformers import AutoConfig
@@ -75,8 +76,7 @@ class PactModel(nn.Module):
         self.device = torch.device(device)
         self.checkpoint = checkpoint
         self.kernels = resolve_kernels(kernels, self.device)
-        if activations not in ("nvfp4", "bf16"):
-            raise PactError(f"--activations must be nvfp4 or bf16, got {activations!r}")
+        self.recipe = parse_recipe(activations)  # per site: GEMM input, LoRA input, saved (runtime/recipe.py)
         self.compute = resolve_compute(compute, self.device)
         self.ops = get_ops(self.kernels, self.compute)
         if fp8_weights not in FP8_WEIGHTS:
@@ -85,8 +85,6 @@ class PactModel(nn.Module):
             raise PactError(f"--fp8-weights resident keeps E4M3 copies for the fp8 backend; this run computes with "
                             f"{self.compute}: add --compute fp8 or leave --fp8-weights at per-call")
         self._fp8_copy = self.ops.fp8_rows if fp8_weights == "resident" else None
-        if activations == "bf16":  # ablation: what NVFP4 activations cost (weights stay NVFP4)
-            self.ops = dense_activation_ops(self.ops)
         cfg = AutoConfig.from_pretrained(artifact.hf_dir).get_text_config()
         self.cfg = cfg
         self.hidden = cfg.hidden_size
@@ -176,7 +174,7 @@ class PactModel(nn.Module):
     # -- forward
     def _attention(self, L: Layer, x: torch.Tensor, cos, sin, B: int, S: int) -> torch.Tensor:
         nh, nkv, hd = self.n_heads, self.n_kv, self.head_dim
-        qkv = NormProjectionFn.apply(x, L.attn_norm, self.eps, L.qkv, self.ops, *L.qkv.lora_params())
+        qkv = NormProjectionFn.apply(x, L.attn_norm, self.eps, L.qkv, self.ops, self.recipe.qkv, *L.qkv.lora_params())
         q, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1)
         if L.q_norm is not None:  # Qwen3: per-head RMSNorm before the rotation
             q = rmsnorm(q.view(B * S, nh, hd), L.q_norm, self.eps).view(B * S, nh * hd)
@@ -185,7 +183,7 @@ class PactModel(nn.Module):
         q, k, v = (t.view(B, S, -1, hd).transpose(1, 2) for t in (q, k, v))
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=nkv != nh)
         o = o.transpose(1, 2).reshape(B * S, nh * hd)
-        return ProjectionFn.apply(o, L.o, self.ops, *L.o.lora_params())
+        return ProjectionFn.apply(o, L.o, self.ops, self.recipe.o, *L.o.lora_params())
 
     def rope(self, x: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [seq_len, head_dim / 2] for positions 0..seq_len-1, in x's dtype."""
@@ -231,6 +229,7 @@ class PactModel(nn.Module):
     def _layer(self, L: Layer, x: torch.Tensor, cos, sin, B: int, S: int) -> torch.Tensor:
         x = x + self._attention(L, x, cos, sin, B, S)
         return x + MlpFn.apply(x, L.mlp_norm, self.eps, L.gate_up, L.down, self.ops,
+                               (self.recipe.gate_up, self.recipe.down),
                                *L.gate_up.lora_params(), *L.down.lora_params())
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from pact.formats.nvfp4 import BLOCK, NVFP4Rows, NVFP4Tensor, decode_packed, dequantize_rows, quantize_rows
 
-from .rows import FP8_ROW_AMAX, NVFP4RowsFP8
+from .rows import FP8_ROW_AMAX, DenseRows, NVFP4RowsFP8
 
 FP8_MAX = 448.0
 
@@ -41,10 +41,28 @@ def silu_mul_quant(gate_up: torch.Tensor, fp8: bool = False) -> tuple[NVFP4Rows,
     return _attach_fp8(quantize_rows(F.silu(gate) * up), fp8), quantize_rows(gate), quantize_rows(up)
 
 
-def rmsnorm_backward(dy: torch.Tensor, yq: NVFP4Rows, rstd: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def rmsnorm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, H] -> (bf16 x * rstd * w, computed in fp32; rstd fp32 [T]): the unquantized RMSNorm rows."""
+    xf = x.float()
+    rstd = torch.rsqrt(xf.pow(2).mean(-1) + eps)
+    return (xf * rstd[:, None] * weight.float()).to(torch.bfloat16), rstd
+
+
+def silu_mul_rows(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """gate_up [T, 2I] -> bf16 (silu(gate) * up, gate, up), the product in fp32."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return (F.silu(gate.float()) * up.float()).to(torch.bfloat16), gate.contiguous(), up.contiguous()
+
+
+def rows_value(q: NVFP4Rows | DenseRows) -> torch.Tensor:
+    """fp32 values of saved rows, NVFP4 or unquantized."""
+    return q.data.float() if isinstance(q, DenseRows) else dequantize_rows(q)
+
+
+def rmsnorm_backward(dy: torch.Tensor, yq: NVFP4Rows | DenseRows, rstd: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """dx [T, H] bf16 from dY and the saved NVFP4 RMSNorm output Y_hat = x * rstd * w (fp32 math):
     n = Y_hat / w (0 where w = 0);  g = dY * w;  dx = rstd * (g - n * mean(g * n))."""
-    return _rmsnorm_backward(dy, dequantize_rows(yq), rstd, weight)
+    return _rmsnorm_backward(dy, rows_value(yq), rstd, weight)
 
 
 def _rmsnorm_backward(dy, y_hat, rstd, weight):
@@ -54,18 +72,18 @@ def _rmsnorm_backward(dy, y_hat, rstd, weight):
     return (rstd[:, None] * (gw - n * (gw * n).mean(-1, keepdim=True))).to(torch.bfloat16)
 
 
-def silu_mul_h(gq: NVFP4Rows, uq: NVFP4Rows) -> torch.Tensor:
+def silu_mul_h(gq: NVFP4Rows | DenseRows, uq: NVFP4Rows | DenseRows) -> torch.Tensor:
     """h = silu(g) * u recomputed from the saved NVFP4 gate and up, bf16 [T, I]."""
-    return _silu_h(dequantize_rows(gq), dequantize_rows(uq))
+    return _silu_h(rows_value(gq), rows_value(uq))
 
 
 def _silu_h(g, u):
     return (F.silu(g) * u).to(torch.bfloat16)
 
 
-def silu_mul_backward(dh: torch.Tensor, gq: NVFP4Rows, uq: NVFP4Rows) -> torch.Tensor:
+def silu_mul_backward(dh: torch.Tensor, gq: NVFP4Rows | DenseRows, uq: NVFP4Rows | DenseRows) -> torch.Tensor:
     """d(gate | up) [T, 2I] bf16 from dh: dg = dh * u * sig(g) * (1 + g * (1 - sig(g))), du = dh * silu(g)."""
-    return _silu_backward(dh, dequantize_rows(gq), dequantize_rows(uq))
+    return _silu_backward(dh, rows_value(gq), rows_value(uq))
 
 
 def _silu_backward(dh, g, u):
@@ -105,8 +123,8 @@ def quant_rows(x: torch.Tensor, fp8: bool = False) -> NVFP4Rows:
     return _attach_fp8(quantize_rows(x.float()), fp8)
 
 
-def dequant_rows(q: NVFP4Rows, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    return dequantize_rows(q, dtype)
+def dequant_rows(q: NVFP4Rows | DenseRows, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    return q.data.to(dtype) if isinstance(q, DenseRows) else dequantize_rows(q, dtype)
 
 
 def _decoded_qs(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

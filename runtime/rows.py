@@ -17,6 +17,18 @@ FP8_ROW_AMAX = 6.0 * 448.0
 
 
 @dataclass(frozen=True)
+class DenseRows:
+    """Activation rows kept unquantized (bf16 [T, K]): a recipe site's "bf16" choice (runtime/recipe.py).
+    The ops that read saved rows accept these as well as NVFP4 rows."""
+
+    data: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+
+@dataclass(frozen=True)
 class NVFP4RowsFP8(NVFP4Rows):
     """NVFP4 rows plus, for the `fp8` backend's next GEMM, their E4M3 copy written by the same
     kernel that quantized them: fp8 [T', K] (T' = T rounded up to 16, zero padding) and its

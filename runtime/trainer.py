@@ -26,9 +26,11 @@ from tqdm.auto import tqdm
 from pact.formats import PactError, open_artifact
 
 from .data import batches, collate, pad_id, read_records, tokenize
+from .backends import resolve_device
 from .evaluate import evaluate
 from .lora import LoraConfig, load_peft_adapter, save_peft_adapter
 from .model import PactModel
+from .recipe import parse_recipe
 
 log = logging.getLogger(__name__)
 KEEP_CHECKPOINTS = 3
@@ -58,7 +60,8 @@ class TrainConfig:
     save_every: int = 0
     kernels: str | None = None
     compute: str | None = field(default=None, metadata={"help": "auto | bf16-decode | fp8 | nvfp4-native"})
-    activations: str = "nvfp4"
+    activations: str | None = field(default=None, metadata={
+        "help": "precision recipe: a preset (runtime/recipe.py) with optional SITE.FIELD=VALUE overrides"})
     checkpoint: bool = field(default=False, metadata={"help": "recompute each decoder layer in backward"})
     fp8_weights: str = field(default="per-call", metadata={
         "help": "per-call | resident: --compute fp8 keeps E4M3 weight copies on the GPU (+2 bytes/param, faster)"})
@@ -75,6 +78,7 @@ class TrainConfig:
             raise PactError(f"--epochs must be > 0, got {self.epochs}")
         if not 0 <= self.warmup_ratio < 1:
             raise PactError(f"--warmup-ratio must be in [0, 1), got {self.warmup_ratio}")
+        self.activations = parse_recipe(self.activations).spec()  # canonical: resume compares it
 
     def lora(self) -> LoraConfig:
         return LoraConfig(r=self.lora_r, alpha=self.lora_alpha, dropout=self.lora_dropout, targets=self.targets)
@@ -190,7 +194,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True, stop
         raise PactError(f"--out {run} is not empty: pass --resume to continue that run, or choose another folder")
     run.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
-    device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = resolve_device(cfg.device)
     if device.type == "cpu":
         log.warning("no GPU: training on the CPU (correct, slow; fine for tiny models and tests)")
     art = open_artifact(cfg.artifact)
@@ -213,7 +217,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True, stop
     if resume and (run / "checkpoints").exists():
         state = _load_checkpoint(run, model, opt, cfg)
         _truncate_metrics(run / "metrics.jsonl", state["step"])  # steps after the checkpoint are redone
-    (run / "train_config.json").write_text(json.dumps(cfg.as_json(), indent=2) + "\n")
+    (run / "train_config.json").write_text(json.dumps({**cfg.as_json(), "recipe": model.recipe.as_json()}, indent=2) + "\n")
     stream = _micro_batches(examples, cfg, state["epoch"], state["pos"])
     metrics_f = open(run / "metrics.jsonl", "a")
     bar = tqdm(total=total, initial=state["step"], desc="train", unit="step", disable=not progress)

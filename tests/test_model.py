@@ -144,9 +144,10 @@ def test_saved_activation_bytes_per_token(tmp_path):
     from pact.runtime.functions import MlpFn, NormProjectionFn, ProjectionFn
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        NormProjectionFn.apply(x, layer.attn_norm, model.eps, layer.qkv, model.ops, *layer.qkv.lora_params())
-        ProjectionFn.apply(x, layer.o, model.ops, *layer.o.lora_params())
-        MlpFn.apply(x, layer.mlp_norm, model.eps, layer.gate_up, layer.down, model.ops,
+        r = model.recipe
+        NormProjectionFn.apply(x, layer.attn_norm, model.eps, layer.qkv, model.ops, r.qkv, *layer.qkv.lora_params())
+        ProjectionFn.apply(x, layer.o, model.ops, r.o, *layer.o.lora_params())
+        MlpFn.apply(x, layer.mlp_norm, model.eps, layer.gate_up, layer.down, model.ops, (r.gate_up, r.down),
                     *layer.gate_up.lora_params(), *layer.down.lora_params())
     measured = sum(t.numel() * t.element_size() for t in saved)
     H, A, I = model.hidden, model.n_heads * model.head_dim, model.cfg.intermediate_size

@@ -1,0 +1,108 @@
+"""The precision recipe: per quantization site, what the frozen GEMM reads, what the LoRA branch
+reads and what is saved for backward. Built once from `--activations` and recorded in the run.
+
+Sites (one decoder layer):
+    qkv      RMSNorm output -> q|k|v       (saved: for dA of q,k,v and the RMSNorm backward)
+    o        attention output -> o_proj    (saved: for dA of o)
+    gate_up  RMSNorm output -> gate|up     (saved: for dA of gate, up and the RMSNorm backward)
+    down     silu(gate) * up -> down_proj  (saved: gate and up, for the SiLU-mul backward and the
+                                            h that dA of down reads)
+
+Per site, each of ``gemm``, ``lora`` and ``saved`` is "nvfp4" (one NVFP4 copy of the rows) or "bf16"
+(the unquantized values). A frozen GEMM fed bf16 rows computes with them as its backend does: the
+exact bf16 x NVFP4 product on `bf16-decode`, E4M3 rows encoded straight from the bf16 values on
+`fp8` (no detour through E2M1), and NVFP4 rows made on the fly on `nvfp4-native`.
+
+`--activations` takes a preset name, optionally followed by overrides:
+``nvfp4,qkv.saved=bf16,down.gemm=bf16`` (``*.field=value`` sets a field on every site).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from pact.formats import PactError
+
+SITES = ("qkv", "o", "gate_up", "down")
+FIELDS = ("gemm", "lora", "saved")
+PRECISIONS = ("nvfp4", "bf16")
+
+
+@dataclass(frozen=True)
+class Site:
+    gemm: str = "nvfp4"  # the frozen GEMM's input
+    lora: str = "nvfp4"  # the LoRA branch's input in forward (xa = x @ A^T)
+    saved: str = "nvfp4"  # kept for backward (dA, RMSNorm / SiLU-mul backward)
+
+    @property
+    def quantized(self) -> bool:
+        """Every use reads the one NVFP4 copy (the fused quantizing kernels' path)."""
+        return self.gemm == self.lora == self.saved == "nvfp4"
+
+    @property
+    def needs_nvfp4(self) -> bool:
+        return "nvfp4" in (self.gemm, self.lora, self.saved)
+
+
+@dataclass(frozen=True)
+class Recipe:
+    qkv: Site = Site()
+    o: Site = Site()
+    gate_up: Site = Site()
+    down: Site = Site()
+
+    def site(self, name: str) -> Site:
+        return getattr(self, name)
+
+    def spec(self) -> str:
+        """The shortest `--activations` string that rebuilds this recipe."""
+        for name, preset in PRESETS.items():
+            if preset == self:
+                return name
+        base = min(PRESETS, key=lambda n: len(_diff(PRESETS[n], self)))
+        return ",".join([base, *_diff(PRESETS[base], self)])
+
+    def as_json(self) -> dict:
+        return {s: dataclasses.asdict(self.site(s)) for s in SITES}
+
+
+def _uniform(p: str) -> Recipe:
+    return Recipe(*(Site(p, p, p) for _ in SITES))
+
+
+PRESETS: dict[str, Recipe] = {
+    # PACT's data flow as first built: one NVFP4 copy per site, read by the GEMM, the LoRA branch
+    # and backward.
+    "nvfp4": _uniform("nvfp4"),
+    # no activation quantization at all (weights stay NVFP4): the reference the others are measured on
+    "bf16": _uniform("bf16"),
+}
+
+
+def _diff(a: Recipe, b: Recipe) -> list[str]:
+    return [f"{s}.{f}={getattr(b.site(s), f)}" for s in SITES for f in FIELDS
+            if getattr(a.site(s), f) != getattr(b.site(s), f)]
+
+
+def parse_recipe(spec: str | Recipe | None, flag: str = "--activations") -> Recipe:
+    """A recipe from ``preset[,site.field=value...]`` (None: the default preset)."""
+    if isinstance(spec, Recipe):
+        return spec
+    spec = spec or DEFAULT
+    head, *overrides = [p.strip() for p in spec.split(",") if p.strip()]
+    if head not in PRESETS:
+        raise PactError(f"{flag} {spec!r}: starts with {head!r}, not a preset ({', '.join(PRESETS)})")
+    sites = {s: PRESETS[head].site(s) for s in SITES}
+    for item in overrides:
+        key, eq, value = item.partition("=")
+        site, dot, fld = key.partition(".")
+        if not eq or not dot or (site != "*" and site not in SITES) or fld not in FIELDS or value not in PRECISIONS:
+            raise PactError(f"{flag} {spec!r}: {item!r} is not SITE.FIELD=VALUE with SITE in *, {', '.join(SITES)}; "
+                            f"FIELD in {', '.join(FIELDS)}; VALUE in {', '.join(PRECISIONS)}")
+        for s in SITES if site == "*" else (site,):
+            sites[s] = dataclasses.replace(sites[s], **{fld: value})
+    return Recipe(**sites)
+
+
+DEFAULT = "nvfp4"

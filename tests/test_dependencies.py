@@ -1,0 +1,104 @@
+"""Every third-party module the package imports is declared in pyproject.toml (dependencies or an
+extra), and optional ones fail in one line naming their extra."""
+
+from __future__ import annotations
+
+import ast
+import re
+import sys
+from importlib.metadata import packages_distributions, requires
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE_DIRS = ("formats", "convert", "calibrate", "runtime", "pipelines")
+
+
+def _norm(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _imported_modules() -> dict[str, list[str]]:
+    """Top-level module -> files importing it, for every absolute import (and ``require``) in the package."""
+    found: dict[str, list[str]] = {}
+    files = [ROOT / "__init__.py", *(f for d in PACKAGE_DIRS for f in sorted((ROOT / d).rglob("*.py")))]
+    for f in files:
+        for node in ast.walk(ast.parse(f.read_text(), str(f))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            elif (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "require" and node.args
+                  and isinstance(node.args[0], ast.Constant)):  # optional imports: require("PIL.Image", ...)
+                names = [node.args[0].value]
+            else:
+                continue
+            for n in names:
+                found.setdefault(n.split(".")[0], []).append(str(f.relative_to(ROOT)))
+    return found
+
+
+def _declared() -> set[str]:
+    """Distributions pact's installed metadata declares, required and in every extra."""
+    reqs = requires("pact") or []
+    return {_norm(re.match(r"[A-Za-z0-9_.-]+", r).group(0)) for r in reqs}
+
+
+def test_every_third_party_import_is_declared():
+    declared = _declared()
+    assert {"torch", "transformers", "datasets", "accelerate", "zarr", "pillow", "triton"} <= declared
+    dists = packages_distributions()
+    missing = []
+    for mod, where in sorted(_imported_modules().items()):
+        if mod in sys.stdlib_module_names or mod in ("pact", "__future__"):
+            continue
+        providers = {_norm(d) for d in dists.get(mod, [])}
+        if not providers:
+            missing.append(f"{mod} (imported by {where[0]}): no installed distribution provides it")
+        elif not providers & declared:
+            missing.append(f"{mod} (imported by {where[0]}) comes from {sorted(providers)}, not declared")
+    assert not missing, "undeclared imports:\n" + "\n".join(missing)
+
+
+def test_optional_dependency_error_names_the_extra(monkeypatch):
+    from pact.formats import PactError, require
+
+    monkeypatch.setitem(sys.modules, "PIL", None)  # as if Pillow were not installed
+    monkeypatch.setitem(sys.modules, "PIL.Image", None)
+    with pytest.raises(PactError, match=r'pip install "pact\[vision\]"'):
+        require("PIL.Image", "vision", "--prompts imgs/")
+
+
+def test_image_prompts_without_pillow_one_line(tmp_path, monkeypatch):
+    from pact.calibrate.prompts import _image_samples
+    from pact.formats import PactError
+
+    monkeypatch.setitem(sys.modules, "PIL", None)
+    monkeypatch.setitem(sys.modules, "PIL.Image", None)
+    (tmp_path / "a.png").write_bytes(b"")
+    with pytest.raises(PactError, match=r"--prompts .* needs the PIL package: pip install \"pact\[vision\]\""):
+        _image_samples(tmp_path, tmp_path, None, max_samples=1, seq_len=64)
+
+
+def test_triton_kernels_without_triton(monkeypatch):
+    from pact.formats import PactError
+    from pact.runtime.backends import get_ops
+
+    monkeypatch.setitem(sys.modules, "triton", None)
+    with pytest.raises(PactError, match=r'--kernels triton needs the triton package: pip install "pact\[kernels\]"'):
+        get_ops("triton", "bf16-decode")
+
+
+def test_unavailable_device_one_line(monkeypatch):
+    import torch
+
+    from pact.formats import PactError
+    from pact.runtime.backends import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(PactError, match="no CUDA device here.*drop --device"):
+        resolve_device("cuda")
+    with pytest.raises(PactError, match="not a device name"):
+        resolve_device("gpu0")
+    assert resolve_device(None).type == "cpu"
