@@ -60,6 +60,9 @@ def _time_training(loss_fn, params, warmup: int, iters: int) -> tuple[float, flo
     return _timed(step, warmup, iters)
 
 
+ACTIVATIONS = {"spec": None}  # --activations: the precision recipe of every pact method (None: the default)
+
+
 def _pact(art_path: Path, compute: str, checkpoint: bool):
     """``compute``: a key of COMPUTE (fp8, fp8res = fp8 with resident E4M3 weights, bf16)."""
     from pact.formats import open_artifact
@@ -67,7 +70,8 @@ def _pact(art_path: Path, compute: str, checkpoint: bool):
     from pact.runtime.model import PactModel
 
     return PactModel(open_artifact(art_path), LoraConfig(r=16, alpha=32), device="cuda", compute=COMPUTE[compute],
-                     checkpoint=checkpoint, fp8_weights="resident" if compute == "fp8res" else "per-call")
+                     checkpoint=checkpoint, fp8_weights="resident" if compute == "fp8res" else "per-call",
+                     activations=ACTIVATIONS["spec"])
 
 
 def bench_pact(art_path: Path, bs: int, seq: int, warmup: int, iters: int, compute: str,
@@ -206,7 +210,8 @@ CAP_BATCHES = (1, 2, 3, 4, 6, 8, 12, 16, 20, 24, 32, 40, 48, 64, 96)
 def measure(method: str, art: Path, src: Path, shape: str, bs: int, seq: int, warmup: int, iters: int) -> dict:
     gc.collect()
     torch.cuda.empty_cache()
-    row = {"model": shape, "method": method, "bs": bs, "seq": seq}
+    row = {"model": shape, "method": method, "bs": bs, "seq": seq,
+           "recipe": ACTIVATIONS["spec"] if method.startswith("pact") else ""}
     try:
         ckpt = method.endswith("-ckpt")
         if method.startswith("pact"):
@@ -240,9 +245,14 @@ def measure(method: str, art: Path, src: Path, shape: str, bs: int, seq: int, wa
 @click.option("--json-out", type=click.Path(dir_okay=False, path_type=Path), default=None)
 @click.option("--csv-out", type=click.Path(dir_okay=False, path_type=Path), default=None)
 @click.option("--profile", is_flag=True, help="Also print a CUDA-time breakdown of one step of each pact method.")
+@click.option("--activations", default=None, help="pact's precision recipe (pact-train --activations; default: its default).")
 def main(shape, batches, methods, memory_cap_gib, seq, workdir, warmup, iters, cap_batches, json_out, csv_out,
-         profile) -> None:
+         profile, activations) -> None:
     from pact.convert import convert
+    from pact.runtime.recipe import parse_recipe
+
+    ACTIVATIONS["spec"] = parse_recipe(activations).spec()
+    print(f"pact recipe: --activations {ACTIVATIONS['spec']}")
 
     print(f"gpu={torch.cuda.get_device_name()} torch={torch.__version__}")
     src, art = workdir / f"src-{shape}", workdir / f"art-{shape}-2d"
@@ -279,7 +289,7 @@ def main(shape, batches, methods, memory_cap_gib, seq, workdir, warmup, iters, c
     if json_out:
         json_out.write_text(json.dumps(rows, indent=1))
     if csv_out:
-        fields = ["model", "method", "bs", "seq", "step_ms", "tok_s", "peak_gib", "cap_gib", "largest_bs", "oom", "error"]
+        fields = ["model", "method", "recipe", "bs", "seq", "step_ms", "tok_s", "peak_gib", "cap_gib", "largest_bs", "oom", "error"]
         with open(csv_out, "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=fields)
             w.writeheader()

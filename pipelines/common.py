@@ -26,7 +26,8 @@ def cli_errors(fn: Callable) -> Callable:
 
 
 ACTIVATIONS_HELP = (
-    "Precision recipe of the activations (weights stay NVFP4): a preset, default 'nvfp4' (PACT's data flow), or "
+    "Precision recipe of the activations (weights stay NVFP4): a preset, default 'nvfp4-saved' (NVFP4 copies "
+    "saved for backward; GEMMs and LoRA read unquantized rows), 'nvfp4' (every use reads the NVFP4 copy) or "
     "'bf16' (nothing quantized: the reference), optionally followed by SITE.FIELD=VALUE overrides, e.g. "
     "'nvfp4,down.saved=bf16' (SITE: qkv, o, gate_up, down or *; FIELD: gemm, lora, saved; VALUE: nvfp4, bf16). "
     "See README 'Precision recipe'."

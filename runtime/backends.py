@@ -32,8 +32,8 @@ from .rows import DenseRows
 
 KERNELS = ("torch", "triton")
 COMPUTE = ("bf16-decode", "fp8", "nvfp4-native")
-_OPS = ("rmsnorm_quant", "silu_mul_quant", "quant_rows", "dequant_rows", "nvfp4_gemm", "rmsnorm_backward",
-        "silu_mul_h", "silu_mul_backward", "rope", "ce_grad_")
+_OPS = ("rmsnorm_quant", "silu_mul_quant", "rmsnorm_rows", "silu_mul_rows", "quant_rows", "dequant_rows",
+        "nvfp4_gemm", "rmsnorm_backward", "silu_mul_h", "silu_mul_backward", "rope", "ce_grad_")
 # Ops reading saved rows: unquantized rows (DenseRows, a recipe's "bf16" sites) go to the twins,
 # elementwise torch in fp32 on either device; NVFP4 rows to the chosen implementation.
 _ROW_READERS = ("dequant_rows", "rmsnorm_backward", "silu_mul_h", "silu_mul_backward")
@@ -124,7 +124,6 @@ def get_ops(name: str, compute: str = "bf16-decode") -> SimpleNamespace:
     ops = {op: getattr(mod, op) for op in _OPS}
     if mod is not reference:
         ops.update({op: _dense_aware(ops[op], getattr(reference, op)) for op in _ROW_READERS})
-    ops["rmsnorm_rows"], ops["silu_mul_rows"] = reference.rmsnorm_rows, reference.silu_mul_rows
     ops["quant_saved"] = ops["quant_rows"]  # NVFP4 rows only kept for backward: never an E4M3 copy
     ops["nvfp4_gemm"] = gemms.get(compute, ops["nvfp4_gemm"])
     if compute == "fp8":  # the quantizing kernels also write the E4M3 copy the next GEMM reads
@@ -136,4 +135,6 @@ def get_ops(name: str, compute: str = "bf16-decode") -> SimpleNamespace:
             from .kernels.fp8 import fp8_rows
 
             ops["fp8_rows"] = fp8_rows  # resident weight copies (--fp8-weights resident)
-    return SimpleNamespace(name=f"{name}/{compute}", **ops)
+    # fp8: kernels making bf16 GEMM inputs also write their E4M3 copy; native: a bf16 GEMM input is
+    # quantized to NVFP4 rows anyway, so a site's NVFP4 copy serves as the GEMM's operand
+    return SimpleNamespace(name=f"{name}/{compute}", fp8=compute == "fp8", native=compute == "nvfp4-native", **ops)

@@ -95,11 +95,11 @@ def project(ops, g: FrozenGroup, a, x_hat: torch.Tensor, a_hat: torch.Tensor | N
     decoded, ``x_hat`` the LoRA branch's bf16 input (runtime/recipe.py: the same, or unquantized).
     Without dropout, one GEMM computes every member's xa and each member's update is added
     into its slice of y by cuBLAS (addmm, alpha = scale): no [T, N_i] temporaries."""
-    a_val = a.data if isinstance(a, DenseRows) else a
+    a_val = a.data if isinstance(a, DenseRows) and a.fp8 is None else a  # with an E4M3 copy: the fp8 GEMM reads it
     if g.weight is not None:
         y = ops.nvfp4_gemm(a_val, g.weight, a_hat)
     else:
-        dense_a = a_val if isinstance(a, DenseRows) else a_hat if a_hat is not None else ops.dequant_rows(a)
+        dense_a = a.data if isinstance(a, DenseRows) else a_hat if a_hat is not None else ops.dequant_rows(a)
         y = dense_a @ g.dense.t()
     if g.bias is not None:
         y = y + g.bias
@@ -195,16 +195,20 @@ def _rows_from(kind: type, tensors: list[torch.Tensor]):
     return kind(*tensors[:n]), tensors[n:]
 
 
-def _operands(ops, site: Site, y: torch.Tensor, q=None):
-    """For a site's unquantized bf16 rows y (and their NVFP4 copy q, when made already):
-    (GEMM operand, its bf16 value when that is what the LoRA branch reads else None, LoRA
-    input, rows saved for backward)."""
+def _operands(ops, site: Site, y: DenseRows, q=None):
+    """A site's uses of its rows: y unquantized (bf16, possibly carrying the fp8 backend's E4M3
+    copy) and q their NVFP4 rows (made here if the site needs them and q is None). Returns (GEMM
+    operand, its bf16 value when already decoded, LoRA input, rows saved for backward)."""
     if q is None and site.needs_nvfp4:
-        q = (ops.quant_rows if site.gemm == "nvfp4" else ops.quant_saved)(y)
+        q = (ops.quant_rows if site.gemm == "nvfp4" else ops.quant_saved)(y.data)
     q_hat = ops.dequant_rows(q) if site.lora == "nvfp4" else None  # the LoRA input, and A for cuBLAS
-    gemm = q if site.gemm == "nvfp4" else DenseRows(y)
-    return (gemm, q_hat if site.gemm == "nvfp4" else None, y if q_hat is None else q_hat,
-            q if site.saved == "nvfp4" else DenseRows(y))
+    gemm = q if site.gemm == "nvfp4" or (ops.native and q is not None) else y  # native: A is NVFP4 anyway
+    return (gemm, q_hat if gemm is q else None, y.data if q_hat is None else q_hat,
+            q if site.saved == "nvfp4" else DenseRows(y.data))
+
+
+# the down site's ``saved`` is about gate and up; h itself is never saved (recomputed from them)
+_H_USES = {(g, lo): Site(g, lo, "bf16") for g in ("nvfp4", "bf16") for lo in ("nvfp4", "bf16")}
 
 
 def _norm_operands(ops, site: Site, x, norm_w, eps):
@@ -213,8 +217,9 @@ def _norm_operands(ops, site: Site, x, norm_w, eps):
         xq, rstd = ops.rmsnorm_quant(x, norm_w, eps)
         x_hat = ops.dequant_rows(xq)
         return xq, x_hat, x_hat, xq, rstd
-    y, rstd = ops.rmsnorm_rows(x, norm_w, eps)
-    return (*_operands(ops, site, y), rstd)
+    # one fused kernel: bf16 rows, their NVFP4 copy when the site saves it, the E4M3 copy for the GEMM
+    y, q, rstd = ops.rmsnorm_rows(x, norm_w, eps, nvfp4=site.saved == "nvfp4", fp8=ops.fp8 and site.gemm == "bf16")
+    return (*_operands(ops, site, y, q if site.gemm == "bf16" else None), rstd)
 
 
 class RopeFn(torch.autograd.Function):
@@ -255,7 +260,7 @@ class ProjectionFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group, ops, site, *params):
-        a, a_hat, x_lora, saved = _operands(ops, site, x)
+        a, a_hat, x_lora, saved = _operands(ops, site, DenseRows(x))
         y, xas, seeds = project(ops, group, a, x_lora, a_hat)
         ctx.ops, ctx.group, ctx.seeds, ctx.kind = ops, group, seeds, type(saved)
         ctx.save_for_backward(*_rows_tensors(saved), *[xa for xa in xas if xa is not None])
@@ -286,10 +291,9 @@ class MlpFn(torch.autograd.Function):
             hq, gq, uq = ops.silu_mul_quant(gu)
             h_hat = ops.dequant_rows(hq)
             h_op, h_lora = hq, h_hat
-        else:
-            h, g, u = ops.silu_mul_rows(gu)
-            h_op, h_hat, h_lora, _ = _operands(ops, site2, h)
-            gq, uq = (DenseRows(g), DenseRows(u)) if site2.saved == "bf16" else (ops.quant_saved(g), ops.quant_saved(u))
+        else:  # one fused kernel: bf16 h (+ its E4M3 copy for the GEMM), gate and up as the site saves them
+            h, gq, uq = ops.silu_mul_rows(gu, nvfp4=site2.saved == "nvfp4", fp8=ops.fp8 and site2.gemm == "bf16")
+            h_op, h_hat, h_lora, _ = _operands(ops, _H_USES[site2.gemm, site2.lora], h)
         out, xas2, seeds2 = project(ops, down, h_op, h_lora, h_hat)
         ctx.ops, ctx.groups, ctx.norm_w, ctx.seeds = ops, (gate_up, down), norm_w, (seeds1, seeds2)
         ctx.n_xa1 = sum(xa is not None for xa in xas1)

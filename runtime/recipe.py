@@ -72,8 +72,13 @@ def _uniform(p: str) -> Recipe:
 
 
 PRESETS: dict[str, Recipe] = {
+    # the default: NVFP4 only where activations are stored for backward (the memory that buys the
+    # batch); the frozen GEMMs and the LoRA branch read the unquantized rows (E4M3 made straight
+    # from bf16 on the fp8 backend). Quantized GEMM inputs bend the LoRA gradient (cosine ~0.72 to
+    # the bf16 reference, norm ~0.69: BENCHMARKS.md, learning fidelity); saved copies barely do.
+    "nvfp4-saved": Recipe(*(Site("bf16", "bf16", "nvfp4") for _ in SITES)),
     # PACT's data flow as first built: one NVFP4 copy per site, read by the GEMM, the LoRA branch
-    # and backward.
+    # and backward (the Blackwell FP4 GEMMs' natural input).
     "nvfp4": _uniform("nvfp4"),
     # no activation quantization at all (weights stay NVFP4): the reference the others are measured on
     "bf16": _uniform("bf16"),
@@ -105,4 +110,4 @@ def parse_recipe(spec: str | Recipe | None, flag: str = "--activations") -> Reci
     return Recipe(**sites)
 
 
-DEFAULT = "nvfp4"
+DEFAULT = "nvfp4-saved"

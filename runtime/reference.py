@@ -41,17 +41,32 @@ def silu_mul_quant(gate_up: torch.Tensor, fp8: bool = False) -> tuple[NVFP4Rows,
     return _attach_fp8(quantize_rows(F.silu(gate) * up), fp8), quantize_rows(gate), quantize_rows(up)
 
 
-def rmsnorm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, H] -> (bf16 x * rstd * w, computed in fp32; rstd fp32 [T]): the unquantized RMSNorm rows."""
+def _dense(y: torch.Tensor, fp8: bool) -> DenseRows:
+    """bf16 rows y; ``fp8``: with their E4M3 copy (fp8_rows of bf16 rows), as the kernels write it."""
+    return DenseRows(y, *fp8_rows(y)) if fp8 else DenseRows(y)
+
+
+def rmsnorm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float, nvfp4: bool = True, fp8: bool = False
+                 ) -> tuple[DenseRows, NVFP4Rows | None, torch.Tensor]:
+    """x [T, H] -> (bf16 rows of x * rstd * w computed in fp32, their NVFP4 rows when ``nvfp4``,
+    rstd fp32 [T]); ``fp8``: the bf16 rows carry their E4M3 copy."""
     xf = x.float()
     rstd = torch.rsqrt(xf.pow(2).mean(-1) + eps)
-    return (xf * rstd[:, None] * weight.float()).to(torch.bfloat16), rstd
+    y = (xf * rstd[:, None] * weight.float()).to(torch.bfloat16)
+    return _dense(y, fp8), quantize_rows(y.float()) if nvfp4 else None, rstd
 
 
-def silu_mul_rows(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """gate_up [T, 2I] -> bf16 (silu(gate) * up, gate, up), the product in fp32."""
+def silu_mul_rows(gate_up: torch.Tensor, nvfp4: bool = True, fp8: bool = False
+                  ) -> tuple[DenseRows, NVFP4Rows | DenseRows, NVFP4Rows | DenseRows]:
+    """gate_up [T, 2I] -> (bf16 rows of silu(gate) * up, the product in fp32; gate; up), gate and up
+    as NVFP4 rows (``nvfp4``) or the input's bf16 halves; ``fp8``: h carries its E4M3 copy."""
     gate, up = gate_up.chunk(2, dim=-1)
-    return (F.silu(gate.float()) * up.float()).to(torch.bfloat16), gate.contiguous(), up.contiguous()
+    h = (F.silu(gate.float()) * up.float()).to(torch.bfloat16)
+    if nvfp4:
+        g, u = quantize_rows(gate.float()), quantize_rows(up.float())
+    else:
+        g, u = DenseRows(gate.contiguous()), DenseRows(up.contiguous())
+    return _dense(h, fp8), g, u
 
 
 def rows_value(q: NVFP4Rows | DenseRows) -> torch.Tensor:
@@ -194,7 +209,7 @@ def fp8_rows(x: NVFP4Rows | NVFP4Tensor | torch.Tensor, pad_to: int = 16) -> tup
 def nvfp4_gemm_fp8(a: NVFP4Rows | torch.Tensor, w: NVFP4Tensor, a_hat: torch.Tensor | None = None) -> torch.Tensor:
     """Twin of the `fp8` GEMM: both operands re-encoded as E4M3 rows (``fp8_rows``), product in
     fp32, row scales applied to the accumulator, one rounding to bf16."""
-    a8, sa = fp8_rows(a, pad_to=1)
+    a8, sa = fp8_rows(a.data if isinstance(a, DenseRows) else a, pad_to=1)
     w8, sw = (w.fp8, w.fp8_scale) if getattr(w, "fp8", None) is not None else fp8_rows(w, pad_to=1)
     acc = a8.float() @ w8.float().t()
     return (acc * sa[:, None] * sw[None, :]).to(torch.bfloat16)

@@ -19,9 +19,14 @@ FP8_ROW_AMAX = 6.0 * 448.0
 @dataclass(frozen=True)
 class DenseRows:
     """Activation rows kept unquantized (bf16 [T, K]): a recipe site's "bf16" choice (runtime/recipe.py).
-    The ops that read saved rows accept these as well as NVFP4 rows."""
+    The ops that read saved rows accept these as well as NVFP4 rows. For the `fp8` backend's next
+    GEMM they may carry their E4M3 copy (as fp8_rows encodes bf16 rows: per-row amax / 448), written
+    by the kernel that made them: fp8 [T', K] (T' = T rounded up to 16) and fp8_scale [T']. Only
+    ``data`` is ever saved for backward."""
 
     data: torch.Tensor
+    fp8: torch.Tensor | None = None
+    fp8_scale: torch.Tensor | None = None
 
     @property
     def shape(self) -> torch.Size:

@@ -50,6 +50,15 @@ def main(capability: int) -> None:
     three = {f"{p}{s}": t for p in "hgu" for s, t in (("p", "*u8"), ("s", "*u8"), ("r", "*fp32"))}
     _compile_sm(N._silu_mul_quant_kernel, {"gu_ptr": "*bf16", "stride_gu": "i32", **three, "h8_ptr": "*u8", "K": "i32"},
                 {"BLOCK_K": 8192, "CHUNK": 2048, "EMIT_FP8": e4m3})
+    for nvfp4, fp8 in ((True, e4m3), (True, 0), (False, e4m3)):
+        _compile_sm(N._rmsnorm_rows_kernel, {"x_ptr": "*bf16", "stride_x": "i32", "w_ptr": "*bf16", "eps": "fp32",
+                                             "y_ptr": "*bf16", **rows, "rstd_ptr": "*fp32", "f8_ptr": "*u8",
+                                             "f8s_ptr": "*fp32", "K": "i32"},
+                    {"BLOCK_K": 2048, "NVFP4": nvfp4, "FP8": fp8})
+        two = {f"{p}{s}": t for p in "gu" for s, t in (("p", "*u8"), ("s", "*u8"), ("r", "*fp32"))}
+        _compile_sm(N._silu_mul_rows_kernel, {"gu_ptr": "*bf16", "stride_gu": "i32", "h_ptr": "*bf16", **two,
+                                              "f8_ptr": "*u8", "f8s_ptr": "*fp32", "K": "i32"},
+                    {"BLOCK_K": 8192, "CHUNK": 2048, "NVFP4": nvfp4, "FP8": fp8})
     _compile_sm(N._dequant_rows_kernel, {**rows, "out_ptr": "*fp32", "K": "i32"}, {"BLOCK_K": 8192, "CHUNK": 2048})
     for what in (N.PAIRS_QS, N.PAIRS_ROWS, N.PAIRS_E4M3_W, N.PAIRS_E4M3_ROWS):
         _compile_sm(N._decode_pairs_kernel, {"packed_ptr": "*u8", "scales_ptr": "*u8", "sc_ptr": "*fp32",

@@ -68,6 +68,43 @@ def test_silu_mul_quant(rows, k):
     torch.testing.assert_close(ha.row_scale, hb.row_scale, rtol=1e-6, atol=0)
 
 
+@pytest.mark.parametrize("rows,k,chunk", [(6, 48, 4096), (42, 96, 4096), (21, 272, 32)])
+def test_rows_kept_bf16_with_saved_and_fp8_copies(monkeypatch, rows, k, chunk):
+    """RMSNorm / SiLU-mul rows kept unquantized (the default recipe's GEMM and LoRA inputs): the
+    bf16 rows match the twin (rstd / exp differ in the last fp32 bits: a bf16 ulp, rarely); the
+    NVFP4 rows saved for backward are exactly quantize_rows of the kernel's own bf16 rows, and
+    the E4M3 copy exactly fp8_rows of them; gate and up exactly the twin's."""
+    from pact.runtime.kernels import nvfp4 as KN
+
+    monkeypatch.setattr(KN, "ROW_CHUNK", chunk)
+    x = _awkward(rows, k, seed=6)
+    w = (torch.rand(k) + 0.5).to(torch.bfloat16)
+    for nvfp4 in (True, False):
+        for fp8 in (False, True):
+            (ya, qa, ra), (yb, qb, rb) = K.rmsnorm_rows(x, w, 1e-5, nvfp4, fp8), R.rmsnorm_rows(x, w, 1e-5, nvfp4, fp8)
+            torch.testing.assert_close(ra, rb, rtol=4e-7, atol=0)
+            assert (ya.data != yb.data).float().mean() <= 1e-3
+            assert (qa is None) == (qb is None) == (not nvfp4)
+            if nvfp4:
+                _rows_equal(qa, R.quant_rows(ya.data))
+            if fp8:
+                r8, rs = R.fp8_rows(ya.data)
+                assert torch.equal(ya.fp8.view(torch.uint8), r8.view(torch.uint8)) and torch.equal(ya.fp8_scale, rs)
+            else:
+                assert ya.fp8 is None
+    gu = _awkward(rows, 2 * k, seed=7)
+    for nvfp4 in (True, False):
+        (ha, ga, ua), (hb, gb, ub) = K.silu_mul_rows(gu, nvfp4, True), R.silu_mul_rows(gu, nvfp4, True)
+        assert (ha.data != hb.data).float().mean() <= 2e-3
+        r8, rs = R.fp8_rows(ha.data)
+        assert torch.equal(ha.fp8.view(torch.uint8), r8.view(torch.uint8)) and torch.equal(ha.fp8_scale, rs)
+        if nvfp4:
+            _rows_equal(ga, gb)
+            _rows_equal(ua, ub)
+        else:
+            assert torch.equal(ga.data, gb.data) and torch.equal(ua.data, ub.data)
+
+
 def _close_bf16(a, b):
     # Same fp32 formula in both; Triton's exp and its reduction order differ from torch's in
     # the last fp32 bits, which moves a bf16 result by at most one ulp (2^-8 relative).

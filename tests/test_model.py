@@ -215,12 +215,13 @@ def test_compute_twins_train(tmp_path, compute):
     fp8: both operands re-encoded as E4M3 rows, forward and backward. Its small forward change
     moves values across NVFP4 rounding midpoints downstream (the saved gate/up, the next
     layer's norm output), so against bf16-decode it differs by about NVFP4's own error; against
-    the bf16 reference it is as close as bf16-decode (test_nvfp4_activations_gradients)."""
+    the bf16 reference it is as close as bf16-decode (test_nvfp4_activations_gradients).
+    Under the 'nvfp4' recipe, where every backend's GEMMs read the same NVFP4 inputs."""
     art = _artifact(tmp_path, "llama")
     ids, labels = _batch(b=2, s=24)
     out = []
     for name in ("bf16-decode", compute):
-        model = PactModel(art, LoraConfig(r=R, alpha=ALPHA), compute=name)
+        model = PactModel(art, LoraConfig(r=R, alpha=ALPHA), compute=name, activations="nvfp4")
         assert model.compute == name
         _random_adapters(model)
         loss, n = model(ids, labels)

@@ -30,7 +30,7 @@ import triton.language as tl
 
 from pact.formats.nvfp4 import NVFP4Rows, NVFP4Tensor
 
-from ..rows import FP8_ROW_AMAX, NVFP4RowsFP8
+from ..rows import FP8_ROW_AMAX, DenseRows, NVFP4RowsFP8
 
 # Globals read inside @triton.jit must be tl.constexpr.
 E2M1_MAX = tl.constexpr(6.0)
@@ -229,6 +229,73 @@ def _rmsnorm_quant_kernel(x_ptr, stride_x, w_ptr, eps, packed_ptr, scales_ptr, r
     rstd = 1.0 / tl.sqrt_rn(tl.sum(tl.sum(x * x, axis=1), axis=0) / K + eps)
     tl.store(rstd_ptr + row, rstd)
     _store_row(row, x * rstd * w, packed_ptr, scales_ptr, rs_ptr, K, BLOCK_K, f8_ptr, EMIT_FP8)
+
+
+@triton.jit
+def _store_fp8_of(row, c0, y, amax, f8_ptr, f8s_ptr, K, CHUNK: tl.constexpr, MODE: tl.constexpr):
+    """E4M3 bytes of elements c0 .. c0+CHUNK of a row (blocks [CHUNK/16, 16], fp32 holding bf16
+    values) scaled by 448 / amax, as fp8.py's _fp8_rows_kernel writes a bf16 row; c0 == 0 also
+    stores the row's decode scale amax / 448."""
+    amax = tl.where(amax > 0, amax, E4M3_MAX)
+    inv = tl.math.div_rn(E4M3_MAX + tl.zeros_like(amax), amax)
+    f8 = _e4m3_bytes(tl.minimum(tl.maximum(y * inv, -E4M3_MAX), E4M3_MAX), MODE)
+    offs = _block_offsets(c0, CHUNK)
+    tl.store(f8_ptr + row * K + offs, f8.to(tl.uint8), mask=offs < K)
+    if c0 == 0:
+        tl.store(f8s_ptr + row, tl.math.div_rn(amax, E4M3_MAX))
+
+
+@triton.jit
+def _rmsnorm_rows_kernel(x_ptr, stride_x, w_ptr, eps, y_ptr, packed_ptr, scales_ptr, rs_ptr, rstd_ptr, f8_ptr, f8s_ptr,
+                         K, BLOCK_K: tl.constexpr, NVFP4: tl.constexpr, FP8: tl.constexpr):
+    """RMSNorm rows kept unquantized: y = bf16(x * rstd * w) stored, plus (NVFP4) its NVFP4 rows
+    for backward and (FP8 = E4M3 mode) its E4M3 copy for the fp8 backend's GEMM."""
+    row = tl.program_id(0)
+    offs = _block_offsets(0, BLOCK_K)
+    mask = offs < K
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt_rn(tl.sum(tl.sum(x * x, axis=1), axis=0) / K + eps)
+    tl.store(rstd_ptr + row, rstd)
+    y = _rne_bf16(x * rstd * w)
+    tl.store(y_ptr + row * K + offs, y.to(tl.bfloat16), mask=mask)
+    if NVFP4:
+        _store_row(row, y, packed_ptr, scales_ptr, rs_ptr, K, BLOCK_K, f8_ptr, 0)
+    if FP8:
+        _store_fp8_of(row, 0, y, tl.max(tl.max(tl.abs(y), axis=1), axis=0), f8_ptr, f8s_ptr, K, BLOCK_K, FP8)
+
+
+@triton.jit
+def _silu_mul_rows_kernel(gu_ptr, stride_gu, h_ptr, gp, gs, gr, up, us, ur, f8_ptr, f8s_ptr, K, BLOCK_K: tl.constexpr,
+                          CHUNK: tl.constexpr, NVFP4: tl.constexpr, FP8: tl.constexpr):
+    """h = bf16(silu(gate) * up) stored unquantized, plus (NVFP4) gate and up as NVFP4 rows for
+    backward and (FP8) h's E4M3 copy for the fp8 backend's GEMM."""
+    row = tl.program_id(0)
+    base = gu_ptr + row * stride_gu
+    am_h, am_g, am_u = 0.0, 0.0, 0.0
+    for c0 in tl.static_range(0, BLOCK_K, CHUNK):
+        offs = _block_offsets(c0, CHUNK)
+        g = tl.load(base + offs, mask=offs < K, other=0.0).to(tl.float32)
+        u = tl.load(base + K + offs, mask=offs < K, other=0.0).to(tl.float32)
+        h = _rne_bf16(g / (1.0 + tl.exp(-g)) * u)
+        tl.store(h_ptr + row * K + offs, h.to(tl.bfloat16), mask=offs < K)
+        am_h = tl.maximum(am_h, tl.max(tl.max(tl.abs(h), axis=1), axis=0))
+        am_g = tl.maximum(am_g, tl.max(tl.max(tl.abs(g), axis=1), axis=0))
+        am_u = tl.maximum(am_u, tl.max(tl.max(tl.abs(u), axis=1), axis=0))
+    if NVFP4 or FP8:
+        sg, su = _row_scale(am_g), _row_scale(am_u)
+        for c0 in tl.static_range(0, BLOCK_K, CHUNK):
+            offs = _block_offsets(c0, CHUNK)
+            g = tl.load(base + offs, mask=offs < K, other=0.0).to(tl.float32)
+            u = tl.load(base + K + offs, mask=offs < K, other=0.0).to(tl.float32)
+            if NVFP4:
+                _store_blocks(row, c0, g, sg, gp, gs, K, CHUNK, f8_ptr, 0)
+                _store_blocks(row, c0, u, su, up, us, K, CHUNK, f8_ptr, 0)
+            if FP8:  # h recomputed (the same bits) rather than read back from another thread's store
+                _store_fp8_of(row, c0, _rne_bf16(g / (1.0 + tl.exp(-g)) * u), am_h, f8_ptr, f8s_ptr, K, CHUNK, FP8)
+        if NVFP4:
+            tl.store(gr + row, sg)
+            tl.store(ur + row, su)
 
 
 @triton.jit
@@ -532,6 +599,55 @@ def silu_mul_quant(gate_up: torch.Tensor, fp8: bool = False) -> tuple[NVFP4Rows,
         _silu_mul_quant_kernel[(T,)](gate_up, gate_up.stride(0), *_row_args(h), *_row_args(g), *_row_args(u), h8, K,
                                      **_chunk(bk), EMIT_FP8=emit)
     _fp8_scale_from(h)
+    return h, g, u
+
+
+def _dense_fp8(y: torch.Tensor, fp8: bool) -> tuple[DenseRows, torch.Tensor, torch.Tensor, int]:
+    """(rows, E4M3 buffer, scale buffer, FP8 mode) for unquantized rows y: with ``fp8`` a DenseRows
+    carrying the E4M3 copy (rows padded to 16 with zeros, scale 1) for the kernel to fill."""
+    if not fp8:
+        return DenseRows(y), y, y, 0
+    rows, k = y.shape
+    padded = -(-rows // 16) * 16
+    f8 = torch.empty(padded, k, dtype=torch.float8_e4m3fn, device=y.device)
+    f8[rows:].view(torch.uint8).zero_()
+    scale = torch.ones(padded, dtype=torch.float32, device=y.device)
+    return DenseRows(y, f8, scale), f8.view(torch.uint8), scale, _e4m3_mode(y.device)
+
+
+def rmsnorm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float, nvfp4: bool = True, fp8: bool = False
+                 ) -> tuple[DenseRows, NVFP4Rows | None, torch.Tensor]:
+    """x [T, H] -> (bf16 rows of x * rstd * w, their NVFP4 rows or None, rstd fp32 [T]); ``fp8``:
+    the bf16 rows carry their E4M3 copy (per-row amax / 448)."""
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    T, K = x.shape
+    y, f8, f8s, mode = _dense_fp8(torch.empty(T, K, dtype=torch.bfloat16, device=x.device), fp8)
+    q = _empty_rows(T, K, x.device) if nvfp4 else None
+    rstd = torch.empty(T, dtype=torch.float32, device=x.device)
+    bk = _block_k(K)
+    if T:
+        _rmsnorm_rows_kernel[(T,)](x, x.stride(0), weight, eps, y.data, *(_row_args(q) if nvfp4 else (x, x, rstd)), rstd,
+                                   f8, f8s, K, BLOCK_K=bk, NVFP4=nvfp4, FP8=mode, num_warps=_warps(bk))
+    return y, q, rstd
+
+
+def silu_mul_rows(gate_up: torch.Tensor, nvfp4: bool = True, fp8: bool = False
+                  ) -> tuple[DenseRows, NVFP4Rows | DenseRows, NVFP4Rows | DenseRows]:
+    """gate_up [T, 2I] -> (bf16 rows of silu(gate) * up, gate, up); gate and up as NVFP4 rows
+    (``nvfp4``) or the bf16 input's halves; ``fp8``: h carries its E4M3 copy."""
+    gate_up = gate_up if gate_up.stride(-1) == 1 else gate_up.contiguous()
+    T, K2 = gate_up.shape
+    K = K2 // 2
+    h, f8, f8s, mode = _dense_fp8(torch.empty(T, K, dtype=torch.bfloat16, device=gate_up.device), fp8)
+    g, u = (_empty_rows(T, K, gate_up.device) for _ in range(2)) if nvfp4 else (None, None)
+    bk = _block_k(K)
+    if T:
+        dummy = (gate_up, gate_up, f8s)
+        _silu_mul_rows_kernel[(T,)](gate_up, gate_up.stride(0), h.data, *(_row_args(g) if nvfp4 else dummy),
+                                    *(_row_args(u) if nvfp4 else dummy), f8, f8s, K, **_chunk(bk), NVFP4=nvfp4,
+                                    FP8=mode)
+    if not nvfp4:
+        g, u = DenseRows(gate_up[:, :K].contiguous()), DenseRows(gate_up[:, K:].contiguous())
     return h, g, u
 
 

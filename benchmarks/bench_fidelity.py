@@ -1,0 +1,306 @@
+"""Learning fidelity: does pact learn what BF16 LoRA learns, at the same hyperparameters?
+
+Three subcommands:
+
+    # 1. where the LoRA gradient departs from the bf16-activation reference, per recipe site
+    python benchmarks/bench_fidelity.py grads --artifact ART --data train.jsonl [--recipes ...]
+    # 2. held-out accuracy after LoRA, PEFT BF16 vs pact recipes, tasks x learning rates x seeds
+    python benchmarks/bench_fidelity.py tasks --workdir W --bigbench DIR --seeds 0 --csv s0.csv
+    # 3. the table: mean +- std, paired difference to PEFT, seeds stuck at the majority class
+    python benchmarks/bench_fidelity.py table s*.csv
+
+Tasks (`tasks`): Rotten Tomatoes (the demo's snippets, " fresh"/" rotten") and BIG-bench tasks
+read from the `bigbench` sdist's task JSONs (`pip download --no-binary :all: bigbench==1.0.0`,
+files `bigbench/benchmark_tasks/NAME/task.json`): prompt = input + "\\nAnswer:", completion =
+" " + the best-scored target, scored by label likelihood over the task's labels. Every method
+sees the same batches in the same order for a seed; SmolLM2-135M-Instruct from its GGUF, LoRA r
+16 / alpha 32 on the seven projections, bs 8, max-len 128, warmup 10% then cosine (as
+bench_accuracy.py). Methods: `peft` (transformers + PEFT on the GGUF dequantized to bf16) and
+`pact=RECIPE` (pact-train on the RTN artifact, `--activations RECIPE`, `--compute auto`).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import random
+import statistics
+import time
+from pathlib import Path
+
+import click
+import torch
+import torch.nn.functional as F
+
+STEPS, BATCH, WARMUP, MAX_LEN, RANK, ALPHA = 250, 8, 0.1, 128, 16, 32
+BIGBENCH = ("hyperbaton", "winowhy", "logical_fallacy_detection", "navigate", "sports_understanding",
+            "strategyqa", "movie_dialog_same_or_different", "vitaminc_fact_verification")
+KEY = ("task", "method", "lr", "seed", "steps")
+
+
+# -- tasks
+def _write(path: Path, recs: list[dict]) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    tmp.replace(path)
+
+
+def bigbench_splits(task_json: Path, folder: Path, n_train: int = 2000, n_test: int = 1000,
+                    max_chars: int = 400) -> tuple[Path, Path]:
+    """Train / test jsonl of one BIG-bench multiple-choice task (a fixed shuffle; test first).
+    Examples longer than ``max_chars`` are left out so that max-len 128 never cuts a prompt."""
+    name = task_json.parent.name
+    paths = folder / f"{name}-train.jsonl", folder / f"{name}-test.jsonl"
+    if all(p.is_file() for p in paths):
+        return paths
+    folder.mkdir(parents=True, exist_ok=True)
+    ex = [e for e in json.loads(task_json.read_text())["examples"] if len(e["input"]) <= max_chars]
+    random.Random(0).shuffle(ex)
+    n_test = min(n_test, len(ex) // 3)
+    recs = [{"prompt": e["input"].strip() + "\nAnswer:",
+             "completion": " " + max(e["target_scores"], key=e["target_scores"].get)} for e in ex]
+    _write(paths[1], recs[:n_test])
+    _write(paths[0], recs[n_test : n_test + n_train])
+    return paths
+
+
+def task_files(task: str, workdir: Path, bigbench: Path | None) -> tuple[Path, Path]:
+    if task == "rt":
+        from pact.convert.offline import ROTTEN_TOMATOES, fetch
+        from pact.pipelines.demo import _splits
+
+        train_f, test_f, _ = _splits(fetch(ROTTEN_TOMATOES, workdir), workdir / "data", 2000, 1000, 0)
+        return train_f, test_f
+    folder = workdir / "fidelity-data"
+    if (folder / f"{task}-train.jsonl").is_file():
+        return folder / f"{task}-train.jsonl", folder / f"{task}-test.jsonl"
+    if bigbench is None:
+        raise click.BadParameter(f"task {task}: pass --bigbench DIR (benchmark_tasks/ of the bigbench sdist)")
+    return bigbench_splits(bigbench / task / "task.json", folder)
+
+
+def majority(test_f: Path) -> float:
+    labels = [json.loads(line)["completion"] for line in open(test_f)]
+    return max(labels.count(x) for x in set(labels)) / len(labels)
+
+
+# -- grads
+def _adapter_grads(model, examples, pad, index, device) -> dict[str, torch.Tensor]:
+    from pact.runtime.data import collate
+
+    ids, labels = collate(examples, index, pad, device)
+    model.zero_grad(set_to_none=True)
+    loss, n = model(ids, labels)
+    (loss / max(n, 1)).backward()
+    return {k: p.grad.detach().float().clone() for k, p in model.lora_params.items()}
+
+
+@click.group()
+def cli() -> None:
+    """Learning-fidelity measurements (see the module docstring)."""
+
+
+@cli.command()
+@click.option("--artifact", required=True, type=click.Path(exists=True, file_okay=False))
+@click.option("--data", required=True, type=click.Path(exists=True, dir_okay=False))
+@click.option("--recipes", default="nvfp4;bf16,qkv.gemm=nvfp4,qkv.lora=nvfp4,qkv.saved=nvfp4;"
+              "bf16,o.gemm=nvfp4,o.lora=nvfp4,o.saved=nvfp4;bf16,gate_up.gemm=nvfp4,gate_up.lora=nvfp4,"
+              "gate_up.saved=nvfp4;bf16,down.gemm=nvfp4,down.lora=nvfp4,down.saved=nvfp4;"
+              "bf16,*.gemm=nvfp4;bf16,*.lora=nvfp4;bf16,*.saved=nvfp4", show_default=True,
+              help="';'-separated recipes compared with 'bf16' (the reference).")
+@click.option("--computes", default="bf16-decode", show_default=True, help="Comma-separated compute backends.")
+@click.option("--warm-steps", default=40, show_default=True, help="bf16-recipe AdamW steps before measuring "
+              "(at init B = 0, so dA = 0).")
+@click.option("--batches", default=8, show_default=True)
+@click.option("--lr", default=5e-4, show_default=True)
+@click.option("--seed", default=0, show_default=True)
+@click.option("--csv", "csv_path", type=click.Path(dir_okay=False, path_type=Path), default=None)
+def grads(artifact, data, recipes, computes, warm_steps, batches, lr, seed, csv_path) -> None:
+    """LoRA gradient of each recipe vs the bf16-activation reference on the same NVFP4 weights:
+    per adapter tensor cosine and norm ratio per batch (median over tensors), and whether the
+    error is biased: |mean error| / rms error over the batches (zero-mean noise: ~1/sqrt(batches))
+    and the cosine of the mean gradients."""
+    from transformers import AutoTokenizer
+
+    from pact.formats import open_artifact
+    from pact.runtime.data import batches as make_batches, collate, pad_id, read_records, tokenize
+    from pact.runtime.lora import LoraConfig
+    from pact.runtime.model import PactModel
+    from pact.runtime.trainer import lr_at
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    art = open_artifact(artifact)
+    tok = AutoTokenizer.from_pretrained(art.hf_dir)
+    pad = pad_id(tok)
+    examples = tokenize(read_records(data), tok, max_len=MAX_LEN)
+    order = make_batches(examples, BATCH, seed=seed, epoch=0)
+    lcfg = LoraConfig(r=RANK, alpha=ALPHA)
+    torch.manual_seed(seed)
+    warm = PactModel(art, lcfg, device=device, activations="bf16", seed=seed)
+    opt = torch.optim.AdamW(list(warm.lora_params.values()), lr=lr, weight_decay=0.0)
+    for step in range(warm_steps):  # an adapter part-way into training, as the reference trains it
+        ids, labels = collate(examples, order[step], pad, device)
+        loss, n = warm(ids, labels)
+        (loss / max(n, 1)).backward()
+        torch.nn.utils.clip_grad_norm_(list(warm.lora_params.values()), 1.0)
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, STEPS, lr, WARMUP)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    state = warm.adapter_state()
+    measure = order[warm_steps : warm_steps + batches]
+
+    def run(spec: str, compute: str) -> list[dict[str, torch.Tensor]]:
+        m = PactModel(art, lcfg, device=device, activations=spec, compute=compute, seed=seed)
+        m.load_adapter_state(state)
+        return [_adapter_grads(m, examples, pad, idx, device) for idx in measure]
+
+    ref = run("bf16", "bf16-decode")
+    names = list(ref[0])
+    rows = []
+    click.echo(f"{'compute':<12} {'recipe':<60} {'cos':>6} {'norm':>6} {'cos(mean)':>9} {'bias':>6}   A cos / B cos")
+    for compute in computes.split(","):
+        for spec in recipes.split(";"):
+            got = run(spec, compute)
+            per = {"cos": [], "norm": [], "cos_mean": [], "bias": [], "cos_A": [], "cos_B": []}
+            for k in names:
+                g = torch.stack([b[k].flatten() for b in got])
+                r = torch.stack([b[k].flatten() for b in ref])
+                if float(r.norm()) == 0.0:
+                    continue
+                cos = F.cosine_similarity(g, r, dim=1)
+                per["cos"].append(float(cos.median()))
+                per["cos_" + k[-1]].append(float(cos.median()))
+                per["norm"].append(float((g.norm(dim=1) / r.norm(dim=1)).median()))
+                per["cos_mean"].append(float(F.cosine_similarity(g.mean(0), r.mean(0), dim=0)))
+                e = g - r
+                per["bias"].append(float(e.mean(0).norm() / e.pow(2).sum(1).mean().sqrt().clamp_min(1e-30)))
+            row = {"compute": compute, "recipe": spec, **{k: statistics.median(v) for k, v in per.items()}}
+            rows.append(row)
+            click.echo(f"{compute:<12} {spec:<60} {row['cos']:>6.3f} {row['norm']:>6.3f} {row['cos_mean']:>9.3f} "
+                       f"{row['bias']:>6.2f}   {row['cos_A']:.3f} / {row['cos_B']:.3f}")
+    click.echo(f"(medians over {len(names)} adapter tensors; {batches} batches; zero-mean noise gives bias "
+               f"~{1 / batches ** 0.5:.2f}, a fixed error 1.0)")
+    if csv_path:
+        with open(csv_path, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(rows[0]))
+            w.writeheader()
+            w.writerows(rows)
+
+
+# -- tasks
+def _peft_run(folder: Path, train_ex, test_ex, pad, seed, lr, device) -> tuple[float, float]:
+    from bench_accuracy import _hf_accuracy, _train_hf  # the PEFT reference of bench_accuracy.py
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
+    model = (model.float() if device.type == "cpu" else model).to(device)
+    model = get_peft_model(model, LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0, target_modules=[
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+    for p in model.parameters():
+        if p.requires_grad:
+            p.data = p.data.float()
+    losses = _train_hf(model, train_ex, pad, seed, device, STEPS, lr)
+    return _hf_accuracy(model, test_ex, pad, device), statistics.mean(losses[-25:])
+
+
+@cli.command()
+@click.option("--workdir", required=True, type=click.Path(file_okay=False, path_type=Path))
+@click.option("--bigbench", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
+              help="benchmark_tasks/ of the bigbench sdist (not needed once the task files are in WORKDIR).")
+@click.option("--tasks", default="rt," + ",".join(BIGBENCH[:4]), show_default=True)
+@click.option("--methods", "methods", multiple=True, default=("peft", "pact=nvfp4"), show_default=True,
+              help="peft, or pact=RECIPE (repeat the option).")
+@click.option("--lrs", default="2e-4,5e-4", show_default=True)
+@click.option("--seeds", default="0", show_default=True)
+@click.option("--csv", "csv_path", required=True, type=click.Path(dir_okay=False, path_type=Path))
+def tasks(workdir, bigbench, tasks, methods, lrs, seeds, csv_path) -> None:
+    """Held-out accuracy of each method on each task, learning rate and seed; one CSV row each."""
+    from transformers import AutoTokenizer
+
+    from bench_accuracy import _bf16_folder
+    from pact.convert import convert
+    from pact.convert.offline import SMOLLM2_135M, fetch
+    from pact.formats import open_artifact
+    from pact.pipelines.demo import _cached_artifact
+    from pact.runtime.data import pad_id, read_records, tokenize
+    from pact.runtime.evaluate import evaluate_artifact
+    from pact.runtime.trainer import TrainConfig, train
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    gguf = fetch(SMOLLM2_135M, workdir)
+    art = _cached_artifact(workdir / "smollm2-135m-nvfp4-2d", lambda p: convert(str(gguf), p, overwrite=p.exists()))
+    bf16 = _bf16_folder(gguf)
+    tok = AutoTokenizer.from_pretrained(open_artifact(art).hf_dir)
+    pad = pad_id(tok)
+    rows = []
+    for task in tasks.split(","):
+        train_f, test_f = task_files(task, workdir, bigbench)
+        train_ex = tokenize(read_records(train_f), tok, max_len=MAX_LEN)
+        test_ex = tokenize(read_records(test_f), tok, max_len=MAX_LEN)
+        maj = majority(test_f)
+        for seed in (int(s) for s in seeds.split(",")):
+            for lr in (float(x) for x in lrs.split(",")):
+                for method in methods:
+                    t = time.perf_counter()
+                    if method == "peft":
+                        acc, loss = _peft_run(bf16, train_ex, test_ex, pad, seed, lr, device)
+                    elif method.startswith("pact="):
+                        spec = method.removeprefix("pact=")
+                        run = workdir / "fidelity-runs" / f"{task}-{spec.replace(',', '+').replace('*', 'all')}-lr{lr:g}-s{seed}"
+                        if run.exists():
+                            import shutil
+
+                            shutil.rmtree(run)
+                        last = train(TrainConfig(artifact=str(art), data=str(train_f), out=str(run), steps=STEPS,
+                                                 batch_size=BATCH, max_len=MAX_LEN, lr=lr, lora_r=RANK,
+                                                 lora_alpha=ALPHA, warmup_ratio=WARMUP, seed=seed,
+                                                 activations=spec), progress=False)
+                        losses = [json.loads(x)["loss"] for x in open(run / "metrics.jsonl")]
+                        loss = statistics.mean(losses[-25:])
+                        acc = evaluate_artifact(str(art), str(test_f), adapter=str(run), max_len=MAX_LEN,
+                                                batch_size=BATCH, activations=spec)["eval_accuracy"]
+                        del last
+                    else:
+                        raise click.BadParameter(f"{method!r}: peft or pact=RECIPE", param_hint="--methods")
+                    row = {"task": task, "method": method, "lr": lr, "seed": seed, "steps": STEPS,
+                           "accuracy": round(acc, 4), "majority": round(maj, 4), "final_loss": round(loss, 4),
+                           "seconds": round(time.perf_counter() - t, 1)}
+                    rows.append(row)
+                    click.echo(json.dumps(row))
+                    with open(csv_path, "w", newline="") as f:  # rewritten after each run: a cut run keeps its rows
+                        w = csv.DictWriter(f, fieldnames=list(row))
+                        w.writeheader()
+                        w.writerows(rows)
+
+
+@cli.command()
+@click.argument("csvs", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
+@click.option("--stuck-margin", default=0.02, show_default=True,
+              help="A seed counts as stuck when its accuracy is within this of the majority class.")
+def table(csvs, stuck_margin) -> None:
+    """Mean +- std over seeds, paired difference to PEFT (mean +- standard error), stuck seeds."""
+    rows = [r for c in csvs for r in csv.DictReader(open(c))]
+    by: dict[tuple, dict[int, float]] = {}
+    maj: dict[str, float] = {}
+    for r in rows:
+        by.setdefault((r["task"], float(r["lr"]), r["method"]), {})[int(r["seed"])] = float(r["accuracy"])
+        maj[r["task"]] = float(r["majority"])
+    click.echo(f"| task (majority) | lr | method | mean +- std | vs PEFT (paired) | stuck seeds |")
+    click.echo("|---|---|---|---|---|---|")
+    for (task, lr, method), accs in sorted(by.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2] != "peft", kv[0][2])):
+        vals = [accs[s] for s in sorted(accs)]
+        sd = statistics.stdev(vals) if len(vals) > 1 else float("nan")
+        peft = by.get((task, lr, "peft"), {})
+        d = [accs[s] - peft[s] for s in sorted(accs) if s in peft]
+        paired = ("" if method == "peft" or not d else
+                  f"{100 * statistics.mean(d):+.1f} +- {100 * statistics.stdev(d) / len(d) ** 0.5:.1f}" if len(d) > 1
+                  else f"{100 * d[0]:+.1f}")
+        stuck = sum(a <= maj[task] + stuck_margin for a in vals)
+        click.echo(f"| {task} ({100 * maj[task]:.1f}) | {lr:g} | {method} | {100 * statistics.mean(vals):.1f} +- "
+                   f"{100 * sd:.1f} (n={len(vals)}) | {paired} | {stuck}/{len(vals)} |")
+
+
+if __name__ == "__main__":
+    cli()
