@@ -16,7 +16,8 @@ files `bigbench/benchmark_tasks/NAME/task.json`): prompt = input + "\\nAnswer:",
 sees the same batches in the same order for a seed; SmolLM2-135M-Instruct from its GGUF, LoRA r
 16 / alpha 32 on the seven projections, bs 8, max-len 128, warmup 10% then cosine (as
 bench_accuracy.py). Methods: `peft` (transformers + PEFT on the GGUF dequantized to bf16) and
-`pact=RECIPE` (pact-train on the RTN artifact, `--activations RECIPE`, `--compute auto`).
+`pact=RECIPE` (pact-train on the RTN artifact, `--activations RECIPE`, `--compute auto`) or
+`pact@COMPUTE=RECIPE` (the same with `--compute COMPUTE`).
 """
 
 from __future__ import annotations
@@ -189,7 +190,7 @@ def grads(artifact, data, recipes, computes, warm_steps, batches, lr, seed, csv_
 
 
 # -- tasks
-def _peft_run(folder: Path, train_ex, test_ex, pad, seed, lr, device) -> tuple[float, float]:
+def _peft_run(folder: Path, train_ex, test_ex, pad, seed, lr, device, steps: int) -> tuple[float, float]:
     from bench_accuracy import _hf_accuracy, _train_hf  # the PEFT reference of bench_accuracy.py
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
@@ -201,7 +202,7 @@ def _peft_run(folder: Path, train_ex, test_ex, pad, seed, lr, device) -> tuple[f
     for p in model.parameters():
         if p.requires_grad:
             p.data = p.data.float()
-    losses = _train_hf(model, train_ex, pad, seed, device, STEPS, lr)
+    losses = _train_hf(model, train_ex, pad, seed, device, steps, lr)
     return _hf_accuracy(model, test_ex, pad, device), statistics.mean(losses[-25:])
 
 
@@ -211,11 +212,12 @@ def _peft_run(folder: Path, train_ex, test_ex, pad, seed, lr, device) -> tuple[f
               help="benchmark_tasks/ of the bigbench sdist (not needed once the task files are in WORKDIR).")
 @click.option("--tasks", default="rt," + ",".join(BIGBENCH[:4]), show_default=True)
 @click.option("--methods", "methods", multiple=True, default=("peft", "pact=nvfp4"), show_default=True,
-              help="peft, or pact=RECIPE (repeat the option).")
+              help="peft, pact=RECIPE (--compute auto) or pact@COMPUTE=RECIPE (repeat the option).")
 @click.option("--lrs", default="2e-4,5e-4", show_default=True)
 @click.option("--seeds", default="0", show_default=True)
+@click.option("--steps", default=STEPS, show_default=True)
 @click.option("--csv", "csv_path", required=True, type=click.Path(dir_okay=False, path_type=Path))
-def tasks(workdir, bigbench, tasks, methods, lrs, seeds, csv_path) -> None:
+def tasks(workdir, bigbench, tasks, methods, lrs, seeds, steps, csv_path) -> None:
     """Held-out accuracy of each method on each task, learning rate and seed; one CSV row each."""
     from transformers import AutoTokenizer
 
@@ -245,26 +247,29 @@ def tasks(workdir, bigbench, tasks, methods, lrs, seeds, csv_path) -> None:
                 for method in methods:
                     t = time.perf_counter()
                     if method == "peft":
-                        acc, loss = _peft_run(bf16, train_ex, test_ex, pad, seed, lr, device)
-                    elif method.startswith("pact="):
-                        spec = method.removeprefix("pact=")
-                        run = workdir / "fidelity-runs" / f"{task}-{spec.replace(',', '+').replace('*', 'all')}-lr{lr:g}-s{seed}"
+                        acc, loss = _peft_run(bf16, train_ex, test_ex, pad, seed, lr, device, steps)
+                    elif method.startswith(("pact=", "pact@")):
+                        head, _, spec = method.partition("=")
+                        compute = head.partition("@")[2] or None
+                        run = workdir / "fidelity-runs" / (f"{task}-{head}-{spec.replace(',', '+').replace('*', 'all')}"
+                                                           f"-lr{lr:g}-s{seed}")
                         if run.exists():
                             import shutil
 
                             shutil.rmtree(run)
-                        last = train(TrainConfig(artifact=str(art), data=str(train_f), out=str(run), steps=STEPS,
+                        last = train(TrainConfig(artifact=str(art), data=str(train_f), out=str(run), steps=steps,
                                                  batch_size=BATCH, max_len=MAX_LEN, lr=lr, lora_r=RANK,
                                                  lora_alpha=ALPHA, warmup_ratio=WARMUP, seed=seed,
-                                                 activations=spec), progress=False)
+                                                 compute=compute, activations=spec), progress=False)
                         losses = [json.loads(x)["loss"] for x in open(run / "metrics.jsonl")]
                         loss = statistics.mean(losses[-25:])
                         acc = evaluate_artifact(str(art), str(test_f), adapter=str(run), max_len=MAX_LEN,
-                                                batch_size=BATCH, activations=spec)["eval_accuracy"]
+                                                batch_size=BATCH, activations=spec, compute=compute)["eval_accuracy"]
                         del last
                     else:
-                        raise click.BadParameter(f"{method!r}: peft or pact=RECIPE", param_hint="--methods")
-                    row = {"task": task, "method": method, "lr": lr, "seed": seed, "steps": STEPS,
+                        raise click.BadParameter(f"{method!r}: peft, pact=RECIPE or pact@COMPUTE=RECIPE",
+                                                 param_hint="--methods")
+                    row = {"task": task, "method": method, "lr": lr, "seed": seed, "steps": steps,
                            "accuracy": round(acc, 4), "majority": round(maj, 4), "final_loss": round(loss, 4),
                            "seconds": round(time.perf_counter() - t, 1)}
                     rows.append(row)
@@ -300,6 +305,24 @@ def table(csvs, stuck_margin) -> None:
         stuck = sum(a <= maj[task] + stuck_margin for a in vals)
         click.echo(f"| {task} ({100 * maj[task]:.1f}) | {lr:g} | {method} | {100 * statistics.mean(vals):.1f} +- "
                    f"{100 * sd:.1f} (n={len(vals)}) | {paired} | {stuck}/{len(vals)} |")
+
+
+@cli.command()
+@click.argument("csvs", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
+@click.option("--margin", default=0.05, show_default=True)
+def pick(csvs, margin) -> None:
+    """Tasks whose PEFT mean beats the majority class by ``margin``, comma-separated, the one where
+    pact=nvfp4 falls furthest below PEFT first."""
+    rows = [r for c in csvs for r in csv.DictReader(open(c))]
+
+    def mean(task, method):
+        v = [float(r["accuracy"]) for r in rows if r["task"] == task and r["method"] == method]
+        return statistics.mean(v) if v else float("nan")
+
+    tasks = {r["task"]: float(r["majority"]) for r in rows}
+    ok = [t for t, maj in tasks.items() if mean(t, "peft") >= maj + margin]
+    gap = {t: mean(t, "peft") - mean(t, "pact=nvfp4") for t in ok}
+    click.echo(",".join(sorted(ok, key=lambda t: -gap[t] if gap[t] == gap[t] else 0)))
 
 
 if __name__ == "__main__":

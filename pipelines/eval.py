@@ -19,18 +19,21 @@ from .common import ACTIVATIONS_HELP, cli_errors
 @click.option("--max-len", default=1024, show_default=True)
 @click.option("--batch-size", default=8, show_default=True)
 @click.option("--activations", default=None, metavar="RECIPE", help=ACTIVATIONS_HELP)
+@click.option("--compute", type=click.Choice(["auto", "bf16-decode", "fp8", "nvfp4-native"]), default="auto",
+              show_default=True, help="Frozen-GEMM backend (as pact-train's).")
 @click.option("--device", default=None)
 @click.option("--generate/--no-generate", default=None,
               help="Score greedy generations (exact match, token F1). Default: when completions are not class labels.")
 @click.option("--max-new-tokens", type=int, default=None, help="Generation length (default: longest completion + 8).")
 @cli_errors
-def main(artifact, data, adapter, max_len, batch_size, activations, device, generate, max_new_tokens) -> None:
+def main(artifact, data, adapter, max_len, batch_size, activations, compute, device, generate, max_new_tokens) -> None:
     """Evaluate ARTIFACT (with --adapter) on --data: loss; accuracy by label likelihood when the
     completions are class labels, else exact match and token F1 of greedy generations."""
     if max_new_tokens is not None and max_new_tokens < 1:
         raise click.BadParameter(f"must be >= 1, got {max_new_tokens}", param_hint="--max-new-tokens")
     result = evaluate_artifact(artifact, data, adapter=adapter, max_len=max_len, batch_size=batch_size, device=device,
-                               activations=activations, generate=generate, max_new_tokens=max_new_tokens)
+                               activations=activations, generate=generate, max_new_tokens=max_new_tokens,
+                               compute=compute)
     click.echo(json.dumps(result, indent=2))
 
 

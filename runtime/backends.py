@@ -100,8 +100,10 @@ def resolve_compute(name: str | None, device: torch.device) -> str:
     return name
 
 
-def get_ops(name: str, compute: str = "bf16-decode") -> SimpleNamespace:
-    """A namespace with the launchers (same names and signatures in both implementations)."""
+def get_ops(name: str, compute: str = "bf16-decode", dgrad: str = "auto") -> SimpleNamespace:
+    """A namespace with the launchers (same names and signatures in both implementations).
+    ``dgrad``: "auto", the input gradient on the compute backend's GEMM; "bf16", on the exact
+    bf16 x NVFP4 GEMM whatever the backend (runtime/recipe.py)."""
     if name == "torch":
         from . import reference as mod
 
@@ -125,6 +127,7 @@ def get_ops(name: str, compute: str = "bf16-decode") -> SimpleNamespace:
     if mod is not reference:
         ops.update({op: _dense_aware(ops[op], getattr(reference, op)) for op in _ROW_READERS})
     ops["quant_saved"] = ops["quant_rows"]  # NVFP4 rows only kept for backward: never an E4M3 copy
+    ops["dgrad_gemm"] = ops["nvfp4_gemm"] if dgrad == "bf16" else gemms.get(compute, ops["nvfp4_gemm"])
     ops["nvfp4_gemm"] = gemms.get(compute, ops["nvfp4_gemm"])
     if compute == "fp8":  # the quantizing kernels also write the E4M3 copy the next GEMM reads
         for op in ("rmsnorm_quant", "silu_mul_quant", "quant_rows"):

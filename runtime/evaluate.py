@@ -3,9 +3,11 @@ exact match and token F1 of greedy generations otherwise (``generate``)."""
 
 from __future__ import annotations
 
+import json
 import re
 import string
 from collections import Counter
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -139,9 +141,10 @@ def evaluate_generation(model, examples: list[Example], tokenizer, *, max_new_to
 
 def evaluate_artifact(artifact: str, data: str, *, adapter: str | None = None, max_len: int = 1024, batch_size: int = 8,
                       device: str | None = None, activations: str | None = None, generate: bool | None = None,
-                      max_new_tokens: int | None = None) -> dict:
+                      max_new_tokens: int | None = None, compute: str | None = None) -> dict:
     """Held-out loss (and label accuracy) of an artifact, with a PEFT adapter folder or zero-shot.
-    ``generate`` (default: when completions are not class labels) adds exact match / token F1."""
+    ``generate`` (default: when completions are not class labels) adds exact match / token F1.
+    ``activations`` None: the recipe the adapter's run recorded (its train_config.json), else the default."""
     from transformers import AutoTokenizer
 
     from pact.formats import open_artifact
@@ -154,7 +157,10 @@ def evaluate_artifact(artifact: str, data: str, *, adapter: str | None = None, m
     tokenizer = AutoTokenizer.from_pretrained(art.hf_dir)
     dev = resolve_device(device)
     lora_cfg, weights = load_peft_adapter(adapter) if adapter else (None, None)
-    model = PactModel(art, lora_cfg, device=dev, activations=activations)
+    run_cfg = Path(adapter) / "train_config.json" if adapter else None
+    if activations is None and run_cfg is not None and run_cfg.is_file():  # the recipe the adapter was trained with
+        activations = json.loads(run_cfg.read_text()).get("activations")
+    model = PactModel(art, lora_cfg, device=dev, activations=activations, compute=compute)
     if weights is not None:
         model.load_adapter_state(weights)
     examples = tokenize(read_records(data, flag="--data"), tokenizer, max_len=max_len, vocab_size=model.embed.shape[0])

@@ -131,7 +131,7 @@ def project_backward(ops, g: FrozenGroup, dy: torch.Tensor, x_hat: torch.Tensor,
     Without dropout the members' dxa's are concatenated: dA for all members is one GEMM and
     their input gradient is added onto the frozen one by one addmm (fp32 in cuBLAS's epilogue)."""
     dy = dy.to(torch.bfloat16).contiguous()
-    dx = ops.nvfp4_gemm(dy, g.weight_t) if g.weight is not None else dy @ g.dense
+    dx = ops.dgrad_gemm(dy, g.weight_t) if g.weight is not None else dy @ g.dense
     if not any(lo is not None for lo in g.loras):
         return dx, [None] * len(g.loras)
     batched = _batched(g)

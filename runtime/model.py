@@ -76,9 +76,9 @@ class PactModel(nn.Module):
         self.device = torch.device(device)
         self.checkpoint = checkpoint
         self.kernels = resolve_kernels(kernels, self.device)
-        self.recipe = parse_recipe(activations)  # per site: GEMM input, LoRA input, saved (runtime/recipe.py)
         self.compute = resolve_compute(compute, self.device)
-        self.ops = get_ops(self.kernels, self.compute)
+        self.recipe = parse_recipe(activations)  # per site: GEMM input, LoRA input, saved (runtime/recipe.py)
+        self.ops = get_ops(self.kernels, self.compute, self.recipe.dgrad)
         if fp8_weights not in FP8_WEIGHTS:
             raise PactError(f"--fp8-weights must be one of {', '.join(FP8_WEIGHTS)}, got {fp8_weights!r}")
         if fp8_weights == "resident" and self.compute != "fp8":

@@ -13,8 +13,12 @@ Per site, each of ``gemm``, ``lora`` and ``saved`` is "nvfp4" (one NVFP4 copy of
 exact bf16 x NVFP4 product on `bf16-decode`, E4M3 rows encoded straight from the bf16 values on
 `fp8` (no detour through E2M1), and NVFP4 rows made on the fly on `nvfp4-native`.
 
+Beside the sites, ``dgrad`` says what the input-gradient GEMMs (dY @ W) read: "auto" (the compute
+backend's own: E4M3 dY on `fp8`, NVFP4 dY on `nvfp4-native`, bf16 on `bf16-decode`) or "bf16"
+(dY unquantized, multiplied with the decoded NVFP4 weight: the bf16-decode GEMM on any backend).
+
 `--activations` takes a preset name, optionally followed by overrides:
-``nvfp4,qkv.saved=bf16,down.gemm=bf16`` (``*.field=value`` sets a field on every site).
+``nvfp4,qkv.saved=bf16,down.gemm=bf16,dgrad=bf16`` (``*.field=value`` sets a field on every site).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from pact.formats import PactError
 SITES = ("qkv", "o", "gate_up", "down")
 FIELDS = ("gemm", "lora", "saved")
 PRECISIONS = ("nvfp4", "bf16")
+DGRAD = ("auto", "bf16")
 
 
 @dataclass(frozen=True)
@@ -51,6 +56,7 @@ class Recipe:
     o: Site = Site()
     gate_up: Site = Site()
     down: Site = Site()
+    dgrad: str = "auto"  # the input-gradient GEMMs' dY: the backend's own format, or bf16
 
     def site(self, name: str) -> Site:
         return getattr(self, name)
@@ -64,7 +70,7 @@ class Recipe:
         return ",".join([base, *_diff(PRESETS[base], self)])
 
     def as_json(self) -> dict:
-        return {s: dataclasses.asdict(self.site(s)) for s in SITES}
+        return {**{s: dataclasses.asdict(self.site(s)) for s in SITES}, "dgrad": self.dgrad}
 
 
 def _uniform(p: str) -> Recipe:
@@ -87,7 +93,7 @@ PRESETS: dict[str, Recipe] = {
 
 def _diff(a: Recipe, b: Recipe) -> list[str]:
     return [f"{s}.{f}={getattr(b.site(s), f)}" for s in SITES for f in FIELDS
-            if getattr(a.site(s), f) != getattr(b.site(s), f)]
+            if getattr(a.site(s), f) != getattr(b.site(s), f)] + ([f"dgrad={b.dgrad}"] if a.dgrad != b.dgrad else [])
 
 
 def parse_recipe(spec: str | Recipe | None, flag: str = "--activations") -> Recipe:
@@ -99,15 +105,21 @@ def parse_recipe(spec: str | Recipe | None, flag: str = "--activations") -> Reci
     if head not in PRESETS:
         raise PactError(f"{flag} {spec!r}: starts with {head!r}, not a preset ({', '.join(PRESETS)})")
     sites = {s: PRESETS[head].site(s) for s in SITES}
+    dgrad = PRESETS[head].dgrad
     for item in overrides:
         key, eq, value = item.partition("=")
+        if key == "dgrad":
+            if value not in DGRAD:
+                raise PactError(f"{flag} {spec!r}: dgrad must be one of {', '.join(DGRAD)}, got {value!r}")
+            dgrad = value
+            continue
         site, dot, fld = key.partition(".")
         if not eq or not dot or (site != "*" and site not in SITES) or fld not in FIELDS or value not in PRECISIONS:
             raise PactError(f"{flag} {spec!r}: {item!r} is not SITE.FIELD=VALUE with SITE in *, {', '.join(SITES)}; "
-                            f"FIELD in {', '.join(FIELDS)}; VALUE in {', '.join(PRECISIONS)}")
+                            f"FIELD in {', '.join(FIELDS)}; VALUE in {', '.join(PRECISIONS)}; or dgrad=auto|bf16")
         for s in SITES if site == "*" else (site,):
             sites[s] = dataclasses.replace(sites[s], **{fld: value})
-    return Recipe(**sites)
+    return Recipe(**sites, dgrad=dgrad)
 
 
 DEFAULT = "nvfp4-saved"

@@ -391,6 +391,17 @@ def test_kernels_native_gpu(m, n, k):
     for made in (K.quant_rows(x, fp8=True), K.rmsnorm_quant(x, w, 1e-5, fp8=True)[0], K.silu_mul_quant(gu, fp8=True)[0]):
         r8, rs = R.fp8_rows(made)  # the twin's E4M3 encoding of the kernel's own NVFP4 rows
         assert torch.equal(made.fp8.view(torch.uint8), r8.view(torch.uint8)) and torch.equal(made.fp8_scale, rs)
+    # the default recipe's rows kept bf16: saved NVFP4 and E4M3 copies exactly the twin's encodings of them
+    y, q, _ = K.rmsnorm_rows(x, w, 1e-5, True, True)
+    _rows_equal(q, R.quant_rows(y.data))
+    r8, rs = R.fp8_rows(y.data)
+    assert torch.equal(y.fp8.view(torch.uint8), r8.view(torch.uint8)) and torch.equal(y.fp8_scale, rs)
+    h, g2, u2 = K.silu_mul_rows(gu, True, True)
+    _rows_equal(g2, gb)
+    _rows_equal(u2, ub)
+    r8, rs = R.fp8_rows(h.data)
+    assert torch.equal(h.fp8.view(torch.uint8), r8.view(torch.uint8)) and torch.equal(h.fp8_scale, rs)
+    assert (h.data != R.silu_mul_rows(gu)[0].data).float().mean() <= 2e-3
     z = torch.randn(64, 128256, device="cuda").to(torch.bfloat16)
     t = torch.randint(0, 128256, (64,), device="cuda")
     zk, zr = z.clone(), z.clone()

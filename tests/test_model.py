@@ -162,7 +162,8 @@ def test_saved_activation_bytes_per_token(tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 @pytest.mark.parametrize("seq,path", [(48, "fused"), (128, "cublas"), (128, "fp8")])
-def test_gpu_triton_matches_torch_twins(tmp_path, family, seq, path):
+@pytest.mark.parametrize("recipe", ["nvfp4-saved", "nvfp4"])
+def test_gpu_triton_matches_torch_twins(tmp_path, family, seq, path, recipe):
     """The whole model on the GPU: Triton kernels against the torch twins (same GPU, same SDPA).
 
     4 x 48 tokens stay under CUBLAS_MIN_ROWS: every GEMM is the register-decoding kernel, the
@@ -179,7 +180,7 @@ def test_gpu_triton_matches_torch_twins(tmp_path, family, seq, path):
     out = []
     for kernels in ("torch", "triton"):
         model = PactModel(art, LoraConfig(r=R, alpha=ALPHA), device="cuda", kernels=kernels,
-                          compute="fp8" if path == "fp8" else "bf16-decode")
+                          compute="fp8" if path == "fp8" else "bf16-decode", activations=recipe)
         _random_adapters(model)
         loss, n = model(ids.cuda(), labels.cuda())
         (loss / n).backward()
