@@ -26,6 +26,10 @@ grid() {  # $1 lr, $2 tasks, $3.. methods: one process per (seed, task, method),
       --methods "$2" --csv $f.csv > $f.log 2>&1'
 }
 case $stage in
+stash)  # wheels and the first half only (a cold machine before `tasks`)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  cp .gg1/* /tmp/wd/ && ls -la /tmp/wd
+  ;;
 speed)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
   cp .gg1/* /tmp/wd/
@@ -62,7 +66,7 @@ _cached_artifact(Path('/tmp/wd/smollm2-135m-nvfp4-2d'), lambda p: convert(str(g)
   t=$(date +%s)
   if [ $stage = tasks ]; then
     export DEADLINE=$(( t + ${BUDGET:-480} ))
-    grid ${LR:-5e-4} $TASKS peft pact=nvfp4-saved pact=nvfp4
+    grid ${LR:-5e-4} $TASKS peft pact=nvfp4-saved pact=nvfp4 pact@bf16-decode=nvfp4-saved
   else
     export DEADLINE=$(( t + ${BUDGET:-330} ))
     sel=$(python3 benchmarks/bench_fidelity.py pick /tmp/rows/5e-4-*.csv)
