@@ -219,16 +219,24 @@ def _quant_rows_kernel(x_ptr, stride_x, packed_ptr, scales_ptr, rs_ptr, f8_ptr, 
 
 
 @triton.jit
-def _rmsnorm_quant_kernel(x_ptr, stride_x, w_ptr, eps, packed_ptr, scales_ptr, rs_ptr, rstd_ptr, f8_ptr, K,
-                          BLOCK_K: tl.constexpr, EMIT_FP8: tl.constexpr):
-    row = tl.program_id(0)
+def _rmsnorm_row(x_ptr, stride_x, w_ptr, eps, rstd_ptr, row, K, BLOCK_K: tl.constexpr):
+    """A whole row's x * rstd * w in fp32 as blocks [BLOCK_K/16, 16] (zeros past K), and their
+    offsets; stores rstd."""
     offs = _block_offsets(0, BLOCK_K)
     mask = offs < K
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     rstd = 1.0 / tl.sqrt_rn(tl.sum(tl.sum(x * x, axis=1), axis=0) / K + eps)
     tl.store(rstd_ptr + row, rstd)
-    _store_row(row, x * rstd * w, packed_ptr, scales_ptr, rs_ptr, K, BLOCK_K, f8_ptr, EMIT_FP8)
+    return x * rstd * w, offs
+
+
+@triton.jit
+def _rmsnorm_quant_kernel(x_ptr, stride_x, w_ptr, eps, packed_ptr, scales_ptr, rs_ptr, rstd_ptr, f8_ptr, K,
+                          BLOCK_K: tl.constexpr, EMIT_FP8: tl.constexpr):
+    row = tl.program_id(0)
+    y, _ = _rmsnorm_row(x_ptr, stride_x, w_ptr, eps, rstd_ptr, row, K, BLOCK_K)
+    _store_row(row, y, packed_ptr, scales_ptr, rs_ptr, K, BLOCK_K, f8_ptr, EMIT_FP8)
 
 
 @triton.jit
@@ -251,14 +259,9 @@ def _rmsnorm_rows_kernel(x_ptr, stride_x, w_ptr, eps, y_ptr, packed_ptr, scales_
     """RMSNorm rows kept unquantized: y = bf16(x * rstd * w) stored, plus (NVFP4) its NVFP4 rows
     for backward and (FP8 = E4M3 mode) its E4M3 copy for the fp8 backend's GEMM."""
     row = tl.program_id(0)
-    offs = _block_offsets(0, BLOCK_K)
-    mask = offs < K
-    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    rstd = 1.0 / tl.sqrt_rn(tl.sum(tl.sum(x * x, axis=1), axis=0) / K + eps)
-    tl.store(rstd_ptr + row, rstd)
-    y = _rne_bf16(x * rstd * w)
-    tl.store(y_ptr + row * K + offs, y.to(tl.bfloat16), mask=mask)
+    y, offs = _rmsnorm_row(x_ptr, stride_x, w_ptr, eps, rstd_ptr, row, K, BLOCK_K)
+    y = _rne_bf16(y)
+    tl.store(y_ptr + row * K + offs, y.to(tl.bfloat16), mask=offs < K)
     if NVFP4:
         _store_row(row, y, packed_ptr, scales_ptr, rs_ptr, K, BLOCK_K, f8_ptr, 0)
     if FP8:
