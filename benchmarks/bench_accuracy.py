@@ -44,12 +44,12 @@ import torch.nn.functional as F
 
 STEPS, BATCH, LR, WARMUP, MAX_LEN, RANK, ALPHA = 250, 8, 5e-4, 0.1, 128, 16, 32
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-PACT = {  # method -> (artifact, compute, activations)
-    "pact-rtn": ("rtn", None, "nvfp4"),
-    "pact-gptq": ("gptq", None, "nvfp4"),
-    "pact-gptq-fp8": ("gptq", "fp8", "nvfp4"),
-    "pact-gptq-bf16dec": ("gptq", "bf16-decode", "nvfp4"),
-    "pact-gptq-native": ("gptq", "nvfp4-native", "nvfp4"),
+PACT = {  # method -> (artifact, compute, activations; None: the default recipe, `nvfp4` before 2026-11-30)
+    "pact-rtn": ("rtn", None, None),
+    "pact-gptq": ("gptq", None, None),
+    "pact-gptq-fp8": ("gptq", "fp8", None),
+    "pact-gptq-bf16dec": ("gptq", "bf16-decode", None),
+    "pact-gptq-native": ("gptq", "nvfp4-native", None),
     "pact-gptq-bf16act": ("gptq", None, "bf16"),
 }
 METHODS = ("zero-shot", "peft-bf16", "qlora", *PACT)
@@ -160,6 +160,7 @@ def main(workdir: Path | None, seeds: str, methods: str, calib_samples: int, ste
     from pact.pipelines.demo import _cached_artifact, _gptq_dir, _splits
     from pact.runtime.data import pad_id, read_records, tokenize
     from pact.runtime.evaluate import evaluate_artifact
+    from pact.runtime.recipe import parse_recipe
     from pact.runtime.trainer import TrainConfig, train
 
     chosen = methods.split(",")
@@ -206,7 +207,8 @@ def main(workdir: Path | None, seeds: str, methods: str, calib_samples: int, ste
                 del model
             elif method in PACT:
                 art, compute, act = PACT[method]
-                run = out / f"{method}-seed{seed}-steps{steps}-n{train_size}-lr{lr:g}"
+                spec = parse_recipe(act).spec()  # in the folder name: a run of another recipe is never reused
+                run = out / f"{method}-seed{seed}-steps{steps}-n{train_size}-lr{lr:g}-{spec.replace(',', '+')}"
                 if not (run / "adapter_model.safetensors").is_file():
                     train(TrainConfig(artifact=str(arts[art]), data=str(train_f), out=str(run), steps=steps,
                                       batch_size=BATCH, max_len=MAX_LEN, lr=lr, lora_r=RANK, lora_alpha=ALPHA,
