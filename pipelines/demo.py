@@ -21,6 +21,7 @@ from pact.convert import convert
 from pact.convert.offline import ROTTEN_TOMATOES, SMOLLM2_135M, default_cache, fetch
 from pact.formats import ArtifactError, open_artifact
 from pact.runtime.evaluate import evaluate_artifact
+from pact.runtime.recipe import parse_recipe
 from pact.runtime.trainer import TrainConfig, train
 
 from .common import cli_errors
@@ -71,7 +72,8 @@ def _splits(csv_bz2: Path, folder: Path, n_train: int, n_test: int, n_calib: int
 
 def _gptq_dir(workdir: Path, calib_f: Path) -> Path:
     """The calibrated artifact's cache folder, keyed by its calibration file (count and start)."""
-    return workdir / f"smollm2-135m-nvfp4-2d-gptq{calib_f.stem.removeprefix('rt-calib-')}"
+    # and by the recipe calibration ran (its Hessians see the GEMM inputs that recipe feeds)
+    return workdir / f"smollm2-135m-nvfp4-2d-gptq{calib_f.stem.removeprefix('rt-calib-')}-{parse_recipe(None).spec()}"
 
 
 def _sparkline(values: list[float], width: int = 40) -> str:
@@ -109,7 +111,8 @@ def demo(workdir: Path | None, train_size: int, test_size: int, calib_samples: i
                                                overwrite=p.exists()))
     rows = [("zero-shot, NVFP4 (RTN)", evaluate_artifact(str(art), str(test_f), max_len=128, batch_size=batch_size)),
             ("zero-shot, NVFP4 (GPTQ)", evaluate_artifact(str(cal), str(test_f), max_len=128, batch_size=batch_size))]
-    run = workdir / f"run-gptq{calib_samples}-{train_size}x{steps}-lr{LR:g}"
+    # named by the precision recipe too: a run cached under another default is never reused
+    run = workdir / f"run-gptq{calib_samples}-{train_size}x{steps}-lr{LR:g}-{parse_recipe(None).spec()}"
     if not (run / "adapter_model.safetensors").is_file():
         train(TrainConfig(artifact=str(cal), data=str(train_f), out=str(run), steps=steps, batch_size=batch_size,
                           max_len=128, lr=LR, lora_r=16, lora_alpha=32, warmup_ratio=0.1), resume=run.exists())
