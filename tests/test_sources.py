@@ -110,8 +110,8 @@ def test_demo_end_to_end_on_tiny_model(tmp_path):
     assert r.exit_code == 0, r.output
     for line in ("zero-shot, NVFP4 (RTN)", "zero-shot, NVFP4 (GPTQ)", "pact LoRA, NVFP4 (GPTQ)", "training loss over 3 steps"):
         assert line in r.output
-    assert (tmp_path / "run-gptq8-48x3-lr0.001" / "adapter_model.safetensors").is_file()
-    assert (tmp_path / "run-gptq8-48x3-lr0.001" / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (tmp_path / "run-gptq8-48x3-lr0.001-nvfp4-saved" / "adapter_model.safetensors").is_file()
+    assert (tmp_path / "run-gptq8-48x3-lr0.001-nvfp4-saved" / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     r = CliRunner().invoke(pact_cli, args)
     assert r.exit_code == 0 and r.output.count("reusing") == 3
 
