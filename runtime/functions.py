@@ -217,9 +217,9 @@ def _norm_operands(ops, site: Site, x, norm_w, eps):
         xq, rstd = ops.rmsnorm_quant(x, norm_w, eps)
         x_hat = ops.dequant_rows(xq)
         return xq, x_hat, x_hat, xq, rstd
-    # one fused kernel: bf16 rows, their NVFP4 copy when the site saves it, the E4M3 copy for the GEMM
-    y, q, rstd = ops.rmsnorm_rows(x, norm_w, eps, nvfp4=site.saved == "nvfp4", fp8=ops.fp8 and site.gemm == "bf16")
-    return (*_operands(ops, site, y, q if site.gemm == "bf16" else None), rstd)
+    # one fused kernel: bf16 rows, their NVFP4 copy when the site uses one, the E4M3 copy for the GEMM
+    y, q, rstd = ops.rmsnorm_rows(x, norm_w, eps, nvfp4=site.needs_nvfp4, fp8=ops.fp8 and site.gemm == "bf16")
+    return (*_operands(ops, site, y, q), rstd)
 
 
 class RopeFn(torch.autograd.Function):
