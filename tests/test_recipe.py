@@ -1,0 +1,39 @@
+"""The precision recipe (`--activations`): presets, overrides, canonical specs and bad input."""
+
+import pytest
+
+from pact.formats import PactError
+from pact.runtime.recipe import DEFAULT, PRESETS, SITES, parse_recipe
+
+
+def test_presets_and_overrides_round_trip():
+    assert parse_recipe(None) == PRESETS[DEFAULT] == PRESETS["nvfp4-saved"]
+    r = parse_recipe("nvfp4,qkv.saved=bf16,*.lora=bf16,dgrad=bf16")
+    assert r.qkv.saved == "bf16" and all(r.site(s).lora == "bf16" for s in SITES) and r.dgrad == "bf16"
+    assert r.o.gemm == "nvfp4" and r.o.saved == "nvfp4"
+    assert parse_recipe(r.spec()) == r  # the recorded spec rebuilds the recipe
+    assert parse_recipe("bf16,*.saved=nvfp4").spec() == "nvfp4-saved"  # canonical: the preset's name
+
+
+@pytest.mark.parametrize("spec,match", [
+    ("fp4", "not a preset"),
+    ("nvfp4,qkv.gemm", "not SITE.FIELD=VALUE"),
+    ("nvfp4,attn.gemm=bf16", "not SITE.FIELD=VALUE"),
+    ("nvfp4,qkv.input=bf16", "not SITE.FIELD=VALUE"),
+    ("nvfp4,qkv.gemm=fp8", "not SITE.FIELD=VALUE"),
+    ("nvfp4,dgrad=fp8", "dgrad must be one of auto, bf16"),
+])
+def test_bad_specs_one_clear_error(spec, match):
+    with pytest.raises(PactError, match=match) as e:
+        parse_recipe(spec)
+    assert "--activations" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_cli_refuses_a_bad_recipe(tmp_path):
+    from click.testing import CliRunner
+
+    from pact.pipelines.train import main
+
+    r = CliRunner().invoke(main, [str(tmp_path), "--data", "x.jsonl", "--out", str(tmp_path / "run"),
+                                  "--activations", "nvfp4,qkv.gemm=fp8"])
+    assert r.exit_code == 1 and "Error: --activations" in r.output and "Traceback" not in r.output
