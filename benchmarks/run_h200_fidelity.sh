@@ -2,8 +2,8 @@
 # The learning-fidelity runs on the lent H200, in device calls made back to back on one warm
 # machine (a call carries at most 64 MiB; the 98 MB GGUF travels in two halves, .gg1/ and .gg2/,
 # `split -n 2` of it, and /tmp keeps what the first call left):
-#   speed (carry .whl .gg1): wheels (zarr + deps, gguf, liger-kernel), first half; GPU tests;
-#          bench_train 1B: bs 16 memory and the 16 GiB capped tokens/s, pact default vs nvfp4 vs PEFT + Liger
+#   speed (carry .whl):      wheels (zarr + deps, gguf, liger-kernel); bench_train 1B: bs 16 memory and
+#          the 16 GiB capped tokens/s, pact bf16-decode and fp8 vs PEFT + Liger (GPU_TESTS=1: GPU tests first)
 #   tasks (carry .gg2 .fid): second half, task files; bench_fidelity at lr 5e-4 on TASKS x SEEDS for
 #          METHODS (PEFT on the GGUF's and on the artifact's weights, pact fp8 and bf16-decode), WORKERS
 #          processes per GPU splitting the grid, seeds first, until BUDGET seconds
@@ -31,24 +31,20 @@ stash)  # wheels and the first half only (a cold machine before `tasks`)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
   cp .gg1/* /tmp/wd/ && ls -la /tmp/wd
   ;;
-speed)
+speed)  # (carry .whl) 1B: bs 16 step time / memory and the 16 GiB capped tokens/s, pact bf16-decode and fp8
+  # (both with the default recipe) vs PEFT + Liger in the same call; GPU_TESTS=1 runs the GPU tests first
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-  cp .gg1/* /tmp/wd/
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-  python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels.py tests/test_model.py 2>&1 | tail -4 | tee $OUT/gpu_tests.txt
+  if [ "${GPU_TESTS:-0}" = 1 ]; then
+    python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels.py tests/test_model.py 2>&1 | tail -4 | tee $OUT/gpu_tests.txt
+  fi
   cd benchmarks
-  for rec in nvfp4-saved nvfp4; do
-    timeout 150 python3 bench_train.py --model llama-1b --warmup 1 --iters 3 --batch 16 --methods pact-fp8 \
-      --activations $rec --csv-out $OUT/bs16_$rec.csv 2>&1 | grep "^{\|^pact"
-  done
-  timeout 200 python3 bench_train.py --model llama-1b --warmup 1 --iters 3 --batch 16 --methods liger \
-    --csv-out $OUT/bs16_liger.csv 2>&1 | grep "^{"
-  for rec in nvfp4-saved nvfp4; do
-    timeout 200 python3 bench_train.py --model llama-1b --memory-cap-gib 16 --warmup 1 --iters 3 --methods pact-fp8 \
-      --cap-batches 16,20,24,28,32 --activations $rec --csv-out $OUT/cap16_$rec.csv 2>&1 | grep "^{\|^pact"
-  done
-  timeout 200 python3 bench_train.py --model llama-1b --memory-cap-gib 16 --warmup 1 --iters 3 --methods liger \
-    --cap-batches 4,6,8 --csv-out $OUT/cap16_liger.csv 2>&1 | grep "^{"
+  timeout 200 python3 bench_train.py --model llama-1b --warmup 1 --iters 3 --batch 16 --methods pact-bf16,pact-fp8,liger \
+    --csv-out $OUT/bs16.csv 2>&1 | grep "^{\|^|"
+  timeout 170 python3 bench_train.py --model llama-1b --memory-cap-gib 16 --warmup 1 --iters 3 --methods pact-bf16,pact-fp8 \
+    --cap-batches ${CAP:-16,20,24,28} --csv-out $OUT/cap16_pact.csv 2>&1 | grep "^{\|^|"
+  timeout 100 python3 bench_train.py --model llama-1b --memory-cap-gib 16 --warmup 1 --iters 3 --methods liger \
+    --cap-batches 4,6,8 --csv-out $OUT/cap16_liger.csv 2>&1 | grep "^{\|^|"
   ;;
 tasks|tasks2)  # tasks: lr LRS (5e-4); tasks2: LRS (2e-4) on the machine `tasks` left warm
   if [ $stage = tasks ]; then

@@ -37,8 +37,9 @@ from .common import ACTIVATIONS_HELP, cli_errors
 @click.option("--kernels", type=click.Choice(["torch", "triton"]), default=None, help="Default: triton on GPU, torch on CPU.")
 @click.option("--compute", type=click.Choice(["auto", "bf16-decode", "fp8", "nvfp4-native"]), default="auto",
               show_default=True,
-              help="Frozen-GEMM backend. auto: nvfp4-native on Blackwell (unverified on hardware), fp8 on Ada/Hopper, "
-                   "bf16-decode elsewhere.")
+              help="Frozen-GEMM backend. auto = bf16-decode (exact NVFP4 products: learns as BF16 LoRA does). "
+                   "fp8 (Ada/Hopper) ~11% shorter steps, nvfp4-native (Blackwell, unverified on hardware): "
+                   "faster, at a measured accuracy cost (BENCHMARKS.md).")
 @click.option("--fp8-weights", type=click.Choice(["per-call", "resident"]), default="per-call", show_default=True,
               help="With --compute fp8: resident keeps E4M3 copies of the frozen weights on the GPU (+2 bytes per "
                    "parameter) instead of re-encoding them from NVFP4 at every GEMM; same numbers, faster steps.")

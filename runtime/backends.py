@@ -1,14 +1,17 @@
 """Which implementation of the kernel launchers runs: the one place that knows about GPUs.
 
-Compute backends (how the frozen NVFP4 GEMMs run), chosen by GPU capability or `--compute`:
-- `nvfp4-native` (sm_100 / sm_120, Blackwell): FP4 tensor cores via `tl.dot_scaled`, both
-  operands NVFP4 (dY quantized for the input gradient). UNVERIFIED ON HARDWARE: compiled for
-  sm_100 and sm_120 in the tests, never run (no Blackwell GPU here).
-- `fp8` (sm_89 / sm_90, Ada and Hopper; the default there): both operands re-encoded as E4M3
-  rows (W decoded per call from NVFP4), FP8 tensor cores via cuBLAS `_scaled_mm` with rowwise
-  scales. Not exact: E4M3 keeps 3 of q * s_b's up to 5 mantissa bits (runtime/kernels/fp8.py).
-- `bf16-decode` (any GPU; the default elsewhere): NVFP4 decoded to bf16 (in registers, or
-  into a scratch for cuBLAS at >= 256 rows), fp32 accumulation: the exact NVFP4 product.
+Compute backends (how the frozen NVFP4 GEMMs run), `--compute`:
+- `bf16-decode` (any GPU; the default, `auto`): NVFP4 decoded to bf16 (in registers, or into a
+  scratch for cuBLAS at >= 256 rows), fp32 accumulation: the exact NVFP4 product. The default
+  because it learns what BF16 LoRA learns on the same weights (BENCHMARKS.md, learning
+  fidelity: -0.8 points mean over 7 tasks x 2 learning rates, where `fp8` loses -2.0).
+- `fp8` (sm_89 / sm_90, Ada and Hopper; opt-in speed): both operands re-encoded as E4M3 rows
+  (W decoded per call from NVFP4), FP8 tensor cores via cuBLAS `_scaled_mm` with rowwise
+  scales. Not exact: E4M3 keeps 3 of q * s_b's up to 5 mantissa bits (runtime/kernels/fp8.py);
+  ~11% shorter steps on the H200 for a measured accuracy cost.
+- `nvfp4-native` (sm_100 / sm_120, Blackwell; opt-in): FP4 tensor cores via `tl.dot_scaled`,
+  both operands NVFP4 (dY quantized for the input gradient). UNVERIFIED ON HARDWARE: compiled
+  for sm_100 and sm_120 in the tests, never run (no Blackwell GPU here).
 
 `torch`: the pure-PyTorch twins (runtime/reference.py) — the CPU path and the reference.
 `triton`: the Triton kernels (runtime/kernels/), register-decoding NVFP4 into bf16 `tl.dot`
@@ -81,13 +84,11 @@ def _capability(device: torch.device) -> tuple[int, int] | None:
 
 
 def resolve_compute(name: str | None, device: torch.device) -> str:
-    """`auto`: nvfp4-native on Blackwell, fp8 on Ada/Hopper, bf16-decode otherwise (and on the CPU,
-    where every backend runs as its PyTorch twin)."""
+    """`auto`: bf16-decode on every device (the exact NVFP4 product: the backend whose training
+    matches BF16 LoRA; the faster ones are opt-in). A backend the GPU cannot run is one error."""
     cap = _capability(device)
     if name in (None, "auto"):
-        if cap is not None and cap[0] in (10, 12):
-            return "nvfp4-native"
-        return "fp8" if cap in ((8, 9), (9, 0)) else "bf16-decode"
+        return "bf16-decode"
     if name not in COMPUTE:
         raise PactError(f"--compute must be one of auto, {', '.join(COMPUTE)}, got {name!r}")
     sm = None if cap is None else f"sm_{cap[0]}{cap[1]}"

@@ -59,7 +59,7 @@ class TrainConfig:
     targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     save_every: int = 0
     kernels: str | None = None
-    compute: str | None = field(default=None, metadata={"help": "auto | bf16-decode | fp8 | nvfp4-native"})
+    compute: str | None = field(default=None, metadata={"help": "auto (= bf16-decode) | bf16-decode | fp8 | nvfp4-native"})
     activations: str | None = field(default=None, metadata={
         "help": "precision recipe: a preset (runtime/recipe.py) with optional SITE.FIELD=VALUE overrides"})
     checkpoint: bool = field(default=False, metadata={"help": "recompute each decoder layer in backward"})
