@@ -212,3 +212,26 @@ def test_bad_flags(task, tmp_path):
         _cfg(task, tmp_path / "r", batch_size=0)
     with pytest.raises(PactError, match="--targets: unknown"):
         train(_cfg(task, tmp_path / "r", targets=("qq_proj",)), progress=False)
+
+
+def _steps_to_learn(task, tmp_path, activations, steps=80, threshold=0.2):
+    """First step whose 10-step mean training loss is under ``threshold`` (the label prior of this
+    task is ~0.35 per target token: under 0.2 the verdict is being read from the words)."""
+    run = tmp_path / f"run-{activations}"
+    train(_cfg(task, run, lr=3e-3, steps=steps, activations=activations, kernels="torch"), progress=False)
+    loss = [r["loss"] for r in _metrics(run)]
+    return next((i + 1 for i in range(9, len(loss)) if sum(loss[i - 9 : i + 1]) / 10 < threshold), None)
+
+
+def test_default_flow_learns_as_fast_as_bf16(task, tmp_path):
+    """Learning fidelity in steps: bf16 activations (same NVFP4 weights, same lr) learn the task
+    within N steps; the default flow must learn it within 1.1 N. Measured (CPU twins): N = 52,
+    default 52, the all-NVFP4 flow that stayed on the plateau of real tasks 70 (1.35 N) — a tiny
+    random model shows that failure only as a delay, so the bound is tighter than 1.5 N, and the
+    test checks that it still tells the old flow apart."""
+    n_ref = _steps_to_learn(task, tmp_path, "bf16")
+    assert n_ref is not None and n_ref < 70, n_ref  # the reference learns with room to spare
+    n_default = _steps_to_learn(task, tmp_path, None)
+    assert n_default is not None and n_default <= 1.1 * n_ref, (n_default, n_ref)
+    n_old = _steps_to_learn(task, tmp_path, "nvfp4")  # the test's power: the old default misses the bound
+    assert n_old is None or n_old > 1.1 * n_ref, (n_old, n_ref)
