@@ -324,7 +324,9 @@ def tasks(workdir, bigbench, tasks, methods, lrs, seeds, steps, eval_batch, shar
 @click.argument("csvs", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
 @click.option("--stuck-margin", default=0.02, show_default=True,
               help="A seed counts as stuck when its accuracy is within this of the majority class.")
-def table(csvs, stuck_margin) -> None:
+@click.option("--wide", is_flag=True, help="One row per (task, lr), one column per method.")
+@click.option("--ref", default="peft", show_default=True, help="With --wide: the method paired differences are taken to.")
+def table(csvs, stuck_margin, wide, ref) -> None:
     """Mean +- std over seeds, paired difference to PEFT (mean +- standard error), stuck seeds."""
     rows = [r for c in csvs for r in csv.DictReader(open(c))]
     by: dict[tuple, dict[int, float]] = {}
@@ -332,6 +334,9 @@ def table(csvs, stuck_margin) -> None:
     for r in rows:
         by.setdefault((r["task"], float(r["lr"]), r["method"]), {})[int(r["seed"])] = float(r["accuracy"])
         maj[r["task"]] = float(r["majority"])
+    if wide:
+        _wide(by, maj, stuck_margin, ref)
+        return
     click.echo(f"| task (majority) | lr | method | mean +- std | vs PEFT (paired) | stuck seeds |")
     click.echo("|---|---|---|---|---|---|")
     for (task, lr, method), accs in sorted(by.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2] != "peft", kv[0][2])):
@@ -345,6 +350,34 @@ def table(csvs, stuck_margin) -> None:
         stuck = sum(a <= maj[task] + stuck_margin for a in vals)
         click.echo(f"| {task} ({100 * maj[task]:.1f}) | {lr:g} | {method} | {100 * statistics.mean(vals):.1f} +- "
                    f"{100 * sd:.1f} (n={len(vals)}) | {paired} | {stuck}/{len(vals)} |")
+
+
+def _wide(by: dict, maj: dict, margin: float, ref: str) -> None:
+    """The reference's mean +- std, then per method: mean, paired difference to the reference,
+    stuck seeds; a last row with each method's paired difference averaged over the cells."""
+    methods = sorted({m for _, _, m in by if m != ref}, key=lambda m: (not m.startswith("peft"), m))
+    click.echo(f"| task (majority) | lr | {ref} | " + " | ".join(methods) + " |")
+    click.echo("|---|---|---|" + "---|" * len(methods))
+    avg: dict[str, list[float]] = {m: [] for m in methods}
+    for task, lr in sorted({(t, lr) for t, lr, _ in by}):
+        peft = by.get((task, lr, ref), {})
+        pv = list(peft.values())
+        cells = [f"{100 * statistics.mean(pv):.1f} +- {100 * statistics.stdev(pv):.1f} (n={len(pv)})"
+                 if len(pv) > 1 else "-"]
+        for m in methods:
+            accs = by.get((task, lr, m), {})
+            d = [accs[s] - peft[s] for s in accs if s in peft]
+            if not accs:
+                cells.append("-")
+                continue
+            stuck = sum(a <= maj[task] + margin for a in accs.values())
+            se = f" +- {100 * statistics.stdev(d) / len(d) ** 0.5:.1f}" if len(d) > 1 else ""
+            paired = f"{100 * statistics.mean(d):+.1f}{se}" if d else "?"
+            avg[m].extend([statistics.mean(d)] if d else [])
+            cells.append(f"{100 * statistics.mean(accs.values()):.1f} ({paired}){' stuck ' + str(stuck) if stuck else ''}")
+        click.echo(f"| {task} ({100 * maj[task]:.1f}) | {lr:g} | " + " | ".join(cells) + " |")
+    click.echo("| **mean paired difference** | | | " + " | ".join(
+        f"**{100 * statistics.mean(v):+.2f}**" if v else "-" for v in avg.values()) + " |")
 
 
 @cli.command()
