@@ -269,6 +269,15 @@ def _rmsnorm_rows_kernel(x_ptr, stride_x, w_ptr, eps, y_ptr, packed_ptr, scales_
 
 
 @triton.jit
+def _gate_up_chunk(base, c0, K, CHUNK: tl.constexpr):
+    """One chunk of a row of the fused [gate | up] output (gate at base, up at base + K), in fp32."""
+    offs = _block_offsets(c0, CHUNK)
+    g = tl.load(base + offs, mask=offs < K, other=0.0).to(tl.float32)
+    u = tl.load(base + K + offs, mask=offs < K, other=0.0).to(tl.float32)
+    return offs, g, u
+
+
+@triton.jit
 def _silu_mul_rows_kernel(gu_ptr, stride_gu, h_ptr, gp, gs, gr, up, us, ur, f8_ptr, f8s_ptr, K, BLOCK_K: tl.constexpr,
                           CHUNK: tl.constexpr, NVFP4: tl.constexpr, FP8: tl.constexpr):
     """h = bf16(silu(gate) * up) stored unquantized, plus (NVFP4) gate and up as NVFP4 rows for
@@ -277,9 +286,7 @@ def _silu_mul_rows_kernel(gu_ptr, stride_gu, h_ptr, gp, gs, gr, up, us, ur, f8_p
     base = gu_ptr + row * stride_gu
     am_h, am_g, am_u = 0.0, 0.0, 0.0
     for c0 in tl.static_range(0, BLOCK_K, CHUNK):
-        offs = _block_offsets(c0, CHUNK)
-        g = tl.load(base + offs, mask=offs < K, other=0.0).to(tl.float32)
-        u = tl.load(base + K + offs, mask=offs < K, other=0.0).to(tl.float32)
+        offs, g, u = _gate_up_chunk(base, c0, K, CHUNK)
         h = _rne_bf16(g / (1.0 + tl.exp(-g)) * u)
         tl.store(h_ptr + row * K + offs, h.to(tl.bfloat16), mask=offs < K)
         am_h = tl.maximum(am_h, tl.max(tl.max(tl.abs(h), axis=1), axis=0))
@@ -288,9 +295,7 @@ def _silu_mul_rows_kernel(gu_ptr, stride_gu, h_ptr, gp, gs, gr, up, us, ur, f8_p
     if NVFP4 or FP8:
         sg, su = _row_scale(am_g), _row_scale(am_u)
         for c0 in tl.static_range(0, BLOCK_K, CHUNK):
-            offs = _block_offsets(c0, CHUNK)
-            g = tl.load(base + offs, mask=offs < K, other=0.0).to(tl.float32)
-            u = tl.load(base + K + offs, mask=offs < K, other=0.0).to(tl.float32)
+            offs, g, u = _gate_up_chunk(base, c0, K, CHUNK)
             if NVFP4:
                 _store_blocks(row, c0, g, sg, gp, gs, K, CHUNK, f8_ptr, 0)
                 _store_blocks(row, c0, u, su, up, us, K, CHUNK, f8_ptr, 0)
@@ -308,18 +313,14 @@ def _silu_mul_quant_kernel(gu_ptr, stride_gu, hp, hs, hr, gp, gs, gr, up, us, ur
     base = gu_ptr + row * stride_gu
     am_h, am_g, am_u = 0.0, 0.0, 0.0
     for c0 in tl.static_range(0, BLOCK_K, CHUNK):
-        offs = _block_offsets(c0, CHUNK)
-        g = tl.load(base + offs, mask=offs < K, other=0.0).to(tl.float32)
-        u = tl.load(base + K + offs, mask=offs < K, other=0.0).to(tl.float32)
+        offs, g, u = _gate_up_chunk(base, c0, K, CHUNK)
         h = g / (1.0 + tl.exp(-g)) * u
         am_h = tl.maximum(am_h, tl.max(tl.max(tl.abs(h), axis=1), axis=0))
         am_g = tl.maximum(am_g, tl.max(tl.max(tl.abs(g), axis=1), axis=0))
         am_u = tl.maximum(am_u, tl.max(tl.max(tl.abs(u), axis=1), axis=0))
     sh, sg, su = _row_scale(am_h), _row_scale(am_g), _row_scale(am_u)
     for c0 in tl.static_range(0, BLOCK_K, CHUNK):
-        offs = _block_offsets(c0, CHUNK)
-        g = tl.load(base + offs, mask=offs < K, other=0.0).to(tl.float32)
-        u = tl.load(base + K + offs, mask=offs < K, other=0.0).to(tl.float32)
+        offs, g, u = _gate_up_chunk(base, c0, K, CHUNK)
         h = g / (1.0 + tl.exp(-g)) * u
         _store_blocks(row, c0, h, sh, hp, hs, K, CHUNK, h8_ptr, EMIT_FP8)
         _store_blocks(row, c0, g, sg, gp, gs, K, CHUNK, h8_ptr, 0)
