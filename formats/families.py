@@ -22,7 +22,8 @@ ARCHITECTURES = {
     "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
 }
 # `model_type` -> family, for configs saved without `architectures`
-MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen2_vl": "qwen2_vl", "qwen2_5_vl": "qwen2_5_vl"}
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen2_vl", "qwen2_5_vl")  # every family converts and trains
+MODEL_TYPES = {family: family for family in FAMILIES}
 VISION_FAMILIES = ("qwen2_vl", "qwen2_5_vl")
 
 # projection -> fused group: members of a group share their input (one GEMM over the
@@ -39,7 +40,7 @@ PROJECTIONS = {
 GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",)}
 
 _LAYER_TENSOR = re.compile(r"^(?:model\.)?(?:language_model\.)?(?:model\.)?layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.(weight|bias)$")
-_VISION_PREFIXES = ("visual.", "model.visual.", "vision_tower.", "model.vision_tower.")
+VISION_PREFIXES = ("visual.", "model.visual.", "vision_tower.", "model.vision_tower.")
 
 
 @dataclass(frozen=True)
@@ -74,7 +75,7 @@ def text_config(config: dict) -> dict:
 
 
 def classify(name: str) -> TensorRole:
-    if name.startswith(_VISION_PREFIXES):
+    if name.startswith(VISION_PREFIXES):
         return TensorRole("vision")
     m = _LAYER_TENSOR.match(name)
     if m:

@@ -15,11 +15,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pact.formats.nvfp4 import BLOCK, NVFP4Rows, NVFP4Tensor, decode_packed, dequantize_rows, quantize_rows
+from pact.formats.nvfp4 import BLOCK, E4M3_MAX, NVFP4Rows, NVFP4Tensor, decode_packed, dequantize_rows, quantize_rows
 
 from .rows import FP8_ROW_AMAX, DenseRows, NVFP4RowsFP8
 
-FP8_MAX = 448.0
+FP8_MAX = E4M3_MAX  # E4M3 rows use the format's whole range
 
 
 def _attach_fp8(q: NVFP4Rows, fp8: bool) -> NVFP4Rows:

@@ -7,13 +7,13 @@ from dataclasses import dataclass
 
 import torch
 
-from pact.formats.nvfp4 import NVFP4Rows, NVFP4Tensor
+from pact.formats.nvfp4 import E2M1_MAX, E4M3_MAX, NVFP4Rows, NVFP4Tensor
 
 # E4M3 copy of NVFP4 activation rows: a product q * s_b is at most 6 * 448 (a per-row scale puts
 # each row's largest block scale at 448), so the copy is e4m3(q * s_b * 448 / FP8_ROW_AMAX) for
 # every row, and its per-row decode scale is FP8_ROW_AMAX / 448 = 6 times the row's. One
 # definition for the fused quantizers, the re-encoding kernel and the twin.
-FP8_ROW_AMAX = 6.0 * 448.0
+FP8_ROW_AMAX = E2M1_MAX * E4M3_MAX
 
 
 @dataclass(frozen=True)

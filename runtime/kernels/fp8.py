@@ -26,11 +26,12 @@ import torch
 import triton
 import triton.language as tl
 
+from pact.formats import nvfp4 as fmt
 from pact.formats.nvfp4 import NVFP4Rows, NVFP4Tensor
 
 from .nvfp4 import PAIRS_E4M3_ROWS, PAIRS_E4M3_W, _block_k, _check_k, _chunk, _e4m3_bytes, _e4m3_mode, decode_pairs
 
-FP8_MAX = tl.constexpr(448.0)
+FP8_MAX = tl.constexpr(fmt.E4M3_MAX)
 
 
 @triton.jit

@@ -28,16 +28,17 @@ import torch
 import triton
 import triton.language as tl
 
+from pact.formats import nvfp4 as fmt
 from pact.formats.nvfp4 import NVFP4Rows, NVFP4Tensor
 
 from ..rows import FP8_ROW_AMAX, DenseRows, NVFP4RowsFP8
 
-# Globals read inside @triton.jit must be tl.constexpr.
-E2M1_MAX = tl.constexpr(6.0)
-E4M3_MAX = tl.constexpr(448.0)
-E4M3_MIN_SCALE = tl.constexpr(0.015625)  # 2^-6: smallest e4m3 normal (torchao's clamp)
-GLOBAL_DIV = tl.constexpr(2688.0)  # 6 * 448
-FP8_FROM_NVFP4 = tl.constexpr(448.0 / FP8_ROW_AMAX)  # q * s_b -> E4M3 units (runtime/rows.py)
+# Globals read inside @triton.jit must be tl.constexpr: the format's constants (formats/nvfp4.py).
+E2M1_MAX = tl.constexpr(fmt.E2M1_MAX)
+E4M3_MAX = tl.constexpr(fmt.E4M3_MAX)
+E4M3_MIN_SCALE = tl.constexpr(fmt.E4M3_MIN_SCALE)  # 2^-6: smallest e4m3 normal (torchao's clamp)
+GLOBAL_DIV = tl.constexpr(fmt.E2M1_MAX * fmt.E4M3_MAX)  # g = amax / (6 * 448)
+FP8_FROM_NVFP4 = tl.constexpr(fmt.E4M3_MAX / FP8_ROW_AMAX)  # q * s_b -> E4M3 units (runtime/rows.py)
 NVFP4_ROW_AMAX = tl.constexpr(FP8_ROW_AMAX)  # amax of every NVFP4 activation row's E4M3 copy
 # Triton 3.6's interpreter computes tl.dot wrongly on tiles cast to bf16 in the kernel, so
 # under the interpreter the decoded tiles (exact in bf16, hence also in fp32) meet in fp32.
@@ -561,7 +562,7 @@ def _with_fp8(q: NVFP4Rows, fp8: bool) -> tuple[NVFP4Rows, torch.Tensor, int]:
 
 def _fp8_scale_from(q: NVFP4Rows) -> None:
     if isinstance(q, NVFP4RowsFP8):  # decode scale of the E4M3 copy: (FP8_ROW_AMAX / 448) * g
-        q.fp8_scale[: q.shape[0]] = q.row_scale * (FP8_ROW_AMAX / 448.0)
+        q.fp8_scale[: q.shape[0]] = q.row_scale * (FP8_ROW_AMAX / fmt.E4M3_MAX)
 
 
 def quant_rows(x: torch.Tensor, fp8: bool = False) -> NVFP4Rows:
