@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 
 from pact import __version__
 from pact.convert.sources import open_source, remove_tree
-from pact.formats import ArtifactError, ArtifactWriter, PactError, open_artifact
+from pact.formats import ArtifactWriter, PactError, check_output, open_artifact
 from pact.formats.artifact import sha256_file
 from pact.formats.nvfp4 import dequantize, quantize, transpose_2d
 from pact.runtime.backends import resolve_device
@@ -96,16 +96,14 @@ def calibrate(
         raise PactError(f"--damp must be in (0, 1), got {damp}")
     if blocksize % 16 or blocksize < 16:
         raise PactError(f"--blocksize must be a multiple of 16, got {blocksize}")
-    out = Path(out)
-    if out.exists() and not overwrite:
-        raise ArtifactError(f"output {out} already exists: pass --overwrite to replace it")
+    out = check_output(out, overwrite)
     art = open_artifact(artifact)
     if art.meta["family"] not in TRAINABLE_FAMILIES:
         raise PactError(f"{art.path}: pact-calibrate supports {', '.join(TRAINABLE_FAMILIES)} artifacts; "
                         f"this one is {art.meta['family']}")
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(art.hf_dir)
+    tokenizer = AutoTokenizer.from_pretrained(art.hf_dir, trust_remote_code=False)
     samples = load_prompts(prompts, tokenizer, vision=art.meta["vision"], max_samples=max_samples, seq_len=seq_len,
                            hf_dir=art.hf_dir)
     prov = art.meta["provenance"]

@@ -60,8 +60,8 @@ def _image_samples(folder: Path, hf_dir: Path, tokenizer, *, max_samples: int, s
     if not (hf_dir / "preprocessor_config.json").is_file():
         raise PactError(f"{hf_dir.parent}: the artifact has no image processor (preprocessor_config.json): "
                         "convert from a model folder that has one")
-    cfg = AutoConfig.from_pretrained(hf_dir)
-    processor = AutoImageProcessor.from_pretrained(hf_dir)
+    cfg = AutoConfig.from_pretrained(hf_dir, trust_remote_code=False)
+    processor = AutoImageProcessor.from_pretrained(hf_dir, trust_remote_code=False)
     unit = processor.patch_size * processor.merge_size  # one image token per unit x unit pixels
     start, pad, end = tokenizer.convert_ids_to_tokens([cfg.vision_start_token_id, cfg.image_token_id,
                                                        cfg.vision_end_token_id])

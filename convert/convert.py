@@ -13,7 +13,7 @@ import torch
 from tqdm.auto import tqdm
 
 from pact import __version__
-from pact.formats import ArtifactError, ArtifactWriter, PactError, classify, family_of
+from pact.formats import ArtifactWriter, PactError, check_output, classify, family_of
 from pact.formats.families import VISION_FAMILIES
 from pact.formats.nvfp4 import BLOCK, SCALINGS, dequantize, global_scale_from_amax, quantize_weight
 
@@ -87,9 +87,7 @@ def convert(
         raise PactError(f"--scaling must be one of {', '.join(SCALINGS)}, got {scaling!r}")
     if not 0.0 <= keep_bf16 < 1.0:
         raise PactError(f"--keep-bf16 is a fraction in [0, 1), got {keep_bf16}")
-    out = Path(out)
-    if out.exists() and not overwrite:
-        raise ArtifactError(f"output {out} already exists: pass --overwrite to replace it")
+    out = check_output(out, overwrite)
     workdir = out.parent / f".{out.name}.gguf-{os.getpid()}" if str(src).endswith(".gguf") else None
     try:
         source = open_source(str(src), revision=revision, workdir=workdir)

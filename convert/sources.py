@@ -26,6 +26,11 @@ log = logging.getLogger(__name__)
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".ckpt")
 _SIDE_FILE_MAX = 64 << 20  # tokenizer/config/processor files; anything larger is not one
+# what an artifact's hf/ may hold: config, tokenizer, chat template and image processor files
+SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+              "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model",
+              "chat_template.jinja", "chat_template.json", "preprocessor_config.json", "processor_config.json",
+              "video_preprocessor_config.json")
 _ST_DTYPES = {
     "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
     "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "BOOL": torch.bool,
@@ -133,12 +138,16 @@ class Source:
         return self._index[name].get(name)
 
     def side_files(self) -> list[Path]:
-        """config, tokenizer, chat template and processor files to ship in the artifact."""
+        """config, tokenizer, chat template and processor files to ship in the artifact: an
+        allow-list (SIDE_FILES), so nothing else in the source folder (.env, scripts, links to
+        host files) travels with a shared artifact."""
         out = []
-        for p in sorted(self.folder.iterdir()):
-            if not p.is_file() or p.suffix in _WEIGHT_SUFFIXES or p.name.endswith(".index.json"):
+        for name in SIDE_FILES:
+            p = self.folder / name
+            if p.is_symlink() and not p.resolve().is_relative_to(self.folder.resolve()):
+                log.warning("%s: a link to outside the model folder, not copied into the artifact", p)
                 continue
-            if p.stat().st_size <= _SIDE_FILE_MAX:
+            if p.is_file() and p.stat().st_size <= _SIDE_FILE_MAX:
                 out.append(p)
         return out
 
@@ -180,7 +189,7 @@ def _from_gguf(path: Path, workdir: Path) -> tuple[Path, dict]:
     except ImportError as e:
         raise PactError(f"{path}: reading .gguf needs the gguf package ({e}): pip install gguf") from None
     try:
-        kw = dict(gguf_file=path.name)
+        kw = dict(gguf_file=path.name, trust_remote_code=False)
         model = AutoModelForCausalLM.from_pretrained(
             str(path.parent), dtype=torch.bfloat16, quantization_config=GgufConfig(dequantize=True), **kw
         )

@@ -1,6 +1,6 @@
 """NVFP4 numerics and the on-disk artifact. Imports nothing else of pact's."""
 
-from .artifact import FORMAT_NAME, FORMAT_VERSION, Artifact, ArtifactWriter, open_artifact
+from .artifact import FORMAT_NAME, FORMAT_VERSION, Artifact, ArtifactWriter, check_output, open_artifact
 from .errors import ArtifactError, PactError, require
 from .families import ARCHITECTURES, classify, family_of, text_config
 from .nvfp4 import (
@@ -24,6 +24,7 @@ __all__ = [
     "FORMAT_VERSION",
     "NVFP4Tensor",
     "PactError",
+    "check_output",
     "classify",
     "dequantize",
     "family_of",

@@ -81,6 +81,27 @@ def _to_storage(t: torch.Tensor) -> tuple[np.ndarray, str]:
 # writing
 
 
+def _is_artifact(path: Path) -> bool:
+    """A folder whose zarr.json carries a pact manifest (what --overwrite may replace)."""
+    try:
+        return json.loads((path / "zarr.json").read_text())["attributes"]["pact"]["format"] == FORMAT_NAME
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+def check_output(out: str | os.PathLike, overwrite: bool) -> Path:
+    """Where an artifact may be written: a new path, or with ``overwrite`` an existing pact
+    artifact — never any other folder (a model, a home directory), which --overwrite would delete.
+    Called before long work, and again by the writer."""
+    out = Path(out)
+    if out.exists() and not overwrite:
+        raise ArtifactError(f"output {out} already exists: pass --overwrite to replace it")
+    if out.exists() and not _is_artifact(out):
+        raise ArtifactError(f"output {out} exists and is not a pact artifact: --overwrite only replaces an "
+                            "artifact (nothing else is deleted); choose another output folder")
+    return out
+
+
 class ArtifactWriter:
     """Writes an artifact into a temp dir beside ``out``; ``commit()`` renames it into place.
 
@@ -93,9 +114,7 @@ class ArtifactWriter:
 
         if sys.byteorder != "little":  # chunk files are written as the tensor's native bytes
             raise ArtifactError("writing artifacts needs a little-endian machine")
-        self.out = Path(out)
-        if self.out.exists() and not overwrite:
-            raise ArtifactError(f"output {self.out} already exists: pass --overwrite to replace it")
+        self.out = check_output(out, overwrite)
         self.overwrite = overwrite
         self.tmp = self.out.parent / f".{self.out.name}.tmp-{uuid.uuid4().hex[:8]}"
         self.out.parent.mkdir(parents=True, exist_ok=True)
@@ -228,6 +247,43 @@ def _upgrade(meta: dict, path: Path) -> dict:
     return meta
 
 
+def _inside(rel: Any, what: str, path: Path) -> None:
+    """``rel`` names a place inside the artifact: a relative path without '..'."""
+    parts = Path(str(rel)).parts if isinstance(rel, str) and rel else ("..",)
+    if Path(rel if isinstance(rel, str) else "").is_absolute() or ".." in parts:
+        raise ArtifactError(f"{path}: {what} {rel!r} points outside the artifact: refusing it (an artifact "
+                            "only names files inside its folder); re-run pact-convert on a trusted model")
+
+
+def _check_contained(path: Path, meta: dict) -> None:
+    """An artifact from anyone is safe to open: every path it names stays inside its folder, it
+    holds no symbolic links (which could lead anywhere) and no code (nothing in it is ever run)."""
+    for rel in meta.get("files", {}):
+        _inside(rel, "file", path)
+    for name, e in meta.get("tensors", {}).items():
+        for part, spec in e.get("arrays", {}).items():
+            _inside(spec.get("path") if isinstance(spec, dict) else None, f"array {name}/{part} path", path)
+    for dirpath, dirnames, filenames in os.walk(path):
+        for n in dirnames + filenames:
+            p = Path(dirpath) / n
+            if p.is_symlink():
+                raise ArtifactError(f"{p}: a symbolic link inside the artifact: refusing it (links can lead "
+                                    "outside the folder); copy the artifact without links (cp -rL) from a "
+                                    "source you trust, or re-run pact-convert")
+            if n.endswith((".py", ".pyc", ".so")):
+                raise ArtifactError(f"{p}: the artifact ships code: refusing it (pact never runs code from an "
+                                    "artifact); remove the file or re-run pact-convert on a trusted model")
+    hf = path / HF_DIR
+    for f in sorted(hf.glob("*.json")) if hf.is_dir() else []:
+        try:
+            doc = json.loads(f.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            continue  # damaged files are reported by verify() / the reader that needs them
+        if isinstance(doc, dict) and "auto_map" in doc:
+            raise ArtifactError(f"{f}: asks for custom code (auto_map): refusing it (pact never runs code from "
+                                "an artifact); re-run pact-convert on a model that transformers supports natively")
+
+
 class Artifact:
     """A read-only view of an artifact; every tensor is a zero-copy memory map of its file."""
 
@@ -247,6 +303,7 @@ class Artifact:
         if meta.get("format") != FORMAT_NAME:
             raise ArtifactError(f"{root_json}: format is {meta.get('format')!r}, not {FORMAT_NAME!r}")
         self.meta: dict[str, Any] = _upgrade(meta, self.path)
+        _check_contained(self.path, self.meta)
         self._maps: dict[tuple[str, str], torch.Tensor] = {}
 
     # -- names and metadata

@@ -154,7 +154,7 @@ def evaluate_artifact(artifact: str, data: str, *, adapter: str | None = None, m
     from .model import PactModel
 
     art = open_artifact(artifact)
-    tokenizer = AutoTokenizer.from_pretrained(art.hf_dir)
+    tokenizer = AutoTokenizer.from_pretrained(art.hf_dir, trust_remote_code=False)
     dev = resolve_device(device)
     lora_cfg, weights = load_peft_adapter(adapter) if adapter else (None, None)
     run_cfg = Path(adapter) / "train_config.json" if adapter else None

@@ -17,7 +17,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from pact.formats import Artifact, PactError
-from pact.formats.families import GROUPS
+from pact.formats.families import FAMILIES, GROUPS
 from pact.formats.nvfp4 import NVFP4Tensor
 
 from .backends import get_ops, resolve_compute, resolve_kernels
@@ -27,7 +27,7 @@ from .loss import target_cross_entropy
 from .recipe import Recipe, parse_recipe
 from .rows import NVFP4TensorFP8
 
-TRAINABLE_FAMILIES = ("llama", "qwen2", "qwen3", "qwen2_vl", "qwen2_5_vl")
+TRAINABLE_FAMILIES = FAMILIES  # the language model of every family pact-convert reads
 # fp8 backend: re-encode each frozen weight to E4M3 per GEMM call, or keep E4M3 copies on the GPU
 # (1 byte per parameter per layout; no re-encode: cuBLAS FP8 speed).
 FP8_WEIGHTS = ("per-call", "resident")
@@ -85,7 +85,7 @@ class PactModel(nn.Module):
             raise PactError(f"--fp8-weights resident keeps E4M3 copies for the fp8 backend; this run computes with "
                             f"{self.compute}: add --compute fp8 or leave --fp8-weights at per-call")
         self._fp8_copy = self.ops.fp8_rows if fp8_weights == "resident" else None
-        cfg = AutoConfig.from_pretrained(artifact.hf_dir).get_text_config()
+        cfg = AutoConfig.from_pretrained(artifact.hf_dir, trust_remote_code=False).get_text_config()
         self.cfg = cfg
         self.hidden = cfg.hidden_size
         self.n_heads, self.n_kv = cfg.num_attention_heads, cfg.num_key_value_heads

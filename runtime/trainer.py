@@ -200,7 +200,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True, stop
     art = open_artifact(cfg.artifact)
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(art.hf_dir)
+    tokenizer = AutoTokenizer.from_pretrained(art.hf_dir, trust_remote_code=False)
     model = PactModel(art, cfg.lora(), device=device, kernels=cfg.kernels, compute=cfg.compute, activations=cfg.activations,
                       checkpoint=cfg.checkpoint, seed=cfg.seed, fp8_weights=cfg.fp8_weights)
     vocab = model.embed.shape[0]

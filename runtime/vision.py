@@ -16,12 +16,12 @@ import torch
 import torch.nn.functional as F
 
 from pact.formats import Artifact, PactError
+from pact.formats.families import VISION_PREFIXES
 
 TOWERS = {
     "qwen2_vl": ("transformers.models.qwen2_vl.modeling_qwen2_vl", "Qwen2VisionTransformerPretrainedModel"),
     "qwen2_5_vl": ("transformers.models.qwen2_5_vl.modeling_qwen2_5_vl", "Qwen2_5_VisionTransformerPretrainedModel"),
 }
-VISION_PREFIXES = ("visual.", "model.visual.")
 
 
 @dataclass
@@ -48,7 +48,7 @@ class VisionTower:
         if family not in TOWERS:
             raise PactError(f"{artifact.path}: a {family} artifact has no vision tower; image prompts need "
                             f"one of {', '.join(TOWERS)}")
-        cfg = AutoConfig.from_pretrained(artifact.hf_dir)
+        cfg = AutoConfig.from_pretrained(artifact.hf_dir, trust_remote_code=False)
         module, cls = TOWERS[family]
         tower = getattr(importlib.import_module(module), cls)._from_config(cfg.vision_config)
         state = {}
