@@ -360,13 +360,13 @@ def _wide(by: dict, maj: dict, margin: float, ref: str) -> None:
     click.echo("|---|---|---|" + "---|" * len(methods))
     avg: dict[str, list[float]] = {m: [] for m in methods}
     for task, lr in sorted({(t, lr) for t, lr, _ in by}):
-        peft = by.get((task, lr, ref), {})
-        pv = list(peft.values())
-        cells = [f"{100 * statistics.mean(pv):.1f} +- {100 * statistics.stdev(pv):.1f} (n={len(pv)})"
-                 if len(pv) > 1 else "-"]
+        base = by.get((task, lr, ref), {})
+        bv = list(base.values())
+        cells = [f"{100 * statistics.mean(bv):.1f} +- {100 * statistics.stdev(bv):.1f} (n={len(bv)})"
+                 if len(bv) > 1 else "-"]
         for m in methods:
             accs = by.get((task, lr, m), {})
-            d = [accs[s] - peft[s] for s in accs if s in peft]
+            d = [accs[s] - base[s] for s in accs if s in base]
             if not accs:
                 cells.append("-")
                 continue
@@ -378,24 +378,6 @@ def _wide(by: dict, maj: dict, margin: float, ref: str) -> None:
         click.echo(f"| {task} ({100 * maj[task]:.1f}) | {lr:g} | " + " | ".join(cells) + " |")
     click.echo("| **mean paired difference** | | | " + " | ".join(
         f"**{100 * statistics.mean(v):+.2f}**" if v else "-" for v in avg.values()) + " |")
-
-
-@cli.command()
-@click.argument("csvs", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
-@click.option("--margin", default=0.05, show_default=True)
-def pick(csvs, margin) -> None:
-    """Tasks whose PEFT mean beats the majority class by ``margin``, comma-separated, the one where
-    pact=nvfp4 falls furthest below PEFT first."""
-    rows = [r for c in csvs for r in csv.DictReader(open(c))]
-
-    def mean(task, method):
-        v = [float(r["accuracy"]) for r in rows if r["task"] == task and r["method"] == method]
-        return statistics.mean(v) if v else float("nan")
-
-    tasks = {r["task"]: float(r["majority"]) for r in rows}
-    ok = [t for t, maj in tasks.items() if mean(t, "peft") >= maj + margin]
-    gap = {t: mean(t, "peft") - mean(t, "pact=nvfp4") for t in ok}
-    click.echo(",".join(sorted(ok, key=lambda t: -gap[t] if gap[t] == gap[t] else 0)))
 
 
 if __name__ == "__main__":

@@ -249,8 +249,7 @@ def _upgrade(meta: dict, path: Path) -> dict:
 
 def _inside(rel: Any, what: str, path: Path) -> None:
     """``rel`` names a place inside the artifact: a relative path without '..'."""
-    parts = Path(str(rel)).parts if isinstance(rel, str) and rel else ("..",)
-    if Path(rel if isinstance(rel, str) else "").is_absolute() or ".." in parts:
+    if not isinstance(rel, str) or not rel or Path(rel).is_absolute() or ".." in Path(rel).parts:
         raise ArtifactError(f"{path}: {what} {rel!r} points outside the artifact: refusing it (an artifact "
                             "only names files inside its folder); re-run pact-convert on a trusted model")
 
