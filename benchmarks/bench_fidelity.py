@@ -18,7 +18,9 @@ sees the same batches in the same order for a seed; SmolLM2-135M-Instruct from i
 bench_accuracy.py). Methods: `peft` (transformers + PEFT on the GGUF dequantized to bf16) and
 `peft@nvfp4` (the same on the RTN artifact's weights dequantized to bf16: the weight format's share),
 `pact=RECIPE` (pact-train on the RTN artifact, `--activations RECIPE`, `--compute auto`) or
-`pact@COMPUTE=RECIPE` (the same with `--compute COMPUTE`). `--shard I/N` splits one grid between N
+`pact@COMPUTE=RECIPE` (the same with `--compute COMPUTE`). A method may end in `:WEIGHTS`, one of
+`WEIGHT_VARIANTS` (scaling, then `-mse` for searched block scales): the same on an artifact
+converted that way (`pact-convert --scaling 1d --block-scales mse`); without it, 2d amax. `--shard I/N` splits one grid between N
 worker processes (each keeps its imports, compiled kernels and tokenized tasks between runs).
 """
 
@@ -39,6 +41,7 @@ STEPS, BATCH, WARMUP, MAX_LEN, RANK, ALPHA = 250, 8, 0.1, 128, 16, 32
 BIGBENCH = ("hyperbaton", "winowhy", "logical_fallacy_detection", "navigate", "epistemic_reasoning",
             "vitaminc_fact_verification", "sports_understanding", "strategyqa", "movie_dialog_same_or_different")
 KEY = ("task", "method", "lr", "seed", "steps")
+WEIGHT_VARIANTS = ("2d", "1d", "2d-mse", "1d-mse")  # -> pact-convert --scaling S [--block-scales mse]
 
 
 # -- tasks
@@ -219,6 +222,16 @@ def nvfp4_bf16_folder(artifact: Path) -> Path:
     return folder
 
 
+def variant_artifact(workdir: Path, gguf: Path, variant: str) -> Path:
+    """The RTN artifact of one weight variant (``2d``, ``1d-mse``, ...), converted once."""
+    from pact.convert import convert
+    from pact.pipelines.demo import _cached_artifact
+
+    scaling, _, rule = variant.partition("-")
+    return Path(_cached_artifact(workdir / f"smollm2-135m-nvfp4-{variant}", lambda p: convert(
+        str(gguf), p, scaling=scaling, block_scales=rule or "amax", overwrite=p.exists(), progress=False)))
+
+
 def _peft_run(folder: Path, train_ex, test_ex, pad, seed, lr, device, steps: int,
               eval_batch: int) -> tuple[float, float]:
     from bench_accuracy import _hf_accuracy, _train_hf  # the PEFT reference of bench_accuracy.py
@@ -259,10 +272,8 @@ def tasks(workdir, bigbench, tasks, methods, lrs, seeds, steps, eval_batch, shar
     from transformers import AutoTokenizer
 
     from bench_accuracy import _bf16_folder
-    from pact.convert import convert
     from pact.convert.offline import SMOLLM2_135M, fetch
     from pact.formats import open_artifact
-    from pact.pipelines.demo import _cached_artifact
     from pact.runtime.data import pad_id, read_records, tokenize
     from pact.runtime.evaluate import evaluate_artifact
     from pact.runtime.trainer import TrainConfig, train
@@ -273,14 +284,20 @@ def tasks(workdir, bigbench, tasks, methods, lrs, seeds, steps, eval_batch, shar
     except (ValueError, AssertionError):
         raise click.BadParameter(f"{shard!r}: I/N with 0 <= I < N", param_hint="--shard") from None
     for method in methods:
-        if method not in ("peft", "peft@nvfp4") and not method.startswith(("pact=", "pact@")):
-            raise click.BadParameter(f"{method!r}: peft, peft@nvfp4, pact=RECIPE or pact@COMPUTE=RECIPE",
-                                     param_hint="--methods")
+        base, _, variant = method.partition(":")
+        if (base not in ("peft", "peft@nvfp4") and not base.startswith(("pact=", "pact@"))) or \
+                (variant and (base == "peft" or variant not in WEIGHT_VARIANTS)):
+            raise click.BadParameter(f"{method!r}: peft, peft@nvfp4, pact=RECIPE or pact@COMPUTE=RECIPE, the last "
+                                     f"three optionally :WEIGHTS ({', '.join(WEIGHT_VARIANTS)})", param_hint="--methods")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     gguf = fetch(SMOLLM2_135M, workdir)
-    art = _cached_artifact(workdir / "smollm2-135m-nvfp4-2d", lambda p: convert(str(gguf), p, overwrite=p.exists()))
-    folders = {"peft": _bf16_folder(gguf), "peft@nvfp4": nvfp4_bf16_folder(Path(art))}
-    tok = AutoTokenizer.from_pretrained(open_artifact(art).hf_dir)
+    arts = {v: variant_artifact(workdir, gguf, v) for v in
+            {"2d"} | {m.partition(":")[2] for m in methods if m.partition(":")[2]}}
+    folders = {"peft": _bf16_folder(gguf)}
+    for m in methods:
+        if m.startswith("peft@nvfp4"):
+            folders[m] = nvfp4_bf16_folder(arts[m.partition(":")[2] or "2d"])
+    tok = AutoTokenizer.from_pretrained(open_artifact(arts["2d"]).hf_dir)
     pad = pad_id(tok)
     grid = [(int(seed), float(lr), task, method) for seed in seeds.split(",") for lr in lrs.split(",")
             for task in tasks.split(",") for method in methods][index::count]
@@ -296,10 +313,12 @@ def tasks(workdir, bigbench, tasks, methods, lrs, seeds, steps, eval_batch, shar
         if method.startswith("peft"):
             acc, loss = _peft_run(folders[method], train_ex, test_ex, pad, seed, lr, device, steps, eval_batch)
         else:
-            head, _, spec = method.partition("=")
+            base, _, variant = method.partition(":")
+            art = arts[variant or "2d"]
+            head, _, spec = base.partition("=")
             compute = head.partition("@")[2] or None
             run = workdir / "fidelity-runs" / (f"{task}-{head}-{spec.replace(',', '+').replace('*', 'all')}"
-                                               f"-lr{lr:g}-s{seed}-st{steps}")
+                                               f"-{variant or '2d'}-lr{lr:g}-s{seed}-st{steps}")
             shutil.rmtree(run, ignore_errors=True)
             train(TrainConfig(artifact=str(art), data=str(train_f), out=str(run), steps=steps, batch_size=BATCH,
                               max_len=MAX_LEN, lr=lr, lora_r=RANK, lora_alpha=ALPHA, warmup_ratio=WARMUP, seed=seed,

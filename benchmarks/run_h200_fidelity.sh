@@ -5,8 +5,9 @@
 #   speed (carry .whl):      wheels (zarr + deps, gguf, liger-kernel); bench_train 1B: bs 16 memory and
 #          the 16 GiB capped tokens/s, pact bf16-decode and fp8 vs PEFT + Liger (GPU_TESTS=1: GPU tests first)
 #   tasks (carry .gg2 .fid): second half, task files; bench_fidelity at lr 5e-4 on TASKS x SEEDS for
-#          METHODS (PEFT on the GGUF's and on the artifact's weights, pact fp8 and bf16-decode), WORKERS
-#          processes per GPU splitting the grid, seeds first, until BUDGET seconds
+#          METHODS (PEFT on the GGUF's and on the artifact's weights, pact fp8 and bf16-decode; a method's
+#          :WEIGHTS suffix converts that weight variant first), WORKERS processes per GPU splitting the
+#          grid, seeds first, until BUDGET seconds
 #   tasks2 (no carry):       the same at lr 2e-4; the table covers both calls' rows
 set -uo pipefail
 stage=$1
@@ -41,6 +42,7 @@ speed)  # (carry .whl) 1B: bs 16 step time / memory and the 16 GiB capped tokens
   cd benchmarks
   timeout 200 python3 bench_train.py --model llama-1b --warmup 1 --iters 3 --batch 16 --methods pact-bf16,pact-fp8,liger \
     --csv-out $OUT/bs16.csv 2>&1 | grep "^{\|^|"
+  [ "${CAP_RUNS:-1}" = 1 ] || exit 0  # CAP_RUNS=0: the bs 16 rows only
   timeout 170 python3 bench_train.py --model llama-1b --memory-cap-gib 16 --warmup 1 --iters 3 --methods pact-bf16,pact-fp8 \
     --cap-batches ${CAP:-16,20,24,28} --csv-out $OUT/cap16_pact.csv 2>&1 | grep "^{\|^|"
   timeout 100 python3 bench_train.py --model llama-1b --memory-cap-gib 16 --warmup 1 --iters 3 --methods liger \
@@ -53,11 +55,12 @@ tasks|tasks2)  # tasks: lr LRS (5e-4); tasks2: LRS (2e-4) on the machine `tasks`
     t=$(date +%s)  # one process makes the bf16 folders and the artifact before the workers read them
     python3 -c "
 import sys; sys.path.insert(0, 'benchmarks')
-from pathlib import Path; from bench_accuracy import _bf16_folder; from bench_fidelity import nvfp4_bf16_folder
-from pact.convert import convert; from pact.pipelines.demo import _cached_artifact
-g = Path('$GG'); _bf16_folder(g)
-nvfp4_bf16_folder(_cached_artifact(Path('/tmp/wd/smollm2-135m-nvfp4-2d'), lambda p: convert(str(g), p, overwrite=p.exists())))" 2>&1 | grep -v Warn | tail -2
-    echo "bf16 folders + artifact: $(( $(date +%s) - t )) s"
+from pathlib import Path; from bench_accuracy import _bf16_folder; from bench_fidelity import nvfp4_bf16_folder, variant_artifact
+g = Path('$GG'); _bf16_folder(g); w = Path('/tmp/wd')
+for m in '${METHODS:-peft@nvfp4}'.split():
+    a = variant_artifact(w, g, m.partition(':')[2] or '2d')
+    if m.startswith('peft@nvfp4'): nvfp4_bf16_folder(a)" 2>&1 | grep -v Warn | tail -2
+    echo "bf16 folders + artifacts: $(( $(date +%s) - t )) s"
   fi
   t=$(date +%s); export DEADLINE=$(( t + ${BUDGET:-480} ))
   grid ${LRS:-$([ $stage = tasks ] && echo 5e-4 || echo 2e-4)} $TASKS ${METHODS:-peft peft@nvfp4 pact=nvfp4-saved pact@bf16-decode=nvfp4-saved}

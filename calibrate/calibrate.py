@@ -22,8 +22,8 @@ from tqdm.auto import tqdm
 
 from pact import __version__
 from pact.convert.sources import open_source, remove_tree
-from pact.formats import ArtifactWriter, PactError, check_output, open_artifact
-from pact.formats.artifact import sha256_file
+from pact.formats import ArtifactWriter, PactError, check_output, default_cache, open_artifact
+from pact.formats.artifact import sha256_file, work_path
 from pact.formats.nvfp4 import dequantize, quantize, transpose_2d
 from pact.runtime.backends import resolve_device
 from pact.runtime.model import TRAINABLE_FAMILIES, PactModel
@@ -98,6 +98,7 @@ def calibrate(
         raise PactError(f"--blocksize must be a multiple of 16, got {blocksize}")
     out = check_output(out, overwrite)
     art = open_artifact(artifact)
+    art.verify_cached(default_cache())  # a damaged artifact is never calibrated
     if art.meta["family"] not in TRAINABLE_FAMILIES:
         raise PactError(f"{art.path}: pact-calibrate supports {', '.join(TRAINABLE_FAMILIES)} artifacts; "
                         f"this one is {art.meta['family']}")
@@ -112,7 +113,7 @@ def calibrate(
     if source is None and gguf and Path(src_name).is_file() and sha256_file(Path(src_name)) != prov.get("gguf_sha256"):
         raise PactError(f"{src_name}: not the GGUF file this artifact was converted from (sha256 differs): "
                         "pass --source with the original model")
-    workdir = out.parent / f".{out.name}.src-{os.getpid()}" if gguf else None
+    workdir = work_path(out, "src") if gguf else None
     try:
         src = open_source(src_name, revision=prov.get("revision"), workdir=workdir)
         # a GGUF source is checked by its file hash above (its dequantized folder is made anew)

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from pact.formats import PactError, require
-from pact.runtime.data import read_records
+from pact.runtime.data import read_records, render_chat
 from pact.runtime.vision import ImageSample
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
@@ -32,7 +32,7 @@ def _texts(path: Path, tokenizer) -> list[str]:
         if isinstance(rec.get("text"), str):
             out.append(rec["text"])
         elif isinstance(rec.get("messages"), list):
-            out.append(tokenizer.apply_chat_template(rec["messages"], tokenize=False))
+            out.append(render_chat(tokenizer, rec["messages"], rec["_where"]))
         elif "prompt" in rec and "completion" in rec:
             out.append(str(rec["prompt"]) + str(rec["completion"]))
         else:
@@ -73,9 +73,8 @@ def _image_samples(folder: Path, hf_dir: Path, tokenizer, *, max_samples: int, s
         request = side.read_text(encoding="utf-8").strip() if side.is_file() else IMAGE_REQUEST
         text = None
         if tokenizer.chat_template:
-            text = tokenizer.apply_chat_template(
-                [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": request}]}],
-                tokenize=False, add_generation_prompt=True)
+            text = render_chat(tokenizer, [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": request}]}],
+                               str(f), add_generation_prompt=True)
         if not text or text.count(pad) != 1:  # a template that does not place the image: a bare prompt
             text = f"{start}{pad}{end}{request}"
         budget = seq_len - len(tokenizer(text)["input_ids"]) + 1

@@ -14,8 +14,9 @@ from tqdm.auto import tqdm
 
 from pact import __version__
 from pact.formats import ArtifactWriter, PactError, check_output, classify, family_of
-from pact.formats.families import VISION_FAMILIES
-from pact.formats.nvfp4 import BLOCK, SCALINGS, dequantize, global_scale_from_amax, quantize_weight
+from pact.formats.families import VISION_FAMILIES, check_config
+from pact.formats.artifact import work_path
+from pact.formats.nvfp4 import BLOCK, SCALE_RULES, SCALINGS, dequantize, global_scale_from_amax, quantize_weight
 
 from .sources import Source, open_source, remove_tree
 
@@ -72,6 +73,7 @@ def convert(
     out: str | os.PathLike,
     *,
     scaling: str = "2d",
+    block_scales: str = "amax",
     keep_bf16: float = 0.0,
     overwrite: bool = False,
     revision: str | None = None,
@@ -80,24 +82,29 @@ def convert(
     """Convert ``src`` (HF folder, .gguf file or hub id) into an artifact at ``out``.
 
     Frozen projections become NVFP4 (forward + backward layouts; q/k/v and gate/up share a
-    global scale); everything else is stored bf16. ``keep_bf16`` keeps that fraction of the
+    global scale); everything else is stored bf16. ``block_scales`` picks each block's e4m3
+    scale (``amax``: the largest magnitude maps to 6; ``mse``: the least-error scale near it). ``keep_bf16`` keeps that fraction of the
     frozen projections, those with the largest relative NVFP4 error, in bf16.
     """
     if scaling not in SCALINGS:
         raise PactError(f"--scaling must be one of {', '.join(SCALINGS)}, got {scaling!r}")
+    if block_scales not in SCALE_RULES:
+        raise PactError(f"--block-scales must be one of {', '.join(SCALE_RULES)}, got {block_scales!r}")
     if not 0.0 <= keep_bf16 < 1.0:
         raise PactError(f"--keep-bf16 is a fraction in [0, 1), got {keep_bf16}")
     out = check_output(out, overwrite)
-    workdir = out.parent / f".{out.name}.gguf-{os.getpid()}" if str(src).endswith(".gguf") else None
+    workdir = work_path(out, "gguf") if str(src).endswith(".gguf") else None
     try:
         source = open_source(str(src), revision=revision, workdir=workdir)
-        return _convert(source, out, scaling=scaling, keep_bf16=keep_bf16, overwrite=overwrite, progress=progress)
+        return _convert(source, out, scaling=scaling, block_scales=block_scales, keep_bf16=keep_bf16,
+                        overwrite=overwrite, progress=progress)
     finally:
         remove_tree(workdir)
 
 
-def _convert(source: Source, out: Path, *, scaling: str, keep_bf16: float, overwrite: bool, progress: bool) -> Path:
+def _convert(source: Source, out: Path, *, scaling: str, block_scales: str, keep_bf16: float, overwrite: bool, progress: bool) -> Path:
     family = family_of(source.config, str(source.folder / "config.json"))
+    check_config(source.config, source.names(), str(source.folder / "config.json"))
     units = _plan(source, scaling)
     errors: dict[str, float] = {}
     with ArtifactWriter(out, overwrite=overwrite) as writer:
@@ -112,7 +119,7 @@ def _convert(source: Source, out: Path, *, scaling: str, keep_bf16: float, overw
             g = global_scale_from_amax(max(float(t.float().abs().amax()) for t in tensors.values()))
             for name, w in tensors.items():
                 role = classify(name)
-                fwd, bwd = quantize_weight(w, global_scale=g, scaling=scaling)
+                fwd, bwd = quantize_weight(w, global_scale=g, scaling=scaling, scale_rule=block_scales)
                 errors[name] = relative_error(w, dequantize(fwd))
                 writer.add_nvfp4(
                     name, fwd, bwd, role=role.role, layer=role.layer, group=role.group,
@@ -131,6 +138,7 @@ def _convert(source: Source, out: Path, *, scaling: str, keep_bf16: float, overw
                 **source.provenance,
                 "source_fingerprint": source.fingerprint(),
                 "scaling": scaling,
+                "block_scales": block_scales,
                 "keep_bf16": keep_bf16,
                 "kept_bf16": protected,
                 "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),

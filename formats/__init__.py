@@ -1,6 +1,14 @@
 """NVFP4 numerics and the on-disk artifact. Imports nothing else of pact's."""
 
-from .artifact import FORMAT_NAME, FORMAT_VERSION, Artifact, ArtifactWriter, check_output, open_artifact
+from .artifact import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    Artifact,
+    ArtifactWriter,
+    check_output,
+    default_cache,
+    open_artifact,
+)
 from .errors import ArtifactError, PactError, require
 from .families import ARCHITECTURES, classify, family_of, text_config
 from .nvfp4 import (
@@ -26,6 +34,7 @@ __all__ = [
     "PactError",
     "check_output",
     "classify",
+    "default_cache",
     "dequantize",
     "family_of",
     "open_artifact",

@@ -27,6 +27,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import sys
 import uuid
@@ -89,16 +90,54 @@ def _is_artifact(path: Path) -> bool:
         return False
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this machine."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+def work_path(out: Path, kind: str) -> Path:
+    """A temp path beside ``out`` (``kind``: tmp, old, gguf, src) named by this process, so a later
+    run can tell a killed run's leftovers from a live run's."""
+    return out.parent / f".{out.name}.{kind}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def _sweep_leftovers(out: Path) -> None:
+    """Remove temp folders a killed run left beside ``out`` (their process is gone)."""
+    pattern = re.compile(rf"^\.{re.escape(out.name)}\.(tmp|old|gguf|src)-(\d+)-[0-9a-f]{{8}}$")
+    for p in out.parent.iterdir() if out.parent.is_dir() else []:
+        m = pattern.match(p.name)
+        if m and not p.is_symlink() and p.is_dir() and not pid_alive(int(m.group(2))):
+            size = sum(f.stat().st_size for f in p.rglob("*") if f.is_file() and not f.is_symlink())
+            log.warning("removing %s (%.1f MB), left by an interrupted run (pid %s)", p, size / 1e6, m.group(2))
+            shutil.rmtree(p, ignore_errors=True)
+
+
 def check_output(out: str | os.PathLike, overwrite: bool) -> Path:
     """Where an artifact may be written: a new path, or with ``overwrite`` an existing pact
     artifact — never any other folder (a model, a home directory), which --overwrite would delete.
-    Called before long work, and again by the writer."""
+    The folder it goes in must be writable. Called before long work, and again by the writer;
+    removes what an interrupted run left beside it."""
     out = Path(out)
     if out.exists() and not overwrite:
         raise ArtifactError(f"output {out} already exists: pass --overwrite to replace it")
     if out.exists() and not _is_artifact(out):
         raise ArtifactError(f"output {out} exists and is not a pact artifact: --overwrite only replaces an "
                             "artifact (nothing else is deleted); choose another output folder")
+    probe = out.parent / f".{out.name}.probe-{os.getpid()}"
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise ArtifactError(f"output {out}: cannot write in {out.parent} ({e.strerror or e}): choose a writable "
+                            "folder") from None
+    _sweep_leftovers(out)
     return out
 
 
@@ -116,7 +155,7 @@ class ArtifactWriter:
             raise ArtifactError("writing artifacts needs a little-endian machine")
         self.out = check_output(out, overwrite)
         self.overwrite = overwrite
-        self.tmp = self.out.parent / f".{self.out.name}.tmp-{uuid.uuid4().hex[:8]}"
+        self.tmp = work_path(self.out, "tmp")
         self.out.parent.mkdir(parents=True, exist_ok=True)
         self.root = zarr.open_group(str(self.tmp), mode="w-")
         # hf/ holds plain files; marking it a group keeps zarr's own readers from warning
@@ -204,7 +243,7 @@ class ArtifactWriter:
         if self.out.exists():
             if not self.overwrite:
                 raise ArtifactError(f"output {self.out} appeared while converting: pass --overwrite")
-            old = self.out.parent / f".{self.out.name}.old-{uuid.uuid4().hex[:8]}"
+            old = work_path(self.out, "old")
             os.rename(self.out, old)
         os.rename(self.tmp, self.out)
         if old is not None:
@@ -214,6 +253,19 @@ class ArtifactWriter:
 
 # --------------------------------------------------------------------------------------
 # reading
+
+
+def default_cache() -> Path:
+    """pact's cache folder: $PACT_CACHE, else ~/.cache/pact (downloads, verified-artifact stamps)."""
+    return Path(os.environ.get("PACT_CACHE", Path.home() / ".cache" / "pact"))
+
+
+def _stat_key(f: Path) -> str:
+    try:
+        st = f.stat()
+    except OSError:
+        return f"{f}:missing"
+    return f"{f}:{st.st_size}:{st.st_mtime_ns}"
 
 
 def _chunk_path(array_dir: Path, ndim: int) -> Path:
@@ -245,6 +297,48 @@ def _upgrade(meta: dict, path: Path) -> dict:
         meta = step(meta)
         version = meta["format_version"]
     return meta
+
+
+_ENTRY_KEYS = {"kind": str, "shape": list, "arrays": dict}
+_ARRAY_KEYS = {"path": str, "dtype": str, "shape": list, "sha256": str}
+_NVFP4_PARTS = {f"{layout}_{p}" for layout in LAYOUTS for p in ("packed", "scales")}
+
+
+def _check_manifest(meta: dict, path: Path) -> None:
+    """Every key the reader relies on is there with the right type: a damaged or hand-edited
+    manifest fails here, in one line naming what is wrong, not as a KeyError deep in a run."""
+    def bad(what: str) -> ArtifactError:
+        return ArtifactError(f"{path}/zarr.json: manifest {what}: the artifact is damaged or was not written by "
+                             "pact; re-copy it or re-run pact-convert")
+
+    for key, typ in (("tensors", dict), ("files", dict), ("hf_config", dict)):
+        if not isinstance(meta.get(key), typ):
+            raise bad(f"has no '{key}' {typ.__name__}")
+    if not meta["tensors"]:
+        raise bad("lists no tensors")
+    for name, e in meta["tensors"].items():
+        if not isinstance(e, dict):
+            raise bad(f"entry {name!r} is not an object")
+        for key, typ in _ENTRY_KEYS.items():
+            if not isinstance(e.get(key), typ):
+                raise bad(f"entry {name!r} has no '{key}' {typ.__name__}")
+        if e["kind"] not in ("nvfp4", "dense"):
+            raise bad(f"entry {name!r} has kind {e['kind']!r} (nvfp4 or dense)")
+        need = _NVFP4_PARTS if e["kind"] == "nvfp4" else {"data"}
+        if not need <= set(e["arrays"]):
+            raise bad(f"entry {name!r} lacks arrays {sorted(need - set(e['arrays']))}")
+        if e["kind"] == "nvfp4" and not isinstance(e.get("global_scale"), (int, float)):
+            raise bad(f"entry {name!r} has no numeric 'global_scale'")
+        for part, spec in e["arrays"].items():
+            if not isinstance(spec, dict):
+                raise bad(f"array {name}/{part} is not an object")
+            for key, typ in _ARRAY_KEYS.items():
+                if not isinstance(spec.get(key), typ):
+                    raise bad(f"array {name}/{part} has no '{key}' {typ.__name__}")
+            if spec["dtype"] not in _STORAGE:
+                raise bad(f"array {name}/{part} has dtype {spec['dtype']!r} (pact stores {', '.join(_STORAGE)})")
+            if not all(isinstance(d, int) and d > 0 for d in spec["shape"]):
+                raise bad(f"array {name}/{part} has shape {spec['shape']!r}")
 
 
 def _inside(rel: Any, what: str, path: Path) -> None:
@@ -302,6 +396,7 @@ class Artifact:
         if meta.get("format") != FORMAT_NAME:
             raise ArtifactError(f"{root_json}: format is {meta.get('format')!r}, not {FORMAT_NAME!r}")
         self.meta: dict[str, Any] = _upgrade(meta, self.path)
+        _check_manifest(self.meta, self.path)
         _check_contained(self.path, self.meta)
         self._maps: dict[tuple[str, str], torch.Tensor] = {}
 
@@ -405,6 +500,38 @@ class Artifact:
                 raise ArtifactError(f"{f}: missing or checksum mismatch: re-copy the artifact or re-run pact-convert")
             total += f.stat().st_size
         return total
+
+    def fingerprint(self) -> str:
+        """sha256 over the manifest's tensors and files, which carry every stored byte's sha256: two
+        artifacts with the same fingerprint hold the same data (once verified)."""
+        doc = json.dumps({"tensors": self.meta["tensors"], "files": self.meta["files"]}, sort_keys=True)
+        return hashlib.sha256(doc.encode()).hexdigest()
+
+    def _stamp(self) -> str:
+        """The fingerprint plus every data file's size and modification time."""
+        parts = [self.fingerprint()]
+        for e in self.meta["tensors"].values():
+            for spec in e["arrays"].values():
+                parts.append(_stat_key(_chunk_path(self.path / spec["path"], len(spec["shape"]))))
+        parts += [_stat_key(self.hf_dir / rel) for rel in self.meta["files"]]
+        return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+    def verify_cached(self, cache_dir: str | os.PathLike | None) -> bool:
+        """``verify()``, skipped when this artifact verified before with every file unchanged (same
+        fingerprint, sizes and modification times; the stamp is kept in ``cache_dir``). Returns
+        whether the full check ran. ``cache_dir`` None: always verify."""
+        stamp = self._stamp()
+        marker = Path(cache_dir) / "verified" / stamp if cache_dir is not None else None
+        if marker is not None and marker.is_file():
+            return False
+        self.verify()
+        if marker is not None:
+            try:
+                marker.parent.mkdir(parents=True, exist_ok=True)
+                marker.write_text(str(self.path.resolve()) + "\n")
+            except OSError as e:  # a read-only cache costs a re-verify next time, nothing else
+                log.warning("could not record the verified artifact in %s (%s)", marker.parent, e)
+        return True
 
     def __repr__(self) -> str:
         n = len(self.names("nvfp4"))

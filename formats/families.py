@@ -74,6 +74,26 @@ def text_config(config: dict) -> dict:
     return config.get("text_config") or config
 
 
+_REQUIRED_INTS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+
+
+def check_config(config: dict, names, source: str = "config.json") -> None:
+    """The config states the sizes the runtime builds from (transformers would fill a missing one with
+    a default that does not fit the weights) and as many decoder layers as the weights hold."""
+    tc = text_config(config)
+    for key in _REQUIRED_INTS:
+        v = tc.get(key)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise PactError(f"{source}: '{key}' is missing or not a positive integer ({v!r}): the config does not "
+                            "describe this model; restore the model's own config.json")
+    layers = {r.layer for r in map(classify, names) if r.frozen_projection}
+    n = tc["num_hidden_layers"]
+    if layers != set(range(n)):
+        held = f"layers 0..{max(layers)} ({len(layers)} present)" if layers else "no decoder layers"
+        raise PactError(f"{source}: num_hidden_layers is {n} but the weights hold {held}: the config does not "
+                        "match the weights; restore the model's own config.json")
+
+
 def classify(name: str) -> TensorRole:
     if name.startswith(VISION_PREFIXES):
         return TensorRole("vision")

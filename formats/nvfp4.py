@@ -32,6 +32,12 @@ E4M3_MAX = 448.0
 # torchao clamps block scales to e4m3's smallest *normal* (finfo.tiny), never a subnormal.
 E4M3_MIN_SCALE = 2.0**-6
 SCALINGS = ("1d", "2d")
+# How a block's e4m3 scale is chosen: ``amax`` maps the block's largest magnitude to 6 (NVIDIA's
+# and torchao's rule); ``mse`` tries the e4m3 scales from three codes below that one to six above
+# it (about the one mapping the amax to 4) and keeps, per block, the one with the least squared
+# error (a format-specific scale search, as in MR-GPTQ and Transformer Engine's "4 over 6").
+SCALE_RULES = ("amax", "mse")
+_SEARCH_BELOW, _SEARCH_ABOVE = 3, 6  # e4m3 codes tried around the amax rule's scale
 
 # Code -> value, codes 0..15 (bit 3 = sign).
 E2M1_VALUES = torch.tensor(
@@ -131,6 +137,36 @@ def encode_with_scales(x: torch.Tensor, scales: torch.Tensor, global_scale: torc
     return pack_e2m1(codes)
 
 
+def _block_sq_error(x: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor, scaling: str) -> torch.Tensor:
+    """Squared error of x [rows, cols] quantized with e4m3 ``scales`` (one per block: [rows, cols/16]
+    for 1d, [rows/16, cols/16] for 2d), summed per block."""
+    rows, cols = x.shape
+    full = scales if scaling == "1d" else scales.repeat_interleave(BLOCK, dim=0)
+    s = full.float().unsqueeze(-1)
+    xb = x.reshape(rows, cols // BLOCK, BLOCK)
+    q = decode_e2m1(encode_e2m1((xb * ((_const(1.0, global_scale) / global_scale) / s)).clamp_(-E2M1_MAX, E2M1_MAX)))
+    err = ((q * s) * global_scale - xb).square_().sum(-1)  # [rows, cols/16]
+    return err if scaling == "1d" else err.reshape(rows // BLOCK, BLOCK, cols // BLOCK).sum(1)
+
+
+def search_block_scales(x: torch.Tensor, block_amax: torch.Tensor, global_scale: torch.Tensor,
+                        scaling: str) -> torch.Tensor:
+    """Per block, the e4m3 scale near the amax rule's with the least squared error (``mse``)."""
+    base = block_scales(block_amax, global_scale).view(torch.uint8).to(torch.int16)
+    lo = int(torch.tensor(E4M3_MIN_SCALE).to(torch.float8_e4m3fn).view(torch.uint8))
+    hi = int(torch.tensor(E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8))
+    best, best_err = None, None
+    for step in range(-_SEARCH_BELOW, _SEARCH_ABOVE + 1):  # positive e4m3 codes are ordered as their values
+        code = (base + step).clamp_(lo, hi).to(torch.uint8)
+        err = _block_sq_error(x, code.view(torch.float8_e4m3fn), global_scale, scaling)
+        if best is None:
+            best, best_err = code, err
+        else:  # strict: a tie keeps the earlier candidate
+            better = err < best_err
+            best, best_err = torch.where(better, code, best), torch.where(better, err, best_err)
+    return best.view(torch.float8_e4m3fn)
+
+
 def _check_2d(x: torch.Tensor, what: str, need_rows16: bool) -> None:
     if x.dim() != 2:
         raise ValueError(f"{what}: expected a 2-D tensor, got shape {tuple(x.shape)}")
@@ -149,13 +185,17 @@ def quantize(
     *,
     global_scale: torch.Tensor | None = None,
     scaling: str = "1d",
+    scale_rule: str = "amax",
 ) -> NVFP4Tensor:
     """Quantize a 2-D tensor along its last dim (1x16 blocks, or 16x16 with ``scaling="2d"``).
 
     ``global_scale`` defaults to this tensor's own amax; pass a shared one for fused groups.
+    ``scale_rule`` picks the block scales (``SCALE_RULES``).
     """
     if scaling not in SCALINGS:
         raise ValueError(f"scaling must be one of {SCALINGS}, got {scaling!r}")
+    if scale_rule not in SCALE_RULES:
+        raise ValueError(f"scale_rule must be one of {SCALE_RULES}, got {scale_rule!r}")
     _check_2d(x, "quantize", need_rows16=scaling == "2d")
     if global_scale is None:
         global_scale = global_scale_from_amax(x.abs().amax())
@@ -169,10 +209,14 @@ def quantize(
         n = xc.shape[0]
         if scaling == "1d":
             amax = xc.reshape(n, cols // BLOCK, BLOCK).abs().amax(-1)
-            sc = block_scales(amax, global_scale)
         else:
             amax = xc.reshape(n // BLOCK, BLOCK, cols // BLOCK, BLOCK).abs().amax(dim=(1, 3))
-            sc = block_scales(amax, global_scale).repeat_interleave(BLOCK, dim=0)
+        if scale_rule == "mse":
+            sc = search_block_scales(xc, amax, global_scale, scaling)
+        else:
+            sc = block_scales(amax, global_scale)
+        if scaling == "2d":
+            sc = sc.repeat_interleave(BLOCK, dim=0)
         scales[r : r + n] = sc
         packed[r : r + n] = encode_with_scales(xc, sc, global_scale)
     return NVFP4Tensor(packed, scales, global_scale)
@@ -249,6 +293,7 @@ def quantize_weight(
     *,
     global_scale: torch.Tensor | None = None,
     scaling: str = "2d",
+    scale_rule: str = "amax",
 ) -> tuple[NVFP4Tensor, NVFP4Tensor]:
     """A frozen weight W [N, K] -> (forward [N, K] blocked along K, backward [K, N] along N)."""
     if scaling not in SCALINGS:
@@ -256,10 +301,10 @@ def quantize_weight(
     _check_2d(w, "quantize_weight", need_rows16=True)
     if global_scale is None:
         global_scale = global_scale_from_amax(w.float().abs().amax())
-    fwd = quantize(w, global_scale=global_scale, scaling=scaling)
+    fwd = quantize(w, global_scale=global_scale, scaling=scaling, scale_rule=scale_rule)
     if scaling == "2d":
         return fwd, transpose_2d(fwd)
-    return fwd, quantize(w.t().contiguous(), global_scale=global_scale, scaling="1d")
+    return fwd, quantize(w.t().contiguous(), global_scale=global_scale, scaling="1d", scale_rule=scale_rule)
 
 
 def sqnr_db(x: torch.Tensor, y: torch.Tensor) -> float:

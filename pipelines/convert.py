@@ -15,19 +15,22 @@ from .common import cli_errors
 @click.argument("out", type=click.Path(file_okay=False))
 @click.option("--scaling", type=click.Choice(["1d", "2d"]), default="2d", show_default=True,
               help="NVFP4 weight scale blocks: 2d = 16x16 (forward and backward use identical weights), 1d = 1x16.")
+@click.option("--block-scales", type=click.Choice(["amax", "mse"]), default="amax", show_default=True,
+              help="How each block's E4M3 scale is chosen: amax maps the block's largest value to 6; mse keeps "
+                   "the least-squared-error scale near that one (slower to convert; same format).")
 @click.option("--keep-bf16", type=float, default=0.0, show_default=True, metavar="FRACTION",
               help="Keep this fraction of frozen projections (largest NVFP4 error first) in bf16.")
 @click.option("--revision", default=None, help="Hub revision (branch, tag or commit) when SRC is a hub id.")
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @cli_errors
-def main(src: str, out: str, scaling: str, keep_bf16: float, revision: str | None, overwrite: bool, quiet: bool) -> None:
+def main(src: str, out: str, scaling: str, block_scales: str, keep_bf16: float, revision: str | None, overwrite: bool, quiet: bool) -> None:
     """Convert SRC (a Hugging Face model folder, a .gguf file or a hub id) into the artifact OUT."""
-    path = convert(src, out, scaling=scaling, keep_bf16=keep_bf16, overwrite=overwrite, revision=revision, progress=not quiet)
+    path = convert(src, out, scaling=scaling, block_scales=block_scales, keep_bf16=keep_bf16, overwrite=overwrite, revision=revision, progress=not quiet)
     art = open_artifact(path)
     kept = art.meta["provenance"]["kept_bf16"]
     click.echo(f"wrote {path}: {art.meta['architecture']}, {len(art.names('nvfp4'))} NVFP4 projections "
-               f"({scaling}), {len(kept)} kept bf16, {len(art.names('dense'))} dense tensors")
+               f"({scaling}{', searched block scales' if block_scales == 'mse' else ''}), {len(kept)} kept bf16, {len(art.names('dense'))} dense tensors")
 
 
 if __name__ == "__main__":

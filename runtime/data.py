@@ -10,6 +10,9 @@ from __future__ import annotations
 import json
 import logging
 import random
+import signal
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +22,8 @@ from pact.formats import PactError
 
 log = logging.getLogger(__name__)
 IGNORE = -100
+TEMPLATE_SECONDS = 10  # one conversation's chat-template rendering; a template from an artifact may loop
+TEMPLATE_CHARS = 1 << 20  # and the rendered text's bound
 
 
 @dataclass
@@ -50,8 +55,13 @@ def read_records(path: str | Path, flag: str = "--data") -> list[dict]:
         where = [f"{p} row {i}" for i in range(len(records))]
     else:
         records, where = [], []
-        with open(p, encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
+        with open(p, "rb") as f:
+            for n, raw in enumerate(f, 1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise PactError(f"{p}:{n}: not UTF-8 text (byte {e.start + 1} of the line): save the file as "
+                                    "UTF-8") from None
                 if not line.strip():
                     continue
                 try:
@@ -69,6 +79,47 @@ def read_records(path: str | Path, flag: str = "--data") -> list[dict]:
     return records
 
 
+class _TemplateTimeout(Exception):
+    pass
+
+
+@contextmanager
+def _time_limit(seconds: float):
+    """SIGALRM after ``seconds`` (main thread on POSIX; elsewhere no limit, the size bound still holds)."""
+    if not hasattr(signal, "setitimer") or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def fire(signum, frame):
+        raise _TemplateTimeout
+
+    old = signal.signal(signal.SIGALRM, fire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def render_chat(tokenizer, messages: list[dict], where: str, **kw) -> str:
+    """The tokenizer's chat template applied to ``messages``, bounded in time and size: the
+    template comes from the artifact (someone else's file), and a loop in it must not hang a run."""
+    fix = "the artifact's chat template (hf/tokenizer_config.json or chat_template.jinja) is faulty or hostile; " \
+          "use prompt/completion records or fix the template"
+    try:
+        with _time_limit(TEMPLATE_SECONDS):
+            text = tokenizer.apply_chat_template(messages, tokenize=False, **kw)
+    except _TemplateTimeout:
+        raise PactError(f"{where}: rendering the chat template took over {TEMPLATE_SECONDS} s: {fix}") from None
+    except Exception as e:  # jinja errors: a template that cannot render this conversation
+        raise PactError(f"{where}: the chat template failed to render ({type(e).__name__}: {e}): {fix}") from None
+    if not isinstance(text, str) or len(text) > TEMPLATE_CHARS:
+        raise PactError(f"{where}: the chat template rendered {len(text) if isinstance(text, str) else 'no'} "
+                        f"characters (bound {TEMPLATE_CHARS}): {fix}")
+    return text
+
+
 def _split(tokenizer, rec: dict) -> tuple[str, str]:
     w = rec["_where"]
     if "messages" in rec:
@@ -79,8 +130,8 @@ def _split(tokenizer, rec: dict) -> tuple[str, str]:
             raise PactError(f"{w}: the last message must be the assistant's (it is the training target)")
         if tokenizer.chat_template is None:
             raise PactError(f"{w}: the artifact's tokenizer has no chat template: use prompt/completion records")
-        full = tokenizer.apply_chat_template(msgs, tokenize=False)
-        prompt = tokenizer.apply_chat_template(msgs[:-1], tokenize=False, add_generation_prompt=True)
+        full = render_chat(tokenizer, msgs, w)
+        prompt = render_chat(tokenizer, msgs[:-1], w, add_generation_prompt=True)
         if not full.startswith(prompt):
             raise PactError(f"{w}: the chat template renders the conversation inconsistently; use prompt/completion")
         return prompt, full[len(prompt):]

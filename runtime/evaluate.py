@@ -147,13 +147,17 @@ def evaluate_artifact(artifact: str, data: str, *, adapter: str | None = None, m
     ``activations`` None: the recipe the adapter's run recorded (its train_config.json), else the default."""
     from transformers import AutoTokenizer
 
-    from pact.formats import open_artifact
+    from pact.formats import PactError, default_cache, open_artifact
 
     from .data import pad_id, read_records, tokenize
     from .lora import load_peft_adapter
     from .model import PactModel
 
+    for flag, value, low in (("--batch-size", batch_size, 1), ("--max-len", max_len, 2)):
+        if value < low:
+            raise PactError(f"{flag} must be >= {low}, got {value}")
     art = open_artifact(artifact)
+    art.verify_cached(default_cache())  # a damaged artifact never scores
     tokenizer = AutoTokenizer.from_pretrained(art.hf_dir, trust_remote_code=False)
     dev = resolve_device(device)
     lora_cfg, weights = load_peft_adapter(adapter) if adapter else (None, None)

@@ -82,11 +82,33 @@ def load_peft_adapter(adapter_dir: str | os.PathLike) -> tuple[LoraConfig, dict[
     cfg_path, w_path = d / "adapter_config.json", d / "adapter_model.safetensors"
     if not cfg_path.is_file() or not w_path.is_file():
         raise PactError(f"{d} is not a PEFT LoRA adapter (needs adapter_config.json + adapter_model.safetensors)")
-    c = json.loads(cfg_path.read_text())
+    fix = "re-save it with PEFT or pact-train"
+    try:
+        c = json.loads(cfg_path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise PactError(f"{cfg_path}: not valid JSON ({e}): {fix}") from None
+    if not isinstance(c, dict):
+        raise PactError(f"{cfg_path}: expected a JSON object: {fix}")
+    for key, ok in (("r", lambda v: isinstance(v, int) and v >= 1),
+                    ("lora_alpha", lambda v: isinstance(v, (int, float)) and v > 0),
+                    ("target_modules", lambda v: isinstance(v, list) and v and all(isinstance(t, str) for t in v))):
+        if not ok(c.get(key)):
+            raise PactError(f"{cfg_path}: '{key}' is missing or invalid ({c.get(key)!r}): {fix}")
+    if c.get("peft_type", "LORA") != "LORA" or c.get("use_dora") or c.get("use_rslora"):
+        raise PactError(f"{cfg_path}: a {c.get('peft_type')} adapter (use_dora={c.get('use_dora')}, use_rslora="
+                        f"{c.get('use_rslora')}): pact applies plain LoRA only")
     cfg = LoraConfig(r=c["r"], alpha=c["lora_alpha"], dropout=c.get("lora_dropout", 0.0), targets=tuple(c["target_modules"]))
-    tensors = load_file(w_path)
+    try:
+        tensors = load_file(w_path)
+    except Exception as e:  # safetensors raises its own error types for damaged headers
+        raise PactError(f"{w_path}: unreadable ({e}): the adapter is damaged; {fix}") from None
     out: dict[str, list] = {}
     for key, t in tensors.items():
-        stem, which = key.removeprefix("base_model.model.").rsplit(".lora_", 1)
+        stem, sep, which = key.removeprefix("base_model.model.").rpartition(".lora_")
+        if not sep or which not in ("A.weight", "B.weight"):
+            raise PactError(f"{w_path}: tensor {key!r} is not a LoRA A/B weight: {fix}")
         out.setdefault(stem + ".weight", [None, None])["AB".index(which[0])] = t
+    for k, (a, b) in out.items():
+        if a is None or b is None or a.dim() != 2 or b.dim() != 2 or a.shape[0] != c["r"] or b.shape[1] != c["r"]:
+            raise PactError(f"{w_path}: {k}: A/B missing or not of rank r={c['r']}: {fix}")
     return cfg, {k: (a, b) for k, (a, b) in out.items()}

@@ -9,6 +9,7 @@ projection goes through runtime/functions.py.
 
 from __future__ import annotations
 
+import json
 import math
 
 import torch
@@ -17,7 +18,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from pact.formats import Artifact, PactError
-from pact.formats.families import FAMILIES, GROUPS
+from pact.formats.families import FAMILIES, GROUPS, check_config
 from pact.formats.nvfp4 import NVFP4Tensor
 
 from .backends import get_ops, resolve_compute, resolve_kernels
@@ -85,6 +86,11 @@ class PactModel(nn.Module):
             raise PactError(f"--fp8-weights resident keeps E4M3 copies for the fp8 backend; this run computes with "
                             f"{self.compute}: add --compute fp8 or leave --fp8-weights at per-call")
         self._fp8_copy = self.ops.fp8_rows if fp8_weights == "resident" else None
+        cfg_file = artifact.hf_dir / "config.json"
+        try:
+            check_config(json.loads(cfg_file.read_text(encoding="utf-8")), artifact.names(), str(cfg_file))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise PactError(f"{cfg_file}: unreadable ({e}): the artifact is damaged; re-copy it or re-run pact-convert") from None
         cfg = AutoConfig.from_pretrained(artifact.hf_dir, trust_remote_code=False).get_text_config()
         self.cfg = cfg
         self.hidden = cfg.hidden_size

@@ -2,19 +2,24 @@
 checkpoints that resume the same run bit for bit, PEFT-format output.
 
 Run folder: adapter_config.json + adapter_model.safetensors (PEFT names), metrics.jsonl
-(one object per optimizer step), train_config.json, eval.json, checkpoints/step-NNNNNNN/.
-Nothing is pickled: checkpoints are safetensors + JSON.
+(one object per optimizer step), train_config.json (with the artifact's and data's
+fingerprints, which --resume compares), eval.json, checkpoints/step-NNNNNNN/, and .lock while
+a process trains into it. Nothing is pickled: checkpoints are safetensors + JSON.
 """
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
 import logging
 import math
 import os
 import resource
 import shutil
+import socket
 import time
+from contextlib import contextmanager
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Iterator
@@ -23,7 +28,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from pact.formats import PactError, open_artifact
+from pact.formats import PactError, default_cache, open_artifact
+from pact.formats.artifact import pid_alive, sha256_file
 
 from .data import batches, collate, pad_id, read_records, tokenize
 from .backends import resolve_device
@@ -78,6 +84,25 @@ class TrainConfig:
             raise PactError(f"--epochs must be > 0, got {self.epochs}")
         if not 0 <= self.warmup_ratio < 1:
             raise PactError(f"--warmup-ratio must be in [0, 1), got {self.warmup_ratio}")
+        # every number checked before anything loads: a bad one fails here, not after the model
+        checks = (
+            ("lr", self.lr, math.isfinite(self.lr) and self.lr > 0, "a finite number > 0 (e.g. 2e-4)"),
+            ("weight-decay", self.weight_decay, math.isfinite(self.weight_decay) and self.weight_decay >= 0,
+             "a finite number >= 0"),
+            ("max-grad-norm", self.max_grad_norm, math.isfinite(self.max_grad_norm) and self.max_grad_norm > 0,
+             "> 0 (the clipping threshold; a huge value effectively disables clipping)"),
+            ("lora-r", self.lora_r, self.lora_r >= 1, "an integer >= 1"),
+            ("lora-alpha", self.lora_alpha, math.isfinite(self.lora_alpha) and self.lora_alpha > 0,
+             "> 0 (the adapter's scale is alpha / r; 0 trains nothing)"),
+            ("lora-dropout", self.lora_dropout, 0 <= self.lora_dropout < 1, "in [0, 1)"),
+            ("save-every", self.save_every, self.save_every >= 0, ">= 0 (0: no checkpoints)"),
+            ("max-len", self.max_len, self.max_len >= 2, ">= 2 (a prompt token and a completion token)"),
+        )
+        for flag, value, ok, want in checks:
+            if not ok:
+                raise PactError(f"--{flag} must be {want}, got {value}")
+        if self.overlong not in ("truncate", "refuse"):
+            raise PactError(f"--overlong must be truncate or refuse, got {self.overlong!r}")
         self.activations = parse_recipe(self.activations).spec()  # canonical: resume compares it
 
     def lora(self) -> LoraConfig:
@@ -116,10 +141,35 @@ def _peak_memory_gb(device: torch.device) -> float:
 # ------------------------------------------------------------------------- checkpoints
 
 
+CHECKPOINT_FILES = ("adapter_config.json", "adapter_model.safetensors", "optimizer.safetensors", "rng.safetensors",
+                    "state.json")
+
+
+def _disk_error(e: OSError, what: Path) -> PactError:
+    why = "the disk is full" if e.errno == errno.ENOSPC else f"{e.strerror or e}"
+    return PactError(f"{what}: could not write ({why}): free space or choose another --out; "
+                     "the run's earlier checkpoints are kept")
+
+
 def _save_checkpoint(run: Path, model: PactModel, opt: torch.optim.Optimizer, state: dict, cfg: TrainConfig) -> Path:
     final = run / "checkpoints" / f"step-{state['step']:07d}"
     tmp = final.with_name(final.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+    for stale in (run / "checkpoints").glob("step-*.tmp"):  # left by a killed or full-disk save (the lock is ours)
+        shutil.rmtree(stale, ignore_errors=True)
+    try:
+        _write_checkpoint(tmp, model, opt, state, cfg)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise _disk_error(e, tmp) from None
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    done = sorted((run / "checkpoints").glob("step-???????"))
+    for old in done[:-KEEP_CHECKPOINTS]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def _write_checkpoint(tmp: Path, model: PactModel, opt: torch.optim.Optimizer, state: dict, cfg: TrainConfig) -> None:
     save_peft_adapter(tmp, model.adapter_state(), cfg.lora(), cfg.artifact)
     params = list(model.lora_params.values())
     tensors = {}
@@ -132,12 +182,6 @@ def _save_checkpoint(run: Path, model: PactModel, opt: torch.optim.Optimizer, st
         rng["cuda"] = torch.cuda.get_rng_state()
     save_file(rng, tmp / "rng.safetensors")
     (tmp / "state.json").write_text(json.dumps({**state, "config": cfg.as_json()}, indent=2))
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
-    done = sorted((run / "checkpoints").glob("step-???????"))
-    for old in done[:-KEEP_CHECKPOINTS]:
-        shutil.rmtree(old, ignore_errors=True)
-    return final
 
 
 def _config_diff(saved: dict, now: dict) -> list[str]:
@@ -148,19 +192,42 @@ def _config_diff(saved: dict, now: dict) -> list[str]:
             if saved.get(k) != now.get(k)]
 
 
-def _load_checkpoint(run: Path, model: PactModel, opt: torch.optim.Optimizer, cfg: TrainConfig) -> dict:
-    done = sorted((run / "checkpoints").glob("step-???????"))
-    if not done:
-        raise PactError(f"--resume: {run}/checkpoints has no checkpoint (train with --save-every N)")
-    ck = done[-1]
+def _usable_checkpoints(run: Path) -> list[Path]:
+    """Complete checkpoints, newest first; an emptied or half-copied one is skipped with a warning."""
+    good = []
+    for ck in sorted((run / "checkpoints").glob("step-???????"), reverse=True):
+        try:
+            ok = all((ck / f).is_file() and (ck / f).stat().st_size > 0 for f in CHECKPOINT_FILES)
+            ok = ok and isinstance(json.loads((ck / "state.json").read_text()).get("step"), int)
+        except (OSError, ValueError):
+            ok = False
+        if ok:
+            good.append(ck)
+        else:
+            log.warning("skipping checkpoint %s: incomplete or damaged", ck)
+    return good
+
+
+def _load_checkpoint(run: Path, ck: Path, model: PactModel, opt: torch.optim.Optimizer, cfg: TrainConfig,
+                     inputs: dict) -> dict:
     state = json.loads((ck / "state.json").read_text())
+    saved_inputs = state.pop("inputs", None)
+    if saved_inputs is not None and saved_inputs != inputs:
+        changed = [k for k in inputs if saved_inputs.get(k) != inputs[k]]
+        raise PactError(f"--resume: the {' and the '.join(changed)} changed since {ck} was saved (fingerprint "
+                        "differs): resuming would silently mix two trainings; restore the originals or start a "
+                        "new run in another --out")
     diff = _config_diff(state.pop("config"), cfg.as_json())
     if diff:
         raise PactError(f"--resume: {ck} was made with other settings; resume with the same flags or start a new run:\n"
                         + "\n".join(diff))
     _, adapters = load_peft_adapter(ck)
     model.load_adapter_state(adapters)
-    saved = load_file(ck / "optimizer.safetensors")
+    try:
+        saved = load_file(ck / "optimizer.safetensors")
+    except Exception as e:  # safetensors' own error types
+        raise PactError(f"{ck}/optimizer.safetensors: unreadable ({e}): remove {ck} to resume from the one "
+                        "before it") from None
     params = list(model.lora_params.values())
     for i, p in enumerate(params):
         st = {k.split(".", 1)[1]: v for k, v in saved.items() if k.split(".", 1)[0] == str(i)}
@@ -181,6 +248,70 @@ def _truncate_metrics(path: Path, step: int) -> None:
         path.write_text("".join(line + "\n" for line in keep))
 
 
+# ------------------------------------------------------------------------- run folder
+
+
+def data_fingerprint(path: str | os.PathLike) -> str:
+    """sha256 of a data file, or of a datasets folder's files (names and contents)."""
+    p = Path(path)
+    if p.is_file():
+        return sha256_file(p)
+    h = hashlib.sha256()
+    for f in sorted(q for q in p.rglob("*") if q.is_file()):
+        h.update(f"{f.relative_to(p)}\0{sha256_file(f)}\n".encode())
+    return h.hexdigest()
+
+
+@contextmanager
+def run_lock(run: Path):
+    """One writer per run folder: ``.lock`` holds the owner's host and pid; a lock whose process is
+    gone (same host) is taken over, a live one is refused."""
+    lock = run / ".lock"
+    me = f"{socket.gethostname()} {os.getpid()}\n"
+    for _ in range(2):
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            try:
+                host, pid = lock.read_text().split()
+                alive = host != socket.gethostname() or pid_alive(int(pid))
+            except (OSError, ValueError):
+                host, pid, alive = "?", "?", False
+            if alive:
+                raise PactError(f"--out {run} is in use by another pact-train (host {host}, pid {pid}): wait for it, "
+                                f"or choose another --out (if that process is gone, delete {lock})") from None
+            log.warning("removing a stale lock %s (pid %s has exited)", lock, pid)
+            lock.unlink(missing_ok=True)
+            continue
+        except OSError as e:
+            raise PactError(f"--out {run}: cannot write there ({e.strerror}): choose a writable folder") from None
+        with os.fdopen(fd, "w") as f:
+            f.write(me)
+        break
+    try:
+        yield
+    finally:
+        lock.unlink(missing_ok=True)
+
+
+def _prepare_run(run: Path, resume: bool) -> None:
+    """The run folder is new, or (``resume``) an unfinished run with a checkpoint; never one whose
+    results would be overwritten."""
+    files = [p for p in run.iterdir() if p.name != ".lock"] if run.is_dir() else []
+    if files and not resume:
+        raise PactError(f"--out {run} is not empty: pass --resume to continue that run, or choose another folder")
+    if resume and files and not _usable_checkpoints(run):
+        if (run / "adapter_model.safetensors").is_file():
+            raise PactError(f"--resume: {run} is a finished run (its adapter is saved) with no checkpoint to resume "
+                            "from; nothing to do: train more in a new --out (its adapter stays as it is)")
+        raise PactError(f"--resume: {run} has no usable checkpoint (train with --save-every N); "
+                        "start again in an empty --out")
+    try:
+        run.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise PactError(f"--out {run}: cannot create it ({e.strerror}): choose a writable folder") from None
+
+
 # ------------------------------------------------------------------------------ loop
 
 
@@ -190,14 +321,22 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True, stop
     ``stop_after`` ends the process-equivalent of a kill right after that step (tests).
     """
     run = Path(cfg.out)
-    if run.exists() and any(run.iterdir()) and not resume:
-        raise PactError(f"--out {run} is not empty: pass --resume to continue that run, or choose another folder")
-    run.mkdir(parents=True, exist_ok=True)
+    _prepare_run(run, resume)
+    with run_lock(run):
+        return _train(cfg, run, resume, progress, stop_after)
+
+
+def _train(cfg: TrainConfig, run: Path, resume: bool, progress: bool, stop_after: int | None) -> dict:
     torch.manual_seed(cfg.seed)
     device = resolve_device(cfg.device)
     if device.type == "cpu":
         log.warning("no GPU: training on the CPU (correct, slow; fine for tiny models and tests)")
     art = open_artifact(cfg.artifact)
+    try:  # every checksum, once per unchanged artifact: a damaged one never trains
+        art.verify_cached(default_cache())
+    except PactError as e:
+        raise PactError(f"--artifact: {e}") from None
+    inputs = {"artifact": art.fingerprint(), "data": data_fingerprint(cfg.data)}
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(art.hf_dir, trust_remote_code=False)
@@ -214,10 +353,16 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True, stop
     params = list(model.lora_params.values())
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, foreach=device.type == "cuda")
     state = {"step": 0, "epoch": 0, "pos": 0, "tokens": 0}
-    if resume and (run / "checkpoints").exists():
-        state = _load_checkpoint(run, model, opt, cfg)
+    last_good = None
+    if resume and (good := _usable_checkpoints(run)):
+        last_good = good[0]
+        state = _load_checkpoint(run, last_good, model, opt, cfg, inputs)
         _truncate_metrics(run / "metrics.jsonl", state["step"])  # steps after the checkpoint are redone
-    (run / "train_config.json").write_text(json.dumps({**cfg.as_json(), "recipe": model.recipe.as_json()}, indent=2) + "\n")
+        if state["step"] >= total:
+            log.info("%s: the checkpoint is at the last step (%d); writing the adapter", last_good, total)
+    state["inputs"] = inputs
+    (run / "train_config.json").write_text(json.dumps({**cfg.as_json(), "recipe": model.recipe.as_json(),
+                                                       "inputs_sha256": inputs}, indent=2) + "\n")
     stream = _micro_batches(examples, cfg, state["epoch"], state["pos"])
     metrics_f = open(run / "metrics.jsonl", "a")
     bar = tqdm(total=total, initial=state["step"], desc="train", unit="step", disable=not progress)
@@ -230,11 +375,20 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True, stop
             loaded = [collate(examples, idx, pad, device) for _, _, idx in micro]
             n_targets = sum(int((lab[:, 1:] != -100).sum()) for _, lab in loaded)
             loss_sum = 0.0
+            if n_targets == 0:
+                raise PactError(f"step {state['step'] + 1}: the batch has no completion tokens within --max-len "
+                                f"{cfg.max_len}: raise --max-len")
             for ids, labels in loaded:
                 loss, _ = model(ids, labels)
                 (loss / max(n_targets, 1)).backward()
                 loss_sum += float(loss.detach())
             grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm))
+            if not (math.isfinite(loss_sum) and math.isfinite(grad_norm)):
+                kept = f"the last good checkpoint is {last_good}" if last_good else "no checkpoint was saved"
+                raise PactError(
+                    f"step {state['step'] + 1}: loss {loss_sum / max(n_targets, 1):.4g}, gradient norm {grad_norm:.4g}: "
+                    f"not finite, training stopped and no adapter written ({kept}); lower --lr, or check the "
+                    "artifact and data")
             lr = lr_at(state["step"], total, cfg.lr, cfg.warmup_ratio)
             for group in opt.param_groups:
                 group["lr"] = lr
@@ -251,7 +405,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True, stop
             bar.update(1)
             bar.set_postfix(loss=f"{last['loss']:.4f}", tok_s=f"{last['tokens_per_s']:.0f}", mem=f"{last['peak_mem_gb']:.2f}G")
             if cfg.save_every and state["step"] % cfg.save_every == 0:
-                _save_checkpoint(run, model, opt, state, cfg)
+                last_good = _save_checkpoint(run, model, opt, state, cfg)
             if stop_after is not None and state["step"] >= stop_after:
                 return last
     except torch.cuda.OutOfMemoryError:
@@ -260,7 +414,10 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True, stop
     finally:
         bar.close()
         metrics_f.close()
-    save_peft_adapter(run, model.adapter_state(), cfg.lora(), cfg.artifact)
+    try:
+        save_peft_adapter(run, model.adapter_state(), cfg.lora(), cfg.artifact)
+    except OSError as e:
+        raise _disk_error(e, run / "adapter_model.safetensors") from None
     result = dict(last)
     if cfg.eval_data:
         held = tokenize(read_records(cfg.eval_data), tokenizer, max_len=cfg.max_len, overlong=cfg.overlong, vocab_size=vocab)

@@ -141,7 +141,14 @@ def test_cli(tmp_path, tiny_qwen2):
     r = runner.invoke(convert_cli, [str(tiny_qwen2), str(out), "--quiet", "--overwrite"])
     assert r.exit_code == 0, r.output
     assert open_artifact(out).meta["provenance"]["scaling"] == "2d"
+    assert open_artifact(out).meta["provenance"]["block_scales"] == "amax"
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp dirs left
+    mse = tmp_path / "mse"
+    r = runner.invoke(convert_cli, [str(tiny_qwen2), str(mse), "--quiet", "--block-scales", "mse"])
+    assert r.exit_code == 0 and "searched block scales" in r.output, r.output
+    a, b = open_artifact(out), open_artifact(mse)
+    assert b.meta["provenance"]["block_scales"] == "mse"
+    assert sum(b.entry(n)["error"] for n in b.names("nvfp4")) < sum(a.entry(n)["error"] for n in a.names("nvfp4"))
 
 
 # ---- bad input: each one clear error naming the file/flag and the fix
@@ -210,6 +217,8 @@ def test_bad_flags(tmp_path, tiny_llama):
         convert(str(tiny_llama), tmp_path / "art", keep_bf16=1.5)
     with pytest.raises(PactError, match="--scaling"):
         convert(str(tiny_llama), tmp_path / "art", scaling="4d")
+    with pytest.raises(PactError, match="--block-scales"):
+        convert(str(tiny_llama), tmp_path / "art", block_scales="max")
 
 
 def test_truncated_and_corrupted_chunks(tmp_path, tiny_llama):

@@ -155,6 +155,29 @@ def test_sqnr_floor_gaussian(scaling, floor_db):
     assert F.sqnr_db(w, F.dequantize(fwd)) > floor_db
 
 
+@pytest.mark.parametrize("scaling", F.SCALINGS)
+def test_searched_block_scales(scaling):
+    """``mse`` keeps the amax rule's scale among its candidates, so no block's error grows; the
+    result is plain NVFP4 (2d still transposes exactly) and on heavy-tailed weights it helps."""
+    torch.manual_seed(0)
+    w = torch.distributions.StudentT(4.0).sample((64, 128))
+    g = F.global_scale_from_amax(w.abs().amax())
+    amax, mse = (F.quantize(w, global_scale=g, scaling=scaling, scale_rule=r) for r in F.SCALE_RULES)
+    per_block = {}
+    for name, t in (("amax", amax), ("mse", mse)):
+        e = (F.dequantize(t) - w).square().reshape(64, 8, 16).sum(-1)  # [rows, K/16]
+        per_block[name] = e if scaling == "1d" else e.reshape(4, 16, 8).sum(1)
+    assert bool((per_block["mse"] <= per_block["amax"] * (1 + 1e-6)).all())
+    assert float(per_block["mse"].sum()) < 0.97 * float(per_block["amax"].sum())
+    assert not torch.equal(mse.scales.view(torch.uint8), amax.scales.view(torch.uint8))
+    assert torch.equal(F.quantize(w, global_scale=g, scaling=scaling).packed, amax.packed)  # amax is the default
+    if scaling == "2d":
+        fwd, bwd = F.quantize_weight(w, global_scale=g, scale_rule="mse")
+        assert torch.equal(fwd.packed, mse.packed) and torch.equal(F.dequantize(bwd), F.dequantize(fwd).t())
+    with pytest.raises(ValueError, match="scale_rule"):
+        F.quantize(w, scale_rule="max")
+
+
 def test_zero_tensor_and_shared_global_scale():
     z = torch.zeros(16, 32)
     assert torch.equal(F.dequantize(F.quantize(z)), z)

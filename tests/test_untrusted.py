@@ -126,3 +126,295 @@ def test_overwrite_never_deletes_what_is_not_an_artifact(base, tmp_path):
     convert(str(src), art, progress=False)
     convert(str(src), art, overwrite=True, progress=False)  # an artifact is replaced, as asked
     open_artifact(art).verify()
+
+
+# ---- a run never loses what it made, and a damaged input never trains
+
+
+def _data(tmp_path, n=32):
+    from conftest import make_sentiment_jsonl
+
+    return make_sentiment_jsonl(tmp_path / "train.jsonl", n, seed=0)
+
+
+def _cfg(base, tmp_path, **kw):
+    from pact.runtime.trainer import TrainConfig
+
+    args = dict(artifact=str(base / "art"), data=str(_data(tmp_path)), out=str(tmp_path / "run"), max_len=32,
+                batch_size=8, steps=2, lr=1e-3, lora_r=4, lora_alpha=8, kernels="torch")
+    return TrainConfig(**{**args, **kw})
+
+
+def _rehash(art):
+    """Re-record every checksum: an artifact consistent with its manifest, as a faulty writer would make."""
+    from pact.formats.artifact import sha256_file
+
+    def edit(meta):
+        for rel in meta["files"]:
+            meta["files"][rel] = sha256_file(art / "hf" / rel)
+        for e in meta["tensors"].values():
+            for spec in e["arrays"].values():
+                spec["sha256"] = sha256_file(art.joinpath(spec["path"], "c", *["0"] * len(spec["shape"])))
+    _edit_manifest(art, edit)
+
+
+def test_resume_never_overwrites_a_finished_run(base, tmp_path):
+    from pact.formats import PactError
+    from pact.runtime.trainer import train
+
+    train(_cfg(base, tmp_path), progress=False)
+    adapter = (tmp_path / "run" / "adapter_model.safetensors").read_bytes()
+    with pytest.raises(PactError, match="is a finished run .* nothing to do"):
+        train(_cfg(base, tmp_path), resume=True, progress=False)
+    assert (tmp_path / "run" / "adapter_model.safetensors").read_bytes() == adapter
+    assert [json.loads(x)["step"] for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+
+
+@pytest.mark.parametrize("what", ["data", "artifact"])
+def test_resume_refuses_replaced_inputs(base, tmp_path, what):
+    from pact.formats import PactError
+    from pact.runtime.trainer import train
+
+    art = _copy(base, tmp_path)
+    cfg = _cfg(base, tmp_path, artifact=str(art), steps=4, save_every=2)
+    train(cfg, progress=False, stop_after=2)
+    if what == "data":
+        from conftest import make_sentiment_jsonl
+
+        make_sentiment_jsonl(tmp_path / "train.jsonl", 32, seed=5)
+    else:
+        name = open_artifact(art).names("nvfp4")[0]
+        chunk = art / "tensors" / name / "fwd_packed" / "c" / "0" / "0"
+        b = bytearray(chunk.read_bytes())
+        b[0] ^= 0x11
+        chunk.write_bytes(bytes(b))
+        _rehash(art)  # a re-converted artifact: valid, but not the one the run started on
+    with pytest.raises(PactError, match=f"the {what} changed since .* was saved"):
+        train(cfg, resume=True, progress=False)
+
+
+def test_one_writer_per_run_folder(base, tmp_path):
+    import socket
+
+    from pact.formats import PactError
+    from pact.runtime.trainer import train
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / ".lock").write_text(f"{socket.gethostname()} {os.getppid()}\n")  # a live process holds it
+    with pytest.raises(PactError, match=r"is in use by another pact-train .*pid"):
+        train(_cfg(base, tmp_path), progress=False)
+    assert not (run / "adapter_model.safetensors").exists()
+    (run / ".lock").write_text(f"{socket.gethostname()} 999999999\n")  # its process is gone: taken over
+    train(_cfg(base, tmp_path), progress=False)
+    assert (run / "adapter_model.safetensors").is_file() and not (run / ".lock").exists()
+
+
+def test_damaged_artifact_never_trains(base, tmp_path):
+    from pact.formats import PactError
+    from pact.runtime.trainer import train
+
+    art = _copy(base, tmp_path)
+    name = open_artifact(art).names("nvfp4")[0]
+    chunk = art / "tensors" / name / "fwd_packed" / "c" / "0" / "0"
+    b = bytearray(chunk.read_bytes())
+    b[5] ^= 0x01  # one flipped code bit: same size, different weights
+    chunk.write_bytes(bytes(b))
+    with pytest.raises(PactError, match="checksum mismatch"):
+        train(_cfg(base, tmp_path, artifact=str(art)), progress=False)
+    assert not (tmp_path / "run" / "adapter_model.safetensors").exists()
+
+
+def test_non_finite_loss_stops_at_its_step(base, tmp_path):
+    from pact.formats import PactError
+    from pact.runtime.trainer import train
+
+    art = _copy(base, tmp_path)
+    for name in open_artifact(art).names("nvfp4"):
+        for part in ("fwd_scales", "bwd_scales"):
+            chunk = art / "tensors" / name / part / "c" / "0" / "0"
+            chunk.write_bytes(b"\x7f" * chunk.stat().st_size)  # e4m3 NaN block scales
+    _rehash(art)
+    run = tmp_path / "run"
+    with pytest.raises(PactError, match=r"step 1: loss nan.*not finite, training stopped and no adapter written"):
+        train(_cfg(base, tmp_path, artifact=str(art)), progress=False)
+    assert not (run / "adapter_model.safetensors").exists()
+
+
+def test_checkpoints_survive_a_full_disk_and_an_emptied_one(base, tmp_path, monkeypatch):
+    import errno
+
+    from pact.formats import PactError
+    from pact.runtime import trainer
+
+    cfg = _cfg(base, tmp_path, steps=6, save_every=2)
+    trainer.train(cfg, progress=False, stop_after=4)
+    ck = tmp_path / "run" / "checkpoints"
+    assert sorted(p.name for p in ck.iterdir()) == ["step-0000002", "step-0000004"]
+    real = trainer.save_file
+
+    def full(tensors, path, *a, **kw):
+        if str(path).endswith("optimizer.safetensors"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(tensors, path, *a, **kw)
+
+    monkeypatch.setattr(trainer, "save_file", full)
+    with pytest.raises(PactError, match=r"step-0000006.tmp: could not write \(the disk is full\)"):
+        trainer.train(cfg, resume=True, progress=False)
+    monkeypatch.undo()
+    assert sorted(p.name for p in ck.iterdir()) == ["step-0000002", "step-0000004"]  # no half checkpoint
+    (ck / "step-0000004" / "optimizer.safetensors").write_bytes(b"")  # emptied: the older one is used
+    r = trainer.train(cfg, resume=True, progress=False)
+    assert r["step"] == 6
+    steps = [json.loads(x)["step"] for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 5, 6]
+
+
+def test_killed_convert_leftovers_are_removed(base, tmp_path):
+    out = tmp_path / "art"
+    stale = tmp_path / ".art.tmp-999999999-deadbeef"
+    (stale / "tensors").mkdir(parents=True)
+    (stale / "tensors" / "big").write_bytes(b"\0" * 1000)
+    live = tmp_path / f".art.tmp-{os.getpid()}-0badf00d"  # a live process's temp stays
+    live.mkdir()
+    convert(str(base / "src"), out, progress=False)
+    assert not stale.exists() and live.is_dir()
+
+
+def test_chat_template_is_bounded(base, tmp_path, monkeypatch):
+    from pact.formats import PactError
+    from pact.runtime import data
+    from pact.runtime.trainer import train
+
+    art = _copy(base, tmp_path)
+    loop = "{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}"
+    (art / "hf" / "chat_template.jinja").write_text(loop)
+    _rehash(art)
+    f = tmp_path / "chat.jsonl"
+    f.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
+                                          {"role": "assistant", "content": "yo"}]}) + "\n")
+    monkeypatch.setattr(data, "TEMPLATE_SECONDS", 1)
+    with pytest.raises(PactError, match=r"chat.jsonl:1: rendering the chat template took over 1 s"):
+        train(_cfg(base, tmp_path, artifact=str(art), data=str(f)), progress=False)
+
+
+# ---- one clear error per bad input, before anything loads
+
+
+@pytest.mark.parametrize("flag,value,match", [
+    ("lr", -1.0, "--lr must be a finite number > 0"), ("lr", float("nan"), "--lr must be"), ("lr", 0.0, "--lr must be"),
+    ("weight_decay", -5.0, "--weight-decay must be"), ("lora_alpha", 0.0, "--lora-alpha must be > 0"),
+    ("max_grad_norm", 0.0, "--max-grad-norm must be > 0"), ("max_grad_norm", -1.0, "--max-grad-norm must be"),
+    ("save_every", -1, "--save-every must be >= 0"), ("max_len", 1, "--max-len must be >= 2"),
+    ("lora_r", 0, "--lora-r must be"), ("lora_dropout", 1.0, "--lora-dropout must be"),
+])
+def test_bad_train_flags(base, tmp_path, flag, value, match):
+    from pact.formats import PactError
+
+    with pytest.raises(PactError, match=match):
+        _cfg(base, tmp_path, **{flag: value})
+
+
+def test_bad_flags_on_the_cli_are_one_line(base, tmp_path):
+    from click.testing import CliRunner
+
+    from pact.pipelines.eval import main as eval_cli
+    from pact.pipelines.train import main as train_cli
+
+    data = _data(tmp_path)
+    for cli, args, match in (
+        (train_cli, ["--out", str(tmp_path / "r"), "--lr", "-1"], "--lr must be"),
+        (train_cli, ["--out", str(tmp_path / "r"), "--max-grad-norm", "0"], "--max-grad-norm must be"),
+        (eval_cli, ["--batch-size", "0"], "--batch-size must be >= 1"),
+        (eval_cli, ["--max-len", "0"], "--max-len must be >= 2"),
+    ):
+        r = CliRunner().invoke(cli, [str(base / "art"), "--data", str(data), *args])
+        assert r.exit_code == 1 and match in r.output and "Traceback" not in r.output, r.output
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("damage,match", [
+    (lambda m: m.pop("tensors"), "manifest has no 'tensors'"),
+    (lambda m: next(iter(m["tensors"].values())).pop("arrays"), "has no 'arrays'"),
+    (lambda m: next(iter(next(iter(m["tensors"].values()))["arrays"].values())).update(dtype="int64"),
+     "has dtype 'int64'"),
+    (lambda m: next(iter(next(iter(m["tensors"].values()))["arrays"].values())).pop("sha256"), "has no 'sha256'"),
+])
+def test_damaged_manifest_is_one_error(base, tmp_path, damage, match):
+    art = _copy(base, tmp_path)
+    _edit_manifest(art, damage)
+    with pytest.raises(ArtifactError, match=match):
+        open_artifact(art)
+
+
+def test_non_utf8_data_names_the_line(base, tmp_path):
+    from pact.formats import PactError
+    from pact.runtime.trainer import train
+
+    f = tmp_path / "latin1.jsonl"
+    f.write_bytes(json.dumps({"prompt": "a", "completion": " b"}).encode() + b"\n" + '{"prompt": "caf\xe9"}'.encode("latin-1"))
+    with pytest.raises(PactError, match=r"latin1.jsonl:2: not UTF-8"):
+        train(_cfg(base, tmp_path, data=str(f)), progress=False)
+
+
+@pytest.mark.parametrize("edit,match", [
+    (lambda c: c.pop("r"), "'r' is missing or invalid"),
+    (lambda c: c.update(lora_alpha=0), "'lora_alpha' is missing or invalid"),
+    (lambda c: c.update(use_dora=True), "pact applies plain LoRA only"),
+])
+def test_bad_adapter_config(base, tmp_path, edit, match):
+    from pact.formats import PactError
+    from pact.runtime.evaluate import evaluate_artifact
+    from pact.runtime.trainer import train
+
+    train(_cfg(base, tmp_path), progress=False)
+    f = tmp_path / "run" / "adapter_config.json"
+    c = json.loads(f.read_text())
+    edit(c)
+    f.write_text(json.dumps(c))
+    with pytest.raises(PactError, match=match):
+        evaluate_artifact(str(base / "art"), str(_data(tmp_path)), adapter=str(tmp_path / "run"), max_len=32)
+
+
+@pytest.mark.parametrize("edit,match", [
+    (lambda c: c.pop("hidden_size"), "'hidden_size' is missing"),
+    (lambda c: c.update(num_hidden_layers=c["num_hidden_layers"] + 1), "num_hidden_layers is 3 but the weights hold"),
+    (lambda c: c.update(num_hidden_layers=c["num_hidden_layers"] - 1), "num_hidden_layers is 1 but the weights hold"),
+])
+def test_config_that_does_not_fit_the_weights(base, tmp_path, edit, match):
+    from pact.formats import PactError
+    from pact.runtime.trainer import train
+
+    src = tmp_path / "src"
+    shutil.copytree(base / "src", src, symlinks=True)
+    c = json.loads((src / "config.json").read_text())
+    edit(c)
+    (src / "config.json").write_text(json.dumps(c))
+    with pytest.raises(PactError, match=match):
+        convert(str(src), tmp_path / "art", progress=False)
+    art = _copy(base, tmp_path / "b")  # the same config inside an artifact (consistent checksums)
+    (art / "hf" / "config.json").write_text(json.dumps(c))
+    _rehash(art)
+    with pytest.raises(PactError, match=match):
+        train(_cfg(base, tmp_path, artifact=str(art)), progress=False)
+
+
+def test_truncated_gguf_says_truncated(tmp_path):
+    from conftest import make_gguf
+    from pact.formats import PactError
+
+    f = tmp_path / "m.gguf"
+    make_gguf(f)
+    f.write_bytes(f.read_bytes()[: f.stat().st_size * 2 // 3])
+    with pytest.raises(PactError, match=r"m.gguf: truncated \(\d+ bytes"):
+        convert(str(f), tmp_path / "art", progress=False)
+    assert [p.name for p in tmp_path.iterdir()] == ["m.gguf"]
+
+
+def test_unwritable_output_fails_before_work(base, tmp_path):
+    from pact.formats import PactError
+
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    with pytest.raises(PactError, match=r"cannot write in .*file"):
+        convert(str(base / "src"), blocker / "art", progress=False)
