@@ -160,7 +160,7 @@ def main(workdir: Path | None, seeds: str, methods: str, calib_samples: int, ste
     from pact.convert import convert
     from pact.convert.offline import ROTTEN_TOMATOES, SMOLLM2_135M, default_cache, fetch
     from pact.formats import open_artifact
-    from pact.pipelines.demo import _cached_artifact, _gptq_dir, _splits
+    from pact.pipelines.demo import ARTIFACT_VARIANT, _cached_artifact, _gptq_dir, _splits
     from pact.runtime.data import pad_id, read_records, tokenize
     from pact.runtime.evaluate import evaluate_artifact
     from pact.runtime.recipe import parse_recipe
@@ -174,7 +174,7 @@ def main(workdir: Path | None, seeds: str, methods: str, calib_samples: int, ste
     workdir = workdir or default_cache()
     gguf, rt = fetch(SMOLLM2_135M, workdir), fetch(ROTTEN_TOMATOES, workdir)
     train_f, test_f, calib_f = _splits(rt, workdir / "data", train_size, test_size, calib_samples)
-    arts = {"rtn": _cached_artifact(workdir / "smollm2-135m-nvfp4-2d",
+    arts = {"rtn": _cached_artifact(workdir / f"smollm2-135m-nvfp4-{ARTIFACT_VARIANT}",
                                     lambda p: convert(str(gguf), p, overwrite=p.exists()))}
     arts["gptq"] = _cached_artifact(_gptq_dir(workdir, calib_f),
                                     lambda p: calibrate(str(arts["rtn"]), calib_f, p, max_samples=calib_samples,
@@ -211,12 +211,14 @@ def main(workdir: Path | None, seeds: str, methods: str, calib_samples: int, ste
             elif method in PACT:
                 art, compute, act = PACT[method]
                 spec = parse_recipe(act).spec()  # in the folder name: a run of another recipe is never reused
-                run = out / f"{method}-seed{seed}-steps{steps}-n{train_size}-lr{lr:g}-{spec.replace(',', '+')}"
+                run = out / (f"{method}-{ARTIFACT_VARIANT}-seed{seed}-steps{steps}-n{train_size}-lr{lr:g}-"
+                             f"{spec.replace(',', '+')}")
                 if not (run / "adapter_model.safetensors").is_file():
+                    shutil.rmtree(run, ignore_errors=True)  # an interrupted run starts over
                     train(TrainConfig(artifact=str(arts[art]), data=str(train_f), out=str(run), steps=steps,
                                       batch_size=BATCH, max_len=MAX_LEN, lr=lr, lora_r=RANK, lora_alpha=ALPHA,
                                       warmup_ratio=WARMUP, seed=seed, compute=compute, activations=act),
-                          resume=run.exists(), progress=False)
+                          progress=False)
                 acc = evaluate_artifact(str(arts[art]), str(test_f), adapter=str(run), max_len=MAX_LEN,
                                         batch_size=BATCH, activations=act)["eval_accuracy"]
             else:

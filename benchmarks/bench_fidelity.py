@@ -20,7 +20,8 @@ bench_accuracy.py). Methods: `peft` (transformers + PEFT on the GGUF dequantized
 `pact=RECIPE` (pact-train on the RTN artifact, `--activations RECIPE`, `--compute auto`) or
 `pact@COMPUTE=RECIPE` (the same with `--compute COMPUTE`). A method may end in `:WEIGHTS`, one of
 `WEIGHT_VARIANTS` (scaling, then `-mse` for searched block scales): the same on an artifact
-converted that way (`pact-convert --scaling 1d --block-scales mse`); without it, 2d amax. `--shard I/N` splits one grid between N
+converted that way (`pact-convert --scaling 2d --block-scales amax` is `:2d`); without it, the
+converter's defaults (`:1d-mse`). `--shard I/N` splits one grid between N
 worker processes (each keeps its imports, compiled kernels and tokenized tasks between runs).
 """
 
@@ -41,7 +42,8 @@ STEPS, BATCH, WARMUP, MAX_LEN, RANK, ALPHA = 250, 8, 0.1, 128, 16, 32
 BIGBENCH = ("hyperbaton", "winowhy", "logical_fallacy_detection", "navigate", "epistemic_reasoning",
             "vitaminc_fact_verification", "sports_understanding", "strategyqa", "movie_dialog_same_or_different")
 KEY = ("task", "method", "lr", "seed", "steps")
-WEIGHT_VARIANTS = ("2d", "1d", "2d-mse", "1d-mse")  # -> pact-convert --scaling S [--block-scales mse]
+WEIGHT_VARIANTS = ("2d", "1d", "2d-mse", "1d-mse")  # -> pact-convert --scaling S --block-scales amax|mse
+DEFAULT_VARIANT = "1d-mse"  # pact-convert's defaults
 
 
 # -- tasks
@@ -292,12 +294,12 @@ def tasks(workdir, bigbench, tasks, methods, lrs, seeds, steps, eval_batch, shar
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     gguf = fetch(SMOLLM2_135M, workdir)
     arts = {v: variant_artifact(workdir, gguf, v) for v in
-            {"2d"} | {m.partition(":")[2] for m in methods if m.partition(":")[2]}}
+            {DEFAULT_VARIANT} | {m.partition(":")[2] for m in methods if m.partition(":")[2]}}
     folders = {"peft": _bf16_folder(gguf)}
     for m in methods:
         if m.startswith("peft@nvfp4"):
-            folders[m] = nvfp4_bf16_folder(arts[m.partition(":")[2] or "2d"])
-    tok = AutoTokenizer.from_pretrained(open_artifact(arts["2d"]).hf_dir)
+            folders[m] = nvfp4_bf16_folder(arts[m.partition(":")[2] or DEFAULT_VARIANT])
+    tok = AutoTokenizer.from_pretrained(open_artifact(arts[DEFAULT_VARIANT]).hf_dir)
     pad = pad_id(tok)
     grid = [(int(seed), float(lr), task, method) for seed in seeds.split(",") for lr in lrs.split(",")
             for task in tasks.split(",") for method in methods][index::count]
@@ -314,11 +316,11 @@ def tasks(workdir, bigbench, tasks, methods, lrs, seeds, steps, eval_batch, shar
             acc, loss = _peft_run(folders[method], train_ex, test_ex, pad, seed, lr, device, steps, eval_batch)
         else:
             base, _, variant = method.partition(":")
-            art = arts[variant or "2d"]
+            art = arts[variant or DEFAULT_VARIANT]
             head, _, spec = base.partition("=")
             compute = head.partition("@")[2] or None
             run = workdir / "fidelity-runs" / (f"{task}-{head}-{spec.replace(',', '+').replace('*', 'all')}"
-                                               f"-{variant or '2d'}-lr{lr:g}-s{seed}-st{steps}")
+                                               f"-{variant or DEFAULT_VARIANT}-lr{lr:g}-s{seed}-st{steps}")
             shutil.rmtree(run, ignore_errors=True)
             train(TrainConfig(artifact=str(art), data=str(train_f), out=str(run), steps=steps, batch_size=BATCH,
                               max_len=MAX_LEN, lr=lr, lora_r=RANK, lora_alpha=ALPHA, warmup_ratio=WARMUP, seed=seed,

@@ -55,10 +55,10 @@ tasks|tasks2)  # tasks: lr LRS (5e-4); tasks2: LRS (2e-4) on the machine `tasks`
     t=$(date +%s)  # one process makes the bf16 folders and the artifact before the workers read them
     python3 -c "
 import sys; sys.path.insert(0, 'benchmarks')
-from pathlib import Path; from bench_accuracy import _bf16_folder; from bench_fidelity import nvfp4_bf16_folder, variant_artifact
+from pathlib import Path; from bench_accuracy import _bf16_folder; from bench_fidelity import DEFAULT_VARIANT, nvfp4_bf16_folder, variant_artifact
 g = Path('$GG'); _bf16_folder(g); w = Path('/tmp/wd')
 for m in '${METHODS:-peft@nvfp4}'.split():
-    a = variant_artifact(w, g, m.partition(':')[2] or '2d')
+    a = variant_artifact(w, g, m.partition(':')[2] or DEFAULT_VARIANT)
     if m.startswith('peft@nvfp4'): nvfp4_bf16_folder(a)" 2>&1 | grep -v Warn | tail -2
     echo "bf16 folders + artifacts: $(( $(date +%s) - t )) s"
   fi

@@ -316,12 +316,15 @@ def _check_manifest(meta: dict, path: Path) -> None:
             raise bad(f"has no '{key}' {typ.__name__}")
     if not meta["tensors"]:
         raise bad("lists no tensors")
+    def typed(obj: Any, keys: dict, what: str) -> None:
+        if not isinstance(obj, dict):
+            raise bad(f"{what} is not an object")
+        for key, typ in keys.items():
+            if not isinstance(obj.get(key), typ):
+                raise bad(f"{what} has no '{key}' {typ.__name__}")
+
     for name, e in meta["tensors"].items():
-        if not isinstance(e, dict):
-            raise bad(f"entry {name!r} is not an object")
-        for key, typ in _ENTRY_KEYS.items():
-            if not isinstance(e.get(key), typ):
-                raise bad(f"entry {name!r} has no '{key}' {typ.__name__}")
+        typed(e, _ENTRY_KEYS, f"entry {name!r}")
         if e["kind"] not in ("nvfp4", "dense"):
             raise bad(f"entry {name!r} has kind {e['kind']!r} (nvfp4 or dense)")
         need = _NVFP4_PARTS if e["kind"] == "nvfp4" else {"data"}
@@ -330,11 +333,7 @@ def _check_manifest(meta: dict, path: Path) -> None:
         if e["kind"] == "nvfp4" and not isinstance(e.get("global_scale"), (int, float)):
             raise bad(f"entry {name!r} has no numeric 'global_scale'")
         for part, spec in e["arrays"].items():
-            if not isinstance(spec, dict):
-                raise bad(f"array {name}/{part} is not an object")
-            for key, typ in _ARRAY_KEYS.items():
-                if not isinstance(spec.get(key), typ):
-                    raise bad(f"array {name}/{part} has no '{key}' {typ.__name__}")
+            typed(spec, _ARRAY_KEYS, f"array {name}/{part}")
             if spec["dtype"] not in _STORAGE:
                 raise bad(f"array {name}/{part} has dtype {spec['dtype']!r} (pact stores {', '.join(_STORAGE)})")
             if not all(isinstance(d, int) and d > 0 for d in spec["shape"]):

@@ -13,11 +13,14 @@ from .common import cli_errors
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("src")
 @click.argument("out", type=click.Path(file_okay=False))
-@click.option("--scaling", type=click.Choice(["1d", "2d"]), default="2d", show_default=True,
-              help="NVFP4 weight scale blocks: 2d = 16x16 (forward and backward use identical weights), 1d = 1x16.")
-@click.option("--block-scales", type=click.Choice(["amax", "mse"]), default="amax", show_default=True,
-              help="How each block's E4M3 scale is chosen: amax maps the block's largest value to 6; mse keeps "
-                   "the least-squared-error scale near that one (slower to convert; same format).")
+@click.option("--scaling", type=click.Choice(["1d", "2d"]), default="1d", show_default=True,
+              help="NVFP4 weight scale blocks: 1d = 1x16 (W and W^T each quantized along their contraction dim; "
+                   "smaller error, learns as BF16 LoRA does: BENCHMARKS.md), 2d = 16x16 (forward and backward "
+                   "use identical weights).")
+@click.option("--block-scales", type=click.Choice(["amax", "mse"]), default="mse", show_default=True,
+              help="How each block's E4M3 scale is chosen: mse keeps the least-squared-error scale of ten near "
+                   "the amax rule's (same format, ~3x the conversion time); amax maps the block's largest value "
+                   "to 6 (NVIDIA's / torchao's rule, bit-identical to torchao's nvfp4_quantize).")
 @click.option("--keep-bf16", type=float, default=0.0, show_default=True, metavar="FRACTION",
               help="Keep this fraction of frozen projections (largest NVFP4 error first) in bf16.")
 @click.option("--revision", default=None, help="Hub revision (branch, tag or commit) when SRC is a hub id.")
@@ -30,7 +33,7 @@ def main(src: str, out: str, scaling: str, block_scales: str, keep_bf16: float, 
     art = open_artifact(path)
     kept = art.meta["provenance"]["kept_bf16"]
     click.echo(f"wrote {path}: {art.meta['architecture']}, {len(art.names('nvfp4'))} NVFP4 projections "
-               f"({scaling}{', searched block scales' if block_scales == 'mse' else ''}), {len(kept)} kept bf16, {len(art.names('dense'))} dense tensors")
+               f"({scaling}){' with searched block scales' if block_scales == 'mse' else ''}, {len(kept)} kept bf16, {len(art.names('dense'))} dense tensors")
 
 
 if __name__ == "__main__":

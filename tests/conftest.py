@@ -7,6 +7,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import json  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
@@ -190,3 +191,19 @@ def make_sentiment_jsonl(path: Path, n: int, seed: int = 0) -> Path:
             f.write(json.dumps({"prompt": f"review: {' '.join(words)}\nverdict:",
                                 "completion": " fresh" if good else " rotten"}) + "\n")
     return path
+
+
+def rehash_artifact(art: Path) -> None:
+    """Re-record an edited artifact's checksums (files gone from hf/ leave the manifest): an artifact
+    consistent with its manifest, as a faulty converter would write it, so the check under test is
+    reached rather than verification's checksum mismatch."""
+    from pact.formats.artifact import sha256_file
+
+    f = art / "zarr.json"
+    root = json.loads(f.read_text())
+    meta = root["attributes"]["pact"]
+    meta["files"] = {rel: sha256_file(art / "hf" / rel) for rel in meta["files"] if (art / "hf" / rel).is_file()}
+    for e in meta["tensors"].values():
+        for spec in e["arrays"].values():
+            spec["sha256"] = sha256_file(art.joinpath(spec["path"], "c", *["0"] * len(spec["shape"])))
+    f.write_text(json.dumps(root))

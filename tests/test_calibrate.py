@@ -20,7 +20,7 @@ def setup(tmp_path_factory):
     d = tmp_path_factory.mktemp("cal")
     make_model(d / "src", "llama", initializer_range=0.15)
     make_realistic(d / "src")
-    convert(str(d / "src"), d / "art", progress=False)
+    convert(str(d / "src"), d / "art", progress=False, scaling="2d", block_scales="amax")  # the 2d claims below
     (d / "prompts.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in TINY_TEXT[:40]))
     return d
 

@@ -48,7 +48,7 @@ def _check_against_source(art, src, scaling):
 def test_convert_roundtrip(tmp_path, family, scaling):
     src = tmp_path / "src"
     make_model(src, family)
-    out = convert(str(src), tmp_path / "art", scaling=scaling, progress=False)
+    out = convert(str(src), tmp_path / "art", scaling=scaling, block_scales="amax", progress=False)  # the codec's bits
     art = open_artifact(out)
     tensors = _source_tensors(src)
     assert set(art.names()) == set(tensors)
@@ -85,7 +85,7 @@ def test_sharded_source(tmp_path):
     for f in src.glob("model.safetensors"):
         f.unlink()
     assert len(list(src.glob("*.safetensors"))) > 2
-    art = open_artifact(convert(str(src), tmp_path / "art", progress=False))
+    art = open_artifact(convert(str(src), tmp_path / "art", progress=False, scaling="2d", block_scales="amax"))
     _check_against_source(art, _source_tensors(src), "2d")
 
 
@@ -140,13 +140,13 @@ def test_cli(tmp_path, tiny_qwen2):
     assert r.exit_code == 1 and "already exists: pass --overwrite" in r.output
     r = runner.invoke(convert_cli, [str(tiny_qwen2), str(out), "--quiet", "--overwrite"])
     assert r.exit_code == 0, r.output
-    assert open_artifact(out).meta["provenance"]["scaling"] == "2d"
-    assert open_artifact(out).meta["provenance"]["block_scales"] == "amax"
+    assert open_artifact(out).meta["provenance"]["scaling"] == "1d"  # the defaults: 1x16 blocks, searched scales
+    assert open_artifact(out).meta["provenance"]["block_scales"] == "mse"
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp dirs left
-    mse = tmp_path / "mse"
-    r = runner.invoke(convert_cli, [str(tiny_qwen2), str(mse), "--quiet", "--block-scales", "mse"])
-    assert r.exit_code == 0 and "searched block scales" in r.output, r.output
-    a, b = open_artifact(out), open_artifact(mse)
+    amax = tmp_path / "amax"
+    r = runner.invoke(convert_cli, [str(tiny_qwen2), str(amax), "--quiet", "--block-scales", "amax"])
+    assert r.exit_code == 0 and "searched block scales" not in r.output, r.output
+    b, a = open_artifact(out), open_artifact(amax)
     assert b.meta["provenance"]["block_scales"] == "mse"
     assert sum(b.entry(n)["error"] for n in b.names("nvfp4")) < sum(a.entry(n)["error"] for n in a.names("nvfp4"))
 

@@ -17,7 +17,9 @@ R, ALPHA = 4, 8.0
 
 def _artifact(tmp_path, family):
     make_model(tmp_path / "src", family)
-    return open_artifact(convert(str(tmp_path / "src"), tmp_path / "art", progress=False))
+    # 2d + amax: forward and backward read the same weights, so autograd through transformers on
+    # the dequantized weights is the exact reference (the claim these tests make)
+    return open_artifact(convert(str(tmp_path / "src"), tmp_path / "art", progress=False, scaling="2d", block_scales="amax"))
 
 
 def _hf_peft(art, src, model):
@@ -282,7 +284,7 @@ def test_default_recipe_keeps_the_lora_gradient(tmp_path, compute):
     GEMM inputs shrink and bend it (SmolLM2: cosine 0.72, norm 0.69; BENCHMARKS.md)."""
     make_model(tmp_path / "src", "llama", num_hidden_layers=4)
     make_realistic(tmp_path / "src")
-    art = open_artifact(convert(str(tmp_path / "src"), tmp_path / "art", progress=False))
+    art = open_artifact(convert(str(tmp_path / "src"), tmp_path / "art", progress=False, scaling="2d", block_scales="amax"))
     ids, labels = _batch(b=4, s=48)
     ref = _recipe_grads(art, ids, labels, "bf16")
 

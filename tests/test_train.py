@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from click.testing import CliRunner
 
-from conftest import make_model, make_sentiment_jsonl
+from conftest import make_model, make_sentiment_jsonl, rehash_artifact
 from pact.convert import convert
 from pact.formats import PactError, open_artifact
 from pact.pipelines.train import main as train_cli
@@ -184,17 +184,6 @@ def test_overlong(task, tmp_path, caplog):
     assert "truncated 1 of 1 examples to --max-len 64" in caplog.text and r["targets"] > 0
 
 
-def _rehash_files(art):
-    from pact.formats.artifact import sha256_file
-
-    f = art / "zarr.json"
-    root = json.loads(f.read_text())
-    files = root["attributes"]["pact"]["files"]
-    for rel in files:
-        files[rel] = sha256_file(art / "hf" / rel)
-    f.write_text(json.dumps(root))
-
-
 def test_tokenizer_artifact_mismatch(task, tmp_path):
     import shutil
 
@@ -203,7 +192,7 @@ def test_tokenizer_artifact_mismatch(task, tmp_path):
     art = tmp_path / "art"
     shutil.copytree(task / "art", art)
     make_tokenizer(art / "hf", vocab_size=400)  # more tokens than the 320-row embedding
-    _rehash_files(art)  # a consistent artifact (its checksums pass) whose tokenizer does not fit its weights
+    rehash_artifact(art)  # a consistent artifact (its checksums pass) whose tokenizer does not fit its weights
     with pytest.raises(PactError, match=r"tokenizer has \d+ tokens but the embedding has 320 rows"):
         train(_cfg(task, tmp_path / "run", artifact=str(art)), progress=False)
 

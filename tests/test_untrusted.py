@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from conftest import make_model
+from conftest import make_model, rehash_artifact
 from pact.convert import convert
 from pact.formats import ArtifactError, open_artifact
 
@@ -145,19 +145,6 @@ def _cfg(base, tmp_path, **kw):
     return TrainConfig(**{**args, **kw})
 
 
-def _rehash(art):
-    """Re-record every checksum: an artifact consistent with its manifest, as a faulty writer would make."""
-    from pact.formats.artifact import sha256_file
-
-    def edit(meta):
-        for rel in meta["files"]:
-            meta["files"][rel] = sha256_file(art / "hf" / rel)
-        for e in meta["tensors"].values():
-            for spec in e["arrays"].values():
-                spec["sha256"] = sha256_file(art.joinpath(spec["path"], "c", *["0"] * len(spec["shape"])))
-    _edit_manifest(art, edit)
-
-
 def test_resume_never_overwrites_a_finished_run(base, tmp_path):
     from pact.formats import PactError
     from pact.runtime.trainer import train
@@ -188,7 +175,7 @@ def test_resume_refuses_replaced_inputs(base, tmp_path, what):
         b = bytearray(chunk.read_bytes())
         b[0] ^= 0x11
         chunk.write_bytes(bytes(b))
-        _rehash(art)  # a re-converted artifact: valid, but not the one the run started on
+        rehash_artifact(art)  # a re-converted artifact: valid, but not the one the run started on
     with pytest.raises(PactError, match=f"the {what} changed since .* was saved"):
         train(cfg, resume=True, progress=False)
 
@@ -234,7 +221,7 @@ def test_non_finite_loss_stops_at_its_step(base, tmp_path):
         for part in ("fwd_scales", "bwd_scales"):
             chunk = art / "tensors" / name / part / "c" / "0" / "0"
             chunk.write_bytes(b"\x7f" * chunk.stat().st_size)  # e4m3 NaN block scales
-    _rehash(art)
+    rehash_artifact(art)
     run = tmp_path / "run"
     with pytest.raises(PactError, match=r"step 1: loss nan.*not finite, training stopped and no adapter written"):
         train(_cfg(base, tmp_path, artifact=str(art)), progress=False)
@@ -289,7 +276,7 @@ def test_chat_template_is_bounded(base, tmp_path, monkeypatch):
     art = _copy(base, tmp_path)
     loop = "{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}"
     (art / "hf" / "chat_template.jinja").write_text(loop)
-    _rehash(art)
+    rehash_artifact(art)
     f = tmp_path / "chat.jsonl"
     f.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
                                           {"role": "assistant", "content": "yo"}]}) + "\n")
@@ -394,7 +381,7 @@ def test_config_that_does_not_fit_the_weights(base, tmp_path, edit, match):
         convert(str(src), tmp_path / "art", progress=False)
     art = _copy(base, tmp_path / "b")  # the same config inside an artifact (consistent checksums)
     (art / "hf" / "config.json").write_text(json.dumps(c))
-    _rehash(art)
+    rehash_artifact(art)
     with pytest.raises(PactError, match=match):
         train(_cfg(base, tmp_path, artifact=str(art)), progress=False)
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from conftest import make_model, make_realistic, make_sentiment_jsonl
+from conftest import make_model, make_realistic, make_sentiment_jsonl, rehash_artifact
 from pact.calibrate import calibrate
 from pact.calibrate.prompts import load_prompts
 from pact.convert import convert
@@ -39,7 +39,7 @@ def vl(request, tmp_path_factory):
     d = tmp_path_factory.mktemp(request.param)
     make_model(d / "src", request.param, initializer_range=0.15)
     make_realistic(d / "src")
-    convert(str(d / "src"), d / "art", progress=False)
+    convert(str(d / "src"), d / "art", progress=False, scaling="2d", block_scales="amax")
     _real_images(d / "images")
     return d
 
@@ -129,7 +129,8 @@ def test_language_model_prefix_binds(vl, tmp_path):
         shutil.copytree(vl / "src", folder)
         t = load_file(folder / "model.safetensors")
         save_file({rename(k): v for k, v in t.items()}, folder / "model.safetensors", metadata={"format": "pt"})
-        return open_artifact(convert(str(folder), tmp_path / f"{folder.name}-art", progress=False))
+        return open_artifact(convert(str(folder), tmp_path / f"{folder.name}-art", progress=False, scaling="2d",
+                                     block_scales="amax"))
 
     nested = resave(tmp_path / "nested", lambda k: "model.language_model." + k[len("model."):]
                     if k.startswith("model.") else "model." + k if k.startswith("visual.") else k)
@@ -158,6 +159,7 @@ def test_image_prompt_errors(vl, tmp_path):
     shutil.copytree(art, bare)
     for f in bare.rglob("preprocessor_config.json"):
         f.unlink()
+    rehash_artifact(bare)
     with pytest.raises(PactError, match="no image processor"):
         calibrate(str(bare), vl / "images", tmp_path / "c4")
 
@@ -175,6 +177,7 @@ def test_image_pad_token_mismatch(vl, tmp_path):
     cfg = json.loads(cfg_path.read_text())
     cfg["image_token_id"] = piece
     cfg_path.write_text(json.dumps(cfg))
+    rehash_artifact(bad)
     with pytest.raises(PactError, match="is not one token; the tokenizer does not match the model config"):
         calibrate(str(bad), vl / "images", tmp_path / "c")
 
