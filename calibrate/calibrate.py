@@ -24,6 +24,7 @@ from pact import __version__
 from pact.convert.sources import open_source, remove_tree
 from pact.formats import ArtifactWriter, PactError, check_output, default_cache, open_artifact
 from pact.formats.artifact import sha256_file, work_path
+from pact.formats.errors import write_error
 from pact.formats.nvfp4 import dequantize, quantize, transpose_2d
 from pact.runtime.backends import resolve_device
 from pact.runtime.model import TRAINABLE_FAMILIES, PactModel
@@ -123,6 +124,8 @@ def calibrate(
         return _calibrate(art, src, samples, out, prompts=Path(prompts), damp=damp, actorder=actorder,
                           static_scales=static_scales, blocksize=blocksize, device=device, overwrite=overwrite,
                           progress=progress)
+    except OSError as e:  # the writer has removed its temp folder; OUT is untouched
+        raise write_error(e, getattr(e, "filename", None) or out, f"nothing was written to {out}") from None
     finally:
         remove_tree(workdir)
 

@@ -16,6 +16,7 @@ from pact import __version__
 from pact.formats import ArtifactWriter, PactError, check_output, classify, family_of
 from pact.formats.families import VISION_FAMILIES, check_config
 from pact.formats.artifact import work_path
+from pact.formats.errors import write_error
 from pact.formats.nvfp4 import BLOCK, SCALE_RULES, SCALINGS, dequantize, global_scale_from_amax, quantize_weight
 
 from .sources import Source, open_source, remove_tree
@@ -98,6 +99,8 @@ def convert(
         source = open_source(str(src), revision=revision, workdir=workdir)
         return _convert(source, out, scaling=scaling, block_scales=block_scales, keep_bf16=keep_bf16,
                         overwrite=overwrite, progress=progress)
+    except OSError as e:  # the writer has removed its temp folder; OUT is untouched
+        raise write_error(e, getattr(e, "filename", None) or out, f"nothing was written to {out}") from None
     finally:
         remove_tree(workdir)
 

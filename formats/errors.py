@@ -17,3 +17,12 @@ def require(module: str, extra: str, purpose: str):
         return importlib.import_module(module)
     except ImportError:
         raise PactError(f"{purpose} needs the {module.split('.')[0]} package: pip install \"pact[{extra}]\"") from None
+
+
+def write_error(e: OSError, path, what: str) -> PactError:
+    """An OSError while writing ``path`` as one line: the path, the cause (a full disk named as such)
+    and what was kept (``what``)."""
+    import errno
+
+    why = "the disk is full" if e.errno == errno.ENOSPC else (e.strerror or str(e))
+    return PactError(f"{path}: could not write ({why}): free space or choose another output; {what}")

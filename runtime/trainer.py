@@ -9,7 +9,6 @@ a process trains into it. Nothing is pickled: checkpoints are safetensors + JSON
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import logging
@@ -29,6 +28,7 @@ from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from pact.formats import PactError, default_cache, open_artifact
+from pact.formats.errors import write_error
 from pact.formats.artifact import pid_alive, sha256_file
 
 from .data import batches, collate, pad_id, read_records, tokenize
@@ -146,9 +146,7 @@ CHECKPOINT_FILES = ("adapter_config.json", "adapter_model.safetensors", "optimiz
 
 
 def _disk_error(e: OSError, what: Path) -> PactError:
-    why = "the disk is full" if e.errno == errno.ENOSPC else f"{e.strerror or e}"
-    return PactError(f"{what}: could not write ({why}): free space or choose another --out; "
-                     "the run's earlier checkpoints are kept")
+    return write_error(e, what, "the run's earlier checkpoints are kept")
 
 
 def _save_checkpoint(run: Path, model: PactModel, opt: torch.optim.Optimizer, state: dict, cfg: TrainConfig) -> Path:

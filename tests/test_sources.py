@@ -104,8 +104,8 @@ def test_demo_end_to_end_on_tiny_model(tmp_path):
     cached.parent.mkdir(parents=True)
     make_gguf(cached)
     _fake_rotten_tomatoes(tmp_path / f"{ROTTEN_TOMATOES.package}-{ROTTEN_TOMATOES.version}" / ROTTEN_TOMATOES.filename)
-    args = ["demo", "--workdir", str(tmp_path), "--train-size", "48", "--test-size", "16", "--calib-samples", "8",
-            "--steps", "3", "--batch-size", "8"]
+    args = ["demo", "--workdir", str(tmp_path), "--train-size", "48", "--test-size", "16", "--calibrate",
+            "--calib-samples", "8", "--steps", "3", "--batch-size", "8"]
     r = CliRunner().invoke(pact_cli, args)
     assert r.exit_code == 0, r.output
     for line in ("zero-shot, NVFP4 ", "zero-shot, NVFP4 (GPTQ)", "pact LoRA, NVFP4 ", "training loss over 3 steps"):

@@ -405,3 +405,36 @@ def test_unwritable_output_fails_before_work(base, tmp_path):
     blocker.write_text("not a folder")
     with pytest.raises(PactError, match=r"cannot write in .*file"):
         convert(str(base / "src"), blocker / "art", progress=False)
+
+
+def test_full_disk_during_convert_is_one_error(base, tmp_path, monkeypatch):
+    import errno
+
+    from pact.formats import PactError
+    from pact.formats.artifact import ArtifactWriter
+
+    real = ArtifactWriter._array
+    calls = []
+
+    def full(self, *a, **kw):
+        calls.append(1)
+        if len(calls) > 3:
+            raise OSError(errno.ENOSPC, "No space left on device", str(self.tmp / "tensors"))
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(ArtifactWriter, "_array", full)
+    with pytest.raises(PactError, match=r"could not write \(the disk is full\).*nothing was written to"):
+        convert(str(base / "src"), tmp_path / "art", progress=False)
+    assert list(tmp_path.iterdir()) == []  # no temp folder, no half artifact
+
+
+def test_calibrate_checks_its_output_before_work(base, tmp_path):
+    from pact.calibrate import calibrate
+    from pact.formats import PactError
+
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("some text\n\nmore text\n")
+    with pytest.raises(PactError, match=r"cannot write in .*file"):
+        calibrate(str(base / "art"), prompts, blocker / "cal", progress=False)
