@@ -145,7 +145,7 @@ def _calibrate(art, src, samples, out: Path, *, prompts: Path, damp, actorder, s
         with torch.no_grad():
             for u in units:
                 model.ops = _capturing_ops(plain, hess, u)
-                model._layer(L, u.x, u.cos, u.sin, u.B, u.S)
+                model.layer(L, u.x, u.cos, u.sin, u.B, u.S)
             model.ops = plain
         for gname, g in groups.items():
             if g.weight is None:  # a member kept in bf16: the group runs dense, nothing to calibrate
@@ -171,7 +171,7 @@ def _calibrate(art, src, samples, out: Path, *, prompts: Path, damp, actorder, s
                                         torch.cat([t.scales for t in bwd_parts], 1), g.weight.global_scale)
         with torch.no_grad():
             for u in units:
-                u.x = model._layer(L, u.x, u.cos, u.sin, u.B, u.S)
+                u.x = model.layer(L, u.x, u.cos, u.sin, u.B, u.S)
     return _write(art, out, new, errors, overwrite=overwrite, prompts=prompts, samples=samples, damp=damp,
                   actorder=actorder, static_scales=static_scales, blocksize=blocksize)
 

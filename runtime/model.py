@@ -227,12 +227,13 @@ class PactModel(nn.Module):
         for L in self.layers:
             if self.checkpoint and torch.is_grad_enabled():
                 # keep only the layer input; the layer runs again in backward (same RNG state)
-                x = torch.utils.checkpoint.checkpoint(self._layer, L, x, cos, sin, B, S, use_reentrant=False)
+                x = torch.utils.checkpoint.checkpoint(self.layer, L, x, cos, sin, B, S, use_reentrant=False)
             else:
-                x = self._layer(L, x, cos, sin, B, S)
+                x = self.layer(L, x, cos, sin, B, S)
         return x.view(B, S, self.hidden)
 
-    def _layer(self, L: Layer, x: torch.Tensor, cos, sin, B: int, S: int) -> torch.Tensor:
+    def layer(self, L: Layer, x: torch.Tensor, cos, sin, B: int, S: int) -> torch.Tensor:
+        """Decoder layer L on rows x [B * S, H] (RoPE tables cos/sin): the public hook calibration runs."""
         x = x + self._attention(L, x, cos, sin, B, S)
         return x + MlpFn.apply(x, L.mlp_norm, self.eps, L.gate_up, L.down, self.ops,
                                (self.recipe.gate_up, self.recipe.down),
