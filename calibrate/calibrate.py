@@ -242,6 +242,7 @@ def _write(art, out: Path, new: dict, errors: dict, *, overwrite, prompts: Path,
                 "samples": len(samples),
                 "tokens": int(sum(s.numel() for s in samples)),
                 "seq_len_max": int(max(s.numel() for s in samples)),
+                "block_scales": "amax",  # GPTQ's quantizer sets each block's scale by the amax rule
                 **settings,
                 "layer_output_error": errors,
                 "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),

@@ -142,9 +142,12 @@ class Source:
         allow-list (SIDE_FILES), so nothing else in the source folder (.env, scripts, links to
         host files) travels with a shared artifact."""
         out = []
+        roots = [self.folder.resolve()]
+        if self.folder.parent.name == "snapshots":  # a Hugging Face cache snapshot links to its blobs/
+            roots.append((self.folder.parent.parent / "blobs").resolve())
         for name in SIDE_FILES:
             p = self.folder / name
-            if p.is_symlink() and not p.resolve().is_relative_to(self.folder.resolve()):
+            if p.is_symlink() and not any(p.resolve().is_relative_to(r) for r in roots):
                 log.warning("%s: a link to outside the model folder, not copied into the artifact", p)
                 continue
             if p.is_file() and p.stat().st_size <= _SIDE_FILE_MAX:

@@ -438,3 +438,22 @@ def test_calibrate_checks_its_output_before_work(base, tmp_path):
     prompts.write_text("some text\n\nmore text\n")
     with pytest.raises(PactError, match=r"cannot write in .*file"):
         calibrate(str(base / "art"), prompts, blocker / "cal", progress=False)
+
+
+def test_hub_cache_snapshot_links_are_followed(base, tmp_path):
+    """A Hugging Face cache snapshot holds links into its repo's blobs/: those are the model's own
+    files and are copied; a link elsewhere is not."""
+    from pact.convert.sources import open_source
+
+    repo = tmp_path / "models--org--tiny"
+    snap = repo / "snapshots" / "abc123"
+    (repo / "blobs").mkdir(parents=True)
+    snap.mkdir(parents=True)
+    for f in (base / "src").iterdir():
+        if f.is_file() and not f.is_symlink():
+            blob = repo / "blobs" / f.name
+            shutil.copyfile(f, blob)
+            os.symlink(os.path.relpath(blob, snap), snap / f.name)
+    os.symlink("/etc/hostname", snap / "special_tokens_map.json")
+    names = {p.name for p in open_source(str(snap)).side_files()}
+    assert {"config.json", "tokenizer.json"} <= names and "special_tokens_map.json" not in names
