@@ -321,6 +321,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True, stop
     run = Path(cfg.out)
     _prepare_run(run, resume)
     with run_lock(run):
+        _prepare_run(run, resume)  # again under the lock: a run that finished meanwhile is not overwritten
         return _train(cfg, run, resume, progress, stop_after)
 
 
