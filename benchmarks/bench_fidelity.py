@@ -74,10 +74,10 @@ def bigbench_splits(task_json: Path, folder: Path, n_train: int = 2000, n_test: 
 
 def task_files(task: str, workdir: Path, bigbench: Path | None) -> tuple[Path, Path]:
     if task == "rt":
-        from pact.convert.offline import ROTTEN_TOMATOES, fetch
-        from pact.pipelines.demo import _splits
+        from pact.assets.packaged import ROTTEN_TOMATOES, fetch
+        from pact.assets.sentiment import splits
 
-        train_f, test_f, _ = _splits(fetch(ROTTEN_TOMATOES, workdir), workdir / "data", 2000, 1000, 0)
+        train_f, test_f, _ = splits(fetch(ROTTEN_TOMATOES, workdir), workdir / "data", 2000, 1000, 0)
         return train_f, test_f
     folder = workdir / "fidelity-data"
     if (folder / f"{task}-train.jsonl").is_file():
@@ -227,10 +227,10 @@ def nvfp4_bf16_folder(artifact: Path) -> Path:
 def variant_artifact(workdir: Path, gguf: Path, variant: str) -> Path:
     """The RTN artifact of one weight variant (``2d``, ``1d-mse``, ...), converted once."""
     from pact.convert import convert
-    from pact.pipelines.demo import _cached_artifact
+    from pact.assets.sentiment import cached_artifact
 
     scaling, _, rule = variant.partition("-")
-    return Path(_cached_artifact(workdir / f"smollm2-135m-nvfp4-{variant}", lambda p: convert(
+    return Path(cached_artifact(workdir / f"smollm2-135m-nvfp4-{variant}", lambda p: convert(
         str(gguf), p, scaling=scaling, block_scales=rule or "amax", overwrite=p.exists(), progress=False)))
 
 
@@ -274,7 +274,7 @@ def tasks(workdir, bigbench, tasks, methods, lrs, seeds, steps, eval_batch, shar
     from transformers import AutoTokenizer
 
     from bench_accuracy import _bf16_folder
-    from pact.convert.offline import SMOLLM2_135M, fetch
+    from pact.assets.packaged import SMOLLM2_135M, fetch
     from pact.formats import open_artifact
     from pact.runtime.data import pad_id, read_records, tokenize
     from pact.runtime.evaluate import evaluate_artifact
@@ -358,7 +358,7 @@ def table(csvs, stuck_margin, wide, ref) -> None:
     if wide:
         _wide(by, maj, stuck_margin, ref)
         return
-    click.echo(f"| task (majority) | lr | method | mean +- std | vs PEFT (paired) | stuck seeds |")
+    click.echo("| task (majority) | lr | method | mean +- std | vs PEFT (paired) | stuck seeds |")
     click.echo("|---|---|---|---|---|---|")
     for (task, lr, method), accs in sorted(by.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2] != "peft", kv[0][2])):
         vals = [accs[s] for s in sorted(accs)]

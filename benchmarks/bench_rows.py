@@ -23,9 +23,9 @@ from bench_gemm import time_ms
 @click.option("--chunks", default="1024,2048,4096", show_default=True)
 @click.option("--warps", "warps_csv", default="4,8,16", show_default=True)
 def main(tokens: int, inter: int, chunks: str, warps_csv: str) -> None:
-    from pact.runtime import kernels as K
-    from pact.runtime.kernels import nvfp4 as KN
-    from pact.runtime.kernels.fp8 import fp8_rows
+    from pact.runtime.ops import triton as K
+    from pact.runtime.ops.triton import codec as KN
+    from pact.runtime.ops.triton.fp8 import fp8_rows
 
     chunks, warps_list = [int(c) for c in chunks.split(",")], [int(w) for w in warps_csv.split(",")]
 

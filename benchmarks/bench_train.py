@@ -102,7 +102,10 @@ KERNEL_CATEGORIES = (  # Triton launches are not attached to the annotated op: m
 )
 
 
-def _annotate(ops) -> None:
+def _annotate(ops):
+    """``ops`` with each launcher in OP_CATEGORIES run under a profiler label."""
+    import dataclasses
+
     from torch.profiler import record_function
 
     def wrap(name, fn):
@@ -111,8 +114,7 @@ def _annotate(ops) -> None:
                 return fn(*args, **kwargs)
         return run
 
-    for name in OP_CATEGORIES:
-        setattr(ops, name, wrap(name, getattr(ops, name)))
+    return dataclasses.replace(ops, **{name: wrap(name, getattr(ops, name)) for name in OP_CATEGORIES})
 
 
 def profile_pact(art_path: Path, bs: int, seq: int, compute: str, checkpoint: bool, top: int = 15
@@ -122,7 +124,7 @@ def profile_pact(art_path: Path, bs: int, seq: int, compute: str, checkpoint: bo
     from torch.profiler import ProfilerActivity, profile
 
     model = _pact(art_path, compute, checkpoint)
-    _annotate(model.ops)
+    model.ops = _annotate(model.ops)
     ids = torch.randint(0, 128000, (bs, seq), device="cuda")
     opt = torch.optim.AdamW(list(model.lora_params.values()), lr=1e-4, foreach=True)
 

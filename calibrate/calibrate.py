@@ -15,19 +15,18 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 from tqdm.auto import tqdm
 
 from pact import __version__
 from pact.convert.sources import open_source, remove_tree
-from pact.formats import ArtifactWriter, PactError, check_output, default_cache, open_artifact
+from pact.formats import ArtifactWriter, PactError, check_output
 from pact.formats.artifact import sha256_file, work_path
 from pact.formats.errors import write_error
 from pact.formats.nvfp4 import dequantize, quantize, transpose_2d
-from pact.runtime.backends import resolve_device
-from pact.runtime.model import TRAINABLE_FAMILIES, PactModel
+from pact.runtime.model import PactModel
+from pact.runtime.session import Session, open_session
 from pact.runtime.vision import ImageSample, VisionTower, image_inputs
 
 from .gptq import GPTQ
@@ -46,20 +45,6 @@ def _output_error(W: torch.Tensor, Q: torch.Tensor, H: torch.Tensor) -> float:
     num = torch.einsum("nk,kl,nl->", D, H, D)
     den = torch.einsum("nk,kl,nl->", W.float(), H, W.float())
     return float(torch.sqrt(num / den)) if den > 0 else 0.0
-
-
-def _capturing_ops(ops, targets: dict[int, GPTQ], unit: "Unit") -> SimpleNamespace:
-    """``ops`` whose GEMM adds its input rows (dequantized, or bf16 where the recipe keeps them so),
-    padding rows left out, to the Hessian of the weight it multiplies."""
-
-    def nvfp4_gemm(a, w, a_hat=None):
-        h = targets.get(id(w))
-        if h is not None:
-            x = a_hat if a_hat is not None else a if isinstance(a, torch.Tensor) else ops.dequant_rows(a)
-            h.add_batch(x if unit.real is None else x[unit.real])
-        return ops.nvfp4_gemm(a, w, a_hat)
-
-    return SimpleNamespace(**{**vars(ops), "nvfp4_gemm": nvfp4_gemm})
 
 
 @dataclass
@@ -98,15 +83,9 @@ def calibrate(
     if blocksize % 16 or blocksize < 16:
         raise PactError(f"--blocksize must be a multiple of 16, got {blocksize}")
     out = check_output(out, overwrite)
-    art = open_artifact(artifact)
-    art.verify_cached(default_cache())  # a damaged artifact is never calibrated
-    if art.meta["family"] not in TRAINABLE_FAMILIES:
-        raise PactError(f"{art.path}: pact-calibrate supports {', '.join(TRAINABLE_FAMILIES)} artifacts; "
-                        f"this one is {art.meta['family']}")
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(art.hf_dir, trust_remote_code=False)
-    samples = load_prompts(prompts, tokenizer, vision=art.meta["vision"], max_samples=max_samples, seq_len=seq_len,
+    ses = open_session(artifact, device=device, tool="pact-calibrate")  # a damaged artifact is never calibrated
+    art = ses.artifact
+    samples = load_prompts(prompts, ses.tokenizer, vision=art.meta["vision"], max_samples=max_samples, seq_len=seq_len,
                            hf_dir=art.hf_dir)
     prov = art.meta["provenance"]
     src_name = source or prov["source"]
@@ -121,8 +100,8 @@ def calibrate(
         if source is None and not gguf and src.fingerprint() != prov.get("source_fingerprint"):
             raise PactError(f"{src_name}: not the model this artifact was converted from (fingerprint differs): "
                             "pass --source with the original model")
-        return _calibrate(art, src, samples, out, prompts=Path(prompts), damp=damp, actorder=actorder,
-                          static_scales=static_scales, blocksize=blocksize, device=device, overwrite=overwrite,
+        return _calibrate(ses, src, samples, out, prompts=Path(prompts), damp=damp, actorder=actorder,
+                          static_scales=static_scales, blocksize=blocksize, overwrite=overwrite,
                           progress=progress)
     except OSError as e:  # the writer has removed its temp folder; OUT is untouched
         raise write_error(e, getattr(e, "filename", None) or out, f"nothing was written to {out}") from None
@@ -130,23 +109,25 @@ def calibrate(
         remove_tree(workdir)
 
 
-def _calibrate(art, src, samples, out: Path, *, prompts: Path, damp, actorder, static_scales, blocksize, device,
+def _calibrate(ses: Session, src, samples, out: Path, *, prompts: Path, damp, actorder, static_scales, blocksize,
                overwrite, progress) -> Path:
-    dev = resolve_device(device)
+    art, dev = ses.artifact, ses.device
     scaling = art.meta["provenance"]["scaling"]
-    model = PactModel(art, None, device=dev)
+    model = ses.model(None)
     units = _units(model, art, samples)
     new: dict[str, tuple] = {}
     errors: dict[str, dict[str, float]] = {}
     for li, L in enumerate(tqdm(model.layers, desc="calibrate", unit="layer", disable=not progress)):
         groups = {name: getattr(L, name) for name in GROUPS}
         hess = {id(g.weight): GPTQ(g.weight.shape[1], dev) for g in groups.values() if g.weight is not None}
-        plain = model.ops
         with torch.no_grad():
             for u in units:
-                model.ops = _capturing_ops(plain, hess, u)
-                model.layer(L, u.x, u.cos, u.sin, u.B, u.S)
-            model.ops = plain
+                def add(w, x, u=u):  # the GEMM's input rows (as the recipe feeds it), padding rows left out
+                    if id(w) in hess:
+                        hess[id(w)].add_batch(x if u.real is None else x[u.real])
+
+                with model.observing(add):
+                    model.layer(L, u.x, u.cos, u.sin, u.B, u.S)
         for gname, g in groups.items():
             if g.weight is None:  # a member kept in bf16: the group runs dense, nothing to calibrate
                 log.info("layer %d %s: kept in bf16, not calibrated", li, gname)

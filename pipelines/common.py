@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
+import types
+import typing
 from typing import Any, Callable
 
 import click
@@ -25,10 +28,55 @@ def cli_errors(fn: Callable) -> Callable:
     return wrapper
 
 
-ACTIVATIONS_HELP = (
-    "Precision recipe of the activations (weights stay NVFP4): a preset, default 'nvfp4-saved' (NVFP4 copies "
-    "saved for backward; GEMMs and LoRA read unquantized rows), 'nvfp4' (every use reads the NVFP4 copy) or "
-    "'bf16' (nothing quantized: the reference), optionally followed by SITE.FIELD=VALUE overrides, e.g. "
-    "'nvfp4,down.saved=bf16' (SITE: qkv, o, gate_up, down or *; FIELD: gemm, lora, saved; VALUE: nvfp4, bf16). "
-    "See README 'Precision recipe'."
-)
+def config_options(cls, only: tuple[str, ...] | None = None) -> Callable:
+    """Click options (and arguments) made from the fields of the config dataclass ``cls``: one
+    place for each setting's name, type, default, help and choices (their ``_opt`` metadata).
+    ``only``: those fields, in that order. ``--snake-case`` names; bools are flags; tuples are
+    comma-separated strings (config_from splits them)."""
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    chosen = [fields[n] for n in only] if only else list(fields.values())
+
+    def decorate(fn: Callable) -> Callable:
+        for f in reversed(chosen):  # decorators apply bottom-up: keep the dataclass's order in --help
+            fn = _option(f, hints[f.name])(fn)
+        return fn
+
+    return decorate
+
+
+def _option(f: dataclasses.Field, hint) -> Callable:
+    meta = f.metadata
+    if meta.get("argument"):
+        return click.argument(f.name, type=click.Path(file_okay=False))
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):  # X | None: X
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
+    kind = typing.get_origin(hint) or hint
+    default = meta.get("cli_default", None if f.default is dataclasses.MISSING else f.default)
+    kw: dict = {"help": meta.get("help"), "metavar": meta.get("metavar")}
+    if kind is bool:
+        return click.option(f"--{f.name.replace('_', '-')}", f.name, is_flag=True, **kw)
+    if kind is tuple:
+        default = ",".join(default)
+    if "choices" in meta:
+        kw["type"] = click.Choice(list(meta["choices"]))
+    elif meta.get("path"):
+        kw["type"] = click.Path(file_okay=False)
+    elif kind in (int, float):
+        kw["type"] = kind
+    required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    return click.option(f"--{f.name.replace('_', '-')}", f.name, default=default, required=required,
+                        show_default=default is not None, **kw)
+
+
+def config_from(cls, params: dict):
+    """``cls`` from a command's parameters (config_options' names); comma-separated tuples split."""
+    hints = typing.get_type_hints(cls)
+    kw = {}
+    for f in dataclasses.fields(cls):
+        if f.name in params:
+            v = params[f.name]
+            if typing.get_origin(hints[f.name]) is tuple and isinstance(v, str):
+                v = tuple(t.strip() for t in v.split(",") if t.strip())
+            kw[f.name] = v
+    return cls(**kw)

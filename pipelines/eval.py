@@ -8,20 +8,16 @@ import json
 import click
 
 from pact.runtime.evaluate import evaluate_artifact
+from pact.runtime.trainer import TrainConfig
 
-from .common import ACTIVATIONS_HELP, cli_errors
+from .common import cli_errors, config_options
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("artifact", type=click.Path(file_okay=False))
 @click.option("--data", required=True, help="Held-out .jsonl ({prompt, completion} or {messages}).")
 @click.option("--adapter", default=None, type=click.Path(file_okay=False), help="A pact-train run folder (PEFT adapter); none = zero-shot.")
-@click.option("--max-len", default=1024, show_default=True)
-@click.option("--batch-size", default=8, show_default=True)
-@click.option("--activations", default=None, metavar="RECIPE", help=ACTIVATIONS_HELP)
-@click.option("--compute", type=click.Choice(["auto", "bf16-decode", "fp8", "nvfp4-native"]), default="auto",
-              show_default=True, help="Frozen-GEMM backend (as pact-train's).")
-@click.option("--device", default=None)
+@config_options(TrainConfig, only=("max_len", "batch_size", "activations", "compute", "device"))  # as pact-train's
 @click.option("--generate/--no-generate", default=None,
               help="Score greedy generations (exact match, token F1). Default: when completions are not class labels.")
 @click.option("--max-new-tokens", type=int, default=None, help="Generation length (default: longest completion + 8).")

@@ -12,7 +12,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .backends import resolve_device
 from .data import IGNORE, Example, collate
 from .model import rmsnorm
 
@@ -145,26 +144,22 @@ def evaluate_artifact(artifact: str, data: str, *, adapter: str | None = None, m
     """Held-out loss (and label accuracy) of an artifact, with a PEFT adapter folder or zero-shot.
     ``generate`` (default: when completions are not class labels) adds exact match / token F1.
     ``activations`` None: the recipe the adapter's run recorded (its train_config.json), else the default."""
-    from transformers import AutoTokenizer
-
-    from pact.formats import PactError, default_cache, open_artifact
+    from pact.formats import PactError
 
     from .data import pad_id, read_records, tokenize
     from .lora import load_peft_adapter
-    from .model import PactModel
+    from .session import open_session
 
     for flag, value, low in (("--batch-size", batch_size, 1), ("--max-len", max_len, 2)):
         if value < low:
             raise PactError(f"{flag} must be >= {low}, got {value}")
-    art = open_artifact(artifact)
-    art.verify_cached(default_cache())  # a damaged artifact never scores
-    tokenizer = AutoTokenizer.from_pretrained(art.hf_dir, trust_remote_code=False)
-    dev = resolve_device(device)
+    ses = open_session(artifact, device=device, tool="pact-eval")  # a damaged artifact never scores
+    tokenizer = ses.tokenizer
     lora_cfg, weights = load_peft_adapter(adapter) if adapter else (None, None)
     run_cfg = Path(adapter) / "train_config.json" if adapter else None
     if activations is None and run_cfg is not None and run_cfg.is_file():  # the recipe the adapter was trained with
         activations = json.loads(run_cfg.read_text()).get("activations")
-    model = PactModel(art, lora_cfg, device=dev, activations=activations, compute=compute)
+    model = ses.model(lora_cfg, activations=activations, compute=compute)
     if weights is not None:
         model.load_adapter_state(weights)
     examples = tokenize(read_records(data, flag="--data"), tokenizer, max_len=max_len, vocab_size=model.embed.shape[0])

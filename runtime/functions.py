@@ -33,7 +33,7 @@ import torch
 from pact.formats.nvfp4 import NVFP4Tensor
 
 from .recipe import Site
-from .rows import DenseRows
+from .ops.rows import DenseRows
 
 
 @dataclass

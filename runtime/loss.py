@@ -7,7 +7,7 @@ The gradient is computed in the forward pass chunk by chunk (as Liger's fused li
 cross-entropy does) and saved: [n, H] bf16 instead of [n, V] logits. Per chunk the bf16
 logits from the GEMM are turned into (softmax - onehot) in place by ``ce_grad_`` (a Triton
 kernel on the GPU: two reads and one write of the bf16 chunk; its twin in
-runtime/reference.py), which returns each row's loss in fp32.
+runtime/ops/reference.py), which returns each row's loss in fp32.
 """
 
 from __future__ import annotations

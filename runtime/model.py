@@ -1,16 +1,14 @@
-"""The compact decoder (Llama, Qwen2, Qwen3; the language model of Qwen2-VL / Qwen2.5-VL) bound
-to a memory-mapped artifact.
-
-Frozen tensors are views of the artifact's mapped files (moved to the GPU when training
-there); fused groups (q|k|v, gate|up) are concatenated once at bind time. Only the LoRA
-adapters are parameters. Attention and RoPE run in bf16 with PyTorch SDPA; every frozen
+"""The compact decoder (Llama, Qwen2, Qwen3; the language model of Qwen2-VL / Qwen2.5-VL) over a
+memory-mapped artifact: forward, RoPE / M-RoPE and loss. What it runs is bound by bind.py (frozen
+tensors as views of the artifact's files, LoRA adapters the only parameters) and computed by the
+ops runtime/ops builds from the recipe. Attention and RoPE run in bf16 with PyTorch SDPA; every frozen
 projection goes through runtime/functions.py.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
-import math
 
 import torch
 import torch.nn.functional as F
@@ -18,20 +16,16 @@ import torch.utils.checkpoint
 from torch import nn
 
 from pact.formats import Artifact, PactError
-from pact.formats.families import FAMILIES, GROUPS, check_config
-from pact.formats.nvfp4 import NVFP4Tensor
+from pact.formats.families import FAMILIES, check_config
 
-from .backends import get_ops, resolve_compute, resolve_kernels
-from .functions import FrozenGroup, Lora, MlpFn, NormProjectionFn, ProjectionFn, RopeFn
+from .bind import Layer, bind
+from .functions import Lora, MlpFn, NormProjectionFn, ProjectionFn, RopeFn
 from .lora import LoraConfig
 from .loss import target_cross_entropy
+from .ops import get_ops, resolve_compute, resolve_fp8_weights, resolve_kernels
 from .recipe import Recipe, parse_recipe
-from .rows import NVFP4TensorFP8
 
 TRAINABLE_FAMILIES = FAMILIES  # the language model of every family pact-convert reads
-# fp8 backend: re-encode each frozen weight to E4M3 per GEMM call, or keep E4M3 copies on the GPU
-# (1 byte per parameter per layout; no re-encode: cuBLAS FP8 speed).
-FP8_WEIGHTS = ("per-call", "resident")
 
 
 def _rotary(family: str, cfg):
@@ -52,10 +46,17 @@ def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return w * xf.to(x.dtype)
 
 
-class Layer:
-    def __init__(self):
-        self.attn_norm = self.mlp_norm = self.q_norm = self.k_norm = None
-        self.qkv = self.o = self.gate_up = self.down = None
+def text_config(artifact: Artifact):
+    """The artifact's decoder config (the text config of a vision-language model), checked against
+    the artifact's tensors first (formats/families.py) so a damaged or hostile one is one error."""
+    from transformers import AutoConfig
+
+    cfg_file = artifact.hf_dir / "config.json"
+    try:
+        check_config(json.loads(cfg_file.read_text(encoding="utf-8")), artifact.names(), str(cfg_file))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise PactError(f"{cfg_file}: unreadable ({e}): the artifact is damaged; re-copy it or re-run pact-convert") from None
+    return AutoConfig.from_pretrained(artifact.hf_dir, trust_remote_code=False).get_text_config()
 
 
 class PactModel(nn.Module):
@@ -65,8 +66,6 @@ class PactModel(nn.Module):
                  kernels: str | None = None, compute: str | None = None, activations: str | Recipe | None = None,
                  checkpoint: bool = False, seed: int = 0, fp8_weights: str = "per-call"):
         super().__init__()
-        from transformers import AutoConfig
-
         self.artifact, self.lora_cfg = artifact, lora
         self.family = artifact.meta["family"]
         if self.family not in TRAINABLE_FAMILIES:
@@ -77,22 +76,12 @@ class PactModel(nn.Module):
         self.device = torch.device(device)
         self.checkpoint = checkpoint
         self.kernels = resolve_kernels(kernels, self.device)
-        self.compute = resolve_compute(compute, self.device)
-        self.recipe = parse_recipe(activations)  # per site: GEMM input, LoRA input, saved (runtime/recipe.py)
-        self.ops = get_ops(self.kernels, self.compute, self.recipe.dgrad)
-        if fp8_weights not in FP8_WEIGHTS:
-            raise PactError(f"--fp8-weights must be one of {', '.join(FP8_WEIGHTS)}, got {fp8_weights!r}")
-        if fp8_weights == "resident" and self.compute != "fp8":
-            raise PactError(f"--fp8-weights resident keeps E4M3 copies for the fp8 backend; this run computes with "
-                            f"{self.compute}: add --compute fp8 or leave --fp8-weights at per-call")
-        self._fp8_copy = self.ops.fp8_rows if fp8_weights == "resident" else None
-        cfg_file = artifact.hf_dir / "config.json"
-        try:
-            check_config(json.loads(cfg_file.read_text(encoding="utf-8")), artifact.names(), str(cfg_file))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise PactError(f"{cfg_file}: unreadable ({e}): the artifact is damaged; re-copy it or re-run pact-convert") from None
-        cfg = AutoConfig.from_pretrained(artifact.hf_dir, trust_remote_code=False).get_text_config()
-        self.cfg = cfg
+        # per site: GEMM input, LoRA input, saved; and the backend (runtime/recipe.py)
+        self.recipe = parse_recipe(activations).on(resolve_compute(compute, self.device))
+        self.compute = self.recipe.compute
+        self.ops = get_ops(self.recipe, self.kernels)
+        fp8_copy = self.ops.fp8_rows if resolve_fp8_weights(fp8_weights, self.compute) == "resident" else None
+        cfg = self.cfg = text_config(artifact)
         self.hidden = cfg.hidden_size
         self.n_heads, self.n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or self.hidden // self.n_heads
@@ -100,82 +89,22 @@ class PactModel(nn.Module):
         self.rotary = _rotary(self.family, cfg).to(self.device)
         rope_cfg = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
         self.mrope_section = rope_cfg.get("mrope_section")  # Qwen2-VL: frequencies per (t, h, w) component
+        bound = bind(artifact, cfg.num_hidden_layers, lora, self.device, seed=seed, fp8_copy=fp8_copy)
+        self.embed, self.final_norm, self.lm_head = bound.embed, bound.final_norm, bound.lm_head
+        self.layers: list[Layer] = bound.layers
+        self.lora_params = bound.params  # the only parameters
+        self.adapters: dict[str, Lora] = bound.adapters
 
-        names = set(artifact.names())
-        dev = self.device
-        # "model." (Llama, Qwen, VL checkpoints as published) or "model.language_model." (VL re-saved
-        # by transformers 4.52-4.x)
-        p = next((p for p in ("model.", "model.language_model.") if f"{p}embed_tokens.weight" in names), None)
-        if p is None:
-            raise PactError(f"{artifact.path}: no model.embed_tokens.weight: not a decoder this version can bind")
-        self.embed = artifact.dense(f"{p}embed_tokens.weight").to(dev)
-        self.final_norm = artifact.dense(f"{p}norm.weight").to(dev)
-        self.lm_head = artifact.dense("lm_head.weight").to(dev) if "lm_head.weight" in names else self.embed
-        gen = torch.Generator().manual_seed(seed)
-        self.lora_params = nn.ParameterDict()
-        self.adapters: dict[str, Lora] = {}
-        self.layers: list[Layer] = []
-        for i in range(cfg.num_hidden_layers):
-            lp = f"{p}layers.{i}"
-            L = Layer()
-            L.attn_norm = artifact.dense(f"{lp}.input_layernorm.weight").to(dev)
-            L.mlp_norm = artifact.dense(f"{lp}.post_attention_layernorm.weight").to(dev)
-            if f"{lp}.self_attn.q_norm.weight" in names:
-                L.q_norm = artifact.dense(f"{lp}.self_attn.q_norm.weight").to(dev)
-                L.k_norm = artifact.dense(f"{lp}.self_attn.k_norm.weight").to(dev)
-            for group, attr in (("qkv", "qkv"), ("o", "o"), ("gate_up", "gate_up"), ("down", "down")):
-                sub = "self_attn" if group in ("qkv", "o") else "mlp"
-                members = [f"{lp}.{sub}.{m}.weight" for m in GROUPS[group]]
-                setattr(L, attr, self._bind_group(members, names, gen))
-            self.layers.append(L)
-
-    # -- binding
-    def _bind_group(self, members: list[str], names: set[str], gen: torch.Generator) -> FrozenGroup:
-        art, dev = self.artifact, self.device
-        entries = [art.entry(m) for m in members]
-        g = FrozenGroup(names=members, sizes=[e["shape"][0] for e in entries])
-        if all(e["kind"] == "nvfp4" for e in entries):
-            scales = {e["global_scale"] for e in entries}
-            if len(scales) != 1:
-                raise PactError(f"{art.path}: {members} do not share one global scale: re-run pact-convert")
-            fwd = [art.nvfp4(m, "fwd") for m in members]
-            bwd = [art.nvfp4(m, "bwd") for m in members]
-
-            def cat(ts, dim):  # one member: keep the mapped tensor itself (no copy on CPU)
-                return (ts[0] if len(ts) == 1 else torch.cat(ts, dim)).to(dev)
-
-            gs = fwd[0].global_scale.to(dev)
-            g.weight = NVFP4Tensor(cat([t.packed for t in fwd], 0), cat([t.scales for t in fwd], 0), gs)
-            g.weight_t = NVFP4Tensor(cat([t.packed for t in bwd], 1), cat([t.scales for t in bwd], 1), gs)
-            if self._fp8_copy is not None:
-                g.weight, g.weight_t = (NVFP4TensorFP8.of(w, self._fp8_copy) for w in (g.weight, g.weight_t))
-        else:
-            # a member kept in bf16: the group runs dense (NVFP4 members decoded once to bf16)
-            g.dense = torch.cat([art.dequantize(m).to(torch.bfloat16) for m in members], 0).to(dev)
-        biases = [m.removesuffix(".weight") + ".bias" for m in members]
-        if any(b in names for b in biases):
-            g.bias = torch.cat([
-                art.dense(b) if b in names else torch.zeros(n, dtype=torch.bfloat16)
-                for b, n in zip(biases, g.sizes)
-            ]).to(dev)
-        cfg = self.lora_cfg
-        for m, e in zip(members, entries):
-            role = e["role"]
-            if cfg is None or role not in cfg.targets:
-                g.loras.append(None)
-                continue
-            n, k = e["shape"]
-            A = torch.empty(cfg.r, k)
-            # PEFT's init: kaiming-uniform A (a = sqrt(5)), zero B, so training starts at the base model
-            bound = math.sqrt(6.0 / ((1 + 5.0) * k))
-            A.uniform_(-bound, bound, generator=gen)
-            key = m.removesuffix(".weight").replace(".", "__")
-            self.lora_params[key + "__A"] = nn.Parameter(A.to(dev))
-            self.lora_params[key + "__B"] = nn.Parameter(torch.zeros(n, cfg.r, device=dev))
-            lora = Lora(self.lora_params[key + "__A"], self.lora_params[key + "__B"], cfg.scale, cfg.dropout)
-            self.adapters[m] = lora
-            g.loras.append(lora)
-        return g
+    @contextlib.contextmanager
+    def observing(self, observe):
+        """Within: every forward GEMM hands ``observe(weight, x)`` its bf16 input rows first
+        (`Ops.observed`; calibration's Hessians)."""
+        plain = self.ops
+        self.ops = plain.observed(observe)
+        try:
+            yield
+        finally:
+            self.ops = plain
 
     # -- forward
     def _attention(self, L: Layer, x: torch.Tensor, cos, sin, B: int, S: int) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """The precision recipe: per quantization site, what the frozen GEMM reads, what the LoRA branch
-reads and what is saved for backward. Built once from `--activations` and recorded in the run.
+reads and what is saved for backward, and the backend the frozen GEMMs run on. Built once from
+`--activations` and `--compute`, handed to `runtime.ops.get_ops`, and recorded in the run folder.
 
 Sites (one decoder layer):
     qkv      RMSNorm output -> q|k|v       (saved: for dA of q,k,v and the RMSNorm backward)
@@ -57,20 +58,27 @@ class Recipe:
     gate_up: Site = Site()
     down: Site = Site()
     dgrad: str = "auto"  # the input-gradient GEMMs' dY: the backend's own format, or bf16
+    compute: str = "bf16-decode"  # the frozen GEMMs' backend (`--compute`, resolved for the device)
 
     def site(self, name: str) -> Site:
         return getattr(self, name)
 
+    def on(self, compute: str) -> "Recipe":
+        """This recipe computed with backend ``compute`` (one of runtime/ops's COMPUTE)."""
+        return dataclasses.replace(self, compute=compute)
+
     def spec(self) -> str:
-        """The shortest `--activations` string that rebuilds this recipe."""
+        """The shortest `--activations` string that rebuilds this recipe's precisions (the backend
+        is `--compute`'s)."""
+        me = self.on(Recipe.compute)
         for name, preset in PRESETS.items():
-            if preset == self:
+            if preset == me:
                 return name
-        base = min(PRESETS, key=lambda n: len(_diff(PRESETS[n], self)))
-        return ",".join([base, *_diff(PRESETS[base], self)])
+        base = min(PRESETS, key=lambda n: len(_diff(PRESETS[n], me)))
+        return ",".join([base, *_diff(PRESETS[base], me)])
 
     def as_json(self) -> dict:
-        return {**{s: dataclasses.asdict(self.site(s)) for s in SITES}, "dgrad": self.dgrad}
+        return {**{s: dataclasses.asdict(self.site(s)) for s in SITES}, "dgrad": self.dgrad, "compute": self.compute}
 
 
 def _uniform(p: str) -> Recipe:
@@ -123,3 +131,10 @@ def parse_recipe(spec: str | Recipe | None, flag: str = "--activations") -> Reci
 
 
 DEFAULT = "nvfp4-saved"
+HELP = (
+    "Precision recipe of the activations (weights stay NVFP4): a preset, default 'nvfp4-saved' (NVFP4 copies "
+    "saved for backward; GEMMs and LoRA read unquantized rows), 'nvfp4' (every use reads the NVFP4 copy) or "
+    "'bf16' (nothing quantized: the reference), optionally followed by SITE.FIELD=VALUE overrides, e.g. "
+    "'nvfp4,down.saved=bf16' (SITE: qkv, o, gate_up, down or *; FIELD: gemm, lora, saved; VALUE: nvfp4, bf16). "
+    "See README 'Precision recipe'."
+)

@@ -27,51 +27,67 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from pact.formats import PactError, default_cache, open_artifact
+from pact.formats import PactError
 from pact.formats.errors import write_error
 from pact.formats.artifact import pid_alive, sha256_file
 
 from .data import batches, collate, pad_id, read_records, tokenize
-from .backends import resolve_device
 from .evaluate import evaluate
-from .lora import LoraConfig, load_peft_adapter, save_peft_adapter
+from .lora import ALL_TARGETS, LoraConfig, load_peft_adapter, save_peft_adapter
 from .model import PactModel
+from .ops import COMPUTE, FP8_WEIGHTS, KERNELS
+from .recipe import HELP as RECIPE_HELP
 from .recipe import parse_recipe
+from .session import open_session
 
 log = logging.getLogger(__name__)
 KEEP_CHECKPOINTS = 3
 
 
+def _opt(default=MISSING, help: str | None = None, **cli):
+    """A TrainConfig field: its default, its help, and how pact-train spells it (pipelines/common.py
+    makes the options from these): ``choices``, ``metavar``, ``argument`` (positional),
+    ``cli_default`` (the CLI's default where it differs, e.g. "auto"), ``show_default``."""
+    kw = {"default_factory": default} if callable(default) else {"default": default}
+    return field(**kw, metadata={"help": help, **cli})
+
+
 @dataclass
 class TrainConfig:
-    artifact: str = field(metadata={"help": "artifact folder from pact-convert / pact-calibrate"})
-    data: str = field(metadata={"help": "train .jsonl (prompt/completion or messages) or datasets folder"})
-    out: str = field(metadata={"help": "run folder"})
-    eval_data: str | None = field(default=None, metadata={"help": "held-out .jsonl, evaluated at the end"})
-    max_len: int = 1024
-    overlong: str = field(default="truncate", metadata={"help": "truncate | refuse sequences over max_len"})
-    batch_size: int = 8
-    grad_accum: int = 1
-    steps: int | None = field(default=None, metadata={"help": "optimizer steps (overrides epochs)"})
-    epochs: float = 1.0
-    lr: float = 2e-4
-    weight_decay: float = 0.0
-    warmup_ratio: float = 0.03
-    max_grad_norm: float = 1.0
-    seed: int = 0
-    lora_r: int = 16
-    lora_alpha: float = 32.0
-    lora_dropout: float = 0.0
-    targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-    save_every: int = 0
-    kernels: str | None = None
-    compute: str | None = field(default=None, metadata={"help": "auto (= bf16-decode) | bf16-decode | fp8 | nvfp4-native"})
-    activations: str | None = field(default=None, metadata={
-        "help": "precision recipe: a preset (runtime/recipe.py) with optional SITE.FIELD=VALUE overrides"})
-    checkpoint: bool = field(default=False, metadata={"help": "recompute each decoder layer in backward"})
-    fp8_weights: str = field(default="per-call", metadata={
-        "help": "per-call | resident: --compute fp8 keeps E4M3 weight copies on the GPU (+2 bytes/param, faster)"})
-    device: str | None = None
+    """Every setting of a training run: pact-train's options, one field each (pipelines/train.py)."""
+
+    artifact: str = _opt(help="Artifact folder from pact-convert / pact-calibrate.", argument=True)
+    data: str = _opt(help="Train .jsonl ({prompt, completion} or {messages}) or datasets folder.")
+    out: str = _opt(help="Run folder (adapter, metrics, checkpoints).", path=True)
+    eval_data: str | None = _opt(None, "Held-out .jsonl: loss, and accuracy when completions are labels.")
+    max_len: int = _opt(1024)
+    overlong: str = _opt("truncate", "What to do with sequences over --max-len.", choices=("truncate", "refuse"))
+    batch_size: int = _opt(8)
+    grad_accum: int = _opt(1)
+    steps: int | None = _opt(None, "Optimizer steps (default: --epochs).")
+    epochs: float = _opt(1.0)
+    lr: float = _opt(2e-4)
+    weight_decay: float = _opt(0.0)
+    warmup_ratio: float = _opt(0.03)
+    max_grad_norm: float = _opt(1.0)
+    seed: int = _opt(0)
+    lora_r: int = _opt(16)
+    lora_alpha: float = _opt(32.0)
+    lora_dropout: float = _opt(0.0)
+    targets: tuple[str, ...] = _opt(ALL_TARGETS, "Comma-separated projections.")
+    save_every: int = _opt(0, "Checkpoint every N steps (0: none).")
+    kernels: str | None = _opt(None, "Default: triton on GPU, torch on CPU.", choices=KERNELS)
+    compute: str | None = _opt(
+        None, "Frozen-GEMM backend. auto = bf16-decode (exact NVFP4 products: learns as BF16 LoRA does). "
+              "fp8 (Ada/Hopper) ~11% shorter steps, nvfp4-native (Blackwell, unverified on hardware): "
+              "faster, at a measured accuracy cost (BENCHMARKS.md).", choices=("auto", *COMPUTE), cli_default="auto")
+    fp8_weights: str = _opt(
+        "per-call", "With --compute fp8: resident keeps E4M3 copies of the frozen weights on the GPU (+2 bytes per "
+                    "parameter) instead of re-encoding them from NVFP4 at every GEMM; same numbers, faster steps.",
+        choices=FP8_WEIGHTS)
+    activations: str | None = _opt(None, RECIPE_HELP, metavar="RECIPE")
+    checkpoint: bool = _opt(False, "Recompute each decoder layer in backward (less memory, ~1/3 more compute).")
+    device: str | None = _opt(None, "cuda, cuda:1, cpu (default: cuda if available).")
 
     def __post_init__(self) -> None:
         self.targets = tuple(self.targets)
@@ -325,32 +341,37 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True, stop
         return _train(cfg, run, resume, progress, stop_after)
 
 
-def _train(cfg: TrainConfig, run: Path, resume: bool, progress: bool, stop_after: int | None) -> dict:
-    torch.manual_seed(cfg.seed)
-    device = resolve_device(cfg.device)
-    if device.type == "cpu":
-        log.warning("no GPU: training on the CPU (correct, slow; fine for tiny models and tests)")
-    art = open_artifact(cfg.artifact)
-    try:  # every checksum, once per unchanged artifact: a damaged one never trains
-        art.verify_cached(default_cache())
-    except PactError as e:
-        raise PactError(f"--artifact: {e}") from None
-    inputs = {"artifact": art.fingerprint(), "data": data_fingerprint(cfg.data)}
-    from transformers import AutoTokenizer
+@dataclass
+class _Run:
+    """What the loop needs, made once by _setup: model, data, optimizer and the resumable state."""
 
-    tokenizer = AutoTokenizer.from_pretrained(art.hf_dir, trust_remote_code=False)
-    model = PactModel(art, cfg.lora(), device=device, kernels=cfg.kernels, compute=cfg.compute, activations=cfg.activations,
+    model: PactModel
+    tokenizer: object
+    examples: list
+    pad: int
+    total: int
+    params: list
+    opt: torch.optim.Optimizer
+    state: dict
+    last_good: Path | None
+
+
+def _setup(cfg: TrainConfig, run: Path, resume: bool) -> _Run:
+    """Device, verified artifact, tokenizer and model (runtime/session.py), the tokenized data, the
+    optimizer, and the state of the newest usable checkpoint when resuming; records the run's
+    config, recipe and input fingerprints in train_config.json."""
+    torch.manual_seed(cfg.seed)
+    ses = open_session(cfg.artifact, device=cfg.device, flag="--artifact")
+    inputs = {"artifact": ses.artifact.fingerprint(), "data": data_fingerprint(cfg.data)}
+    model = ses.model(cfg.lora(), kernels=cfg.kernels, compute=cfg.compute, activations=cfg.activations,
                       checkpoint=cfg.checkpoint, seed=cfg.seed, fp8_weights=cfg.fp8_weights)
     vocab = model.embed.shape[0]
-    if len(tokenizer) > vocab:
-        raise PactError(f"{art.hf_dir}: tokenizer has {len(tokenizer)} tokens but the embedding has {vocab} rows: "
-                        "artifact and tokenizer do not match; re-run pact-convert on the model folder")
-    pad = pad_id(tokenizer)
-    examples = tokenize(read_records(cfg.data), tokenizer, max_len=cfg.max_len, overlong=cfg.overlong, vocab_size=vocab)
+    examples = tokenize(read_records(cfg.data), ses.tokenizer, max_len=cfg.max_len, overlong=cfg.overlong,
+                        vocab_size=vocab)
     per_epoch = math.ceil(math.ceil(len(examples) / cfg.batch_size) / cfg.grad_accum)
     total = cfg.steps or max(1, math.ceil(cfg.epochs * per_epoch))
     params = list(model.lora_params.values())
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, foreach=device.type == "cuda")
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, foreach=ses.device.type == "cuda")
     state = {"step": 0, "epoch": 0, "pos": 0, "tokens": 0}
     last_good = None
     if resume and (good := _usable_checkpoints(run)):
@@ -362,49 +383,76 @@ def _train(cfg: TrainConfig, run: Path, resume: bool, progress: bool, stop_after
     state["inputs"] = inputs
     (run / "train_config.json").write_text(json.dumps({**cfg.as_json(), "recipe": model.recipe.as_json(),
                                                        "inputs_sha256": inputs}, indent=2) + "\n")
-    stream = _micro_batches(examples, cfg, state["epoch"], state["pos"])
+    return _Run(model, ses.tokenizer, examples, pad_id(ses.tokenizer), total, params, opt, state, last_good)
+
+
+def _step(r: _Run, cfg: TrainConfig, micro: list) -> dict:
+    """One optimizer step over the micro-batches ``micro``; returns its metrics (without timing)."""
+    device, state = r.model.device, r.state
+    loaded = [collate(r.examples, idx, r.pad, device) for _, _, idx in micro]
+    n_targets = sum(int((lab[:, 1:] != -100).sum()) for _, lab in loaded)
+    if n_targets == 0:
+        raise PactError(f"step {state['step'] + 1}: the batch has no completion tokens within --max-len "
+                        f"{cfg.max_len}: raise --max-len")
+    loss_sum = 0.0
+    for ids, labels in loaded:
+        loss, _ = r.model(ids, labels)
+        (loss / n_targets).backward()
+        loss_sum += float(loss.detach())
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(r.params, cfg.max_grad_norm))
+    if not (math.isfinite(loss_sum) and math.isfinite(grad_norm)):
+        kept = f"the last good checkpoint is {r.last_good}" if r.last_good else "no checkpoint was saved"
+        raise PactError(
+            f"step {state['step'] + 1}: loss {loss_sum / n_targets:.4g}, gradient norm {grad_norm:.4g}: "
+            f"not finite, training stopped and no adapter written ({kept}); lower --lr, or check the "
+            "artifact and data")
+    lr = lr_at(state["step"], r.total, cfg.lr, cfg.warmup_ratio)
+    for group in r.opt.param_groups:
+        group["lr"] = lr
+    r.opt.step()
+    r.opt.zero_grad(set_to_none=True)
+    tokens = sum(int(ids.numel()) for ids, _ in loaded)
+    state.update(step=state["step"] + 1, epoch=micro[-1][0], pos=micro[-1][1], tokens=state["tokens"] + tokens)
+    return {"step": state["step"], "loss": loss_sum / n_targets, "lr": lr, "grad_norm": grad_norm,
+            "targets": n_targets, "tokens": tokens}
+
+
+def _finish(r: _Run, cfg: TrainConfig, run: Path, last: dict) -> dict:
+    """The adapter in PEFT format, and the held-out evaluation when --eval-data is given."""
+    try:
+        save_peft_adapter(run, r.model.adapter_state(), cfg.lora(), cfg.artifact)
+    except OSError as e:
+        raise _disk_error(e, run / "adapter_model.safetensors") from None
+    result = dict(last)
+    if cfg.eval_data:
+        held = tokenize(read_records(cfg.eval_data), r.tokenizer, max_len=cfg.max_len, overlong=cfg.overlong,
+                        vocab_size=r.model.embed.shape[0])
+        result.update(evaluate(r.model, held, batch_size=cfg.batch_size, pad_id=r.pad))
+        (run / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+def _train(cfg: TrainConfig, run: Path, resume: bool, progress: bool, stop_after: int | None) -> dict:
+    r = _setup(cfg, run, resume)
+    state, device = r.state, r.model.device
+    stream = _micro_batches(r.examples, cfg, state["epoch"], state["pos"])
     metrics_f = open(run / "metrics.jsonl", "a")
-    bar = tqdm(total=total, initial=state["step"], desc="train", unit="step", disable=not progress)
+    bar = tqdm(total=r.total, initial=state["step"], desc="train", unit="step", disable=not progress)
     t_start = time.perf_counter()
     last = {}
     try:
-        while state["step"] < total:
+        while state["step"] < r.total:
             t0 = time.perf_counter()
-            micro = [next(stream) for _ in range(cfg.grad_accum)]
-            loaded = [collate(examples, idx, pad, device) for _, _, idx in micro]
-            n_targets = sum(int((lab[:, 1:] != -100).sum()) for _, lab in loaded)
-            loss_sum = 0.0
-            if n_targets == 0:
-                raise PactError(f"step {state['step'] + 1}: the batch has no completion tokens within --max-len "
-                                f"{cfg.max_len}: raise --max-len")
-            for ids, labels in loaded:
-                loss, _ = model(ids, labels)
-                (loss / max(n_targets, 1)).backward()
-                loss_sum += float(loss.detach())
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm))
-            if not (math.isfinite(loss_sum) and math.isfinite(grad_norm)):
-                kept = f"the last good checkpoint is {last_good}" if last_good else "no checkpoint was saved"
-                raise PactError(
-                    f"step {state['step'] + 1}: loss {loss_sum / max(n_targets, 1):.4g}, gradient norm {grad_norm:.4g}: "
-                    f"not finite, training stopped and no adapter written ({kept}); lower --lr, or check the "
-                    "artifact and data")
-            lr = lr_at(state["step"], total, cfg.lr, cfg.warmup_ratio)
-            for group in opt.param_groups:
-                group["lr"] = lr
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            tokens = sum(int(ids.numel()) for ids, _ in loaded)
-            state.update(step=state["step"] + 1, epoch=micro[-1][0], pos=micro[-1][1], tokens=state["tokens"] + tokens)
+            last = _step(r, cfg, [next(stream) for _ in range(cfg.grad_accum)])
             dt = time.perf_counter() - t0
-            last = {"step": state["step"], "loss": loss_sum / max(n_targets, 1), "lr": lr, "grad_norm": grad_norm,
-                    "targets": n_targets, "tokens": tokens, "tokens_per_s": tokens / dt, "epoch": state["epoch"],
-                    "peak_mem_gb": round(_peak_memory_gb(device), 3), "elapsed_s": round(time.perf_counter() - t_start, 3)}
+            last.update(tokens_per_s=last["tokens"] / dt, epoch=state["epoch"],
+                        peak_mem_gb=round(_peak_memory_gb(device), 3), elapsed_s=round(time.perf_counter() - t_start, 3))
             metrics_f.write(json.dumps(last) + "\n")
             metrics_f.flush()
             bar.update(1)
             bar.set_postfix(loss=f"{last['loss']:.4f}", tok_s=f"{last['tokens_per_s']:.0f}", mem=f"{last['peak_mem_gb']:.2f}G")
             if cfg.save_every and state["step"] % cfg.save_every == 0:
-                last_good = _save_checkpoint(run, model, opt, state, cfg)
+                r.last_good = _save_checkpoint(run, r.model, r.opt, state, cfg)
             if stop_after is not None and state["step"] >= stop_after:
                 return last
     except torch.cuda.OutOfMemoryError:
@@ -413,13 +461,4 @@ def _train(cfg: TrainConfig, run: Path, resume: bool, progress: bool, stop_after
     finally:
         bar.close()
         metrics_f.close()
-    try:
-        save_peft_adapter(run, model.adapter_state(), cfg.lora(), cfg.artifact)
-    except OSError as e:
-        raise _disk_error(e, run / "adapter_model.safetensors") from None
-    result = dict(last)
-    if cfg.eval_data:
-        held = tokenize(read_records(cfg.eval_data), tokenizer, max_len=cfg.max_len, overlong=cfg.overlong, vocab_size=vocab)
-        result.update(evaluate(model, held, batch_size=cfg.batch_size, pad_id=pad))
-        (run / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
-    return result
+    return _finish(r, cfg, run, last)

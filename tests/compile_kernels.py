@@ -24,7 +24,7 @@ def _compile_sm(fn, signature: dict, constexprs: dict):
 def native(capability: int) -> None:
     """The Blackwell FP4 tensor-core GEMM (sm_100 / sm_120 only)."""
     global CAPABILITY
-    from pact.runtime.kernels import native as V
+    from pact.runtime.ops.triton import native as V
 
     CAPABILITY = capability
     sig = {"a_ptr": "*u8", "a_scales_ptr": "*fp8e4nv", "a_rs_ptr": "*fp32", "b_ptr": "*u8", "b_scales_ptr": "*fp8e4nv",
@@ -37,9 +37,9 @@ def main(capability: int) -> None:
     import triton.language as tl
 
     CAPABILITY = capability
-    from pact.runtime.kernels import nvfp4 as N
+    from pact.runtime.ops.triton import codec as C, gemm as G, rows as N
 
-    e4m3 = 2 if capability >= 90 else 1  # as kernels.nvfp4._e4m3_mode picks it on that GPU
+    e4m3 = 2 if capability >= 90 else 1  # as ops.triton.codec.e4m3_mode picks it on that GPU
 
     rows = {"packed_ptr": "*u8", "scales_ptr": "*u8", "rs_ptr": "*fp32"}
     _compile_sm(N._quant_rows_kernel, {"x_ptr": "*bf16", "stride_x": "i32", **rows, "f8_ptr": "*u8", "K": "i32"},
@@ -60,11 +60,11 @@ def main(capability: int) -> None:
                                               "f8_ptr": "*u8", "f8s_ptr": "*fp32", "K": "i32"},
                     {"BLOCK_K": 8192, "CHUNK": 2048, "NVFP4": nvfp4, "FP8": fp8})
     _compile_sm(N._dequant_rows_kernel, {**rows, "out_ptr": "*fp32", "K": "i32"}, {"BLOCK_K": 8192, "CHUNK": 2048})
-    for what in (N.PAIRS_QS, N.PAIRS_ROWS, N.PAIRS_E4M3_W, N.PAIRS_E4M3_ROWS):
-        _compile_sm(N._decode_pairs_kernel, {"packed_ptr": "*u8", "scales_ptr": "*u8", "sc_ptr": "*fp32",
-                                             "out_ptr": "*i32" if what < N.PAIRS_E4M3_W else "*i16",
+    for what in (C.PAIRS_QS, C.PAIRS_ROWS, C.PAIRS_E4M3_W, C.PAIRS_E4M3_ROWS):
+        _compile_sm(C._decode_pairs_kernel, {"packed_ptr": "*u8", "scales_ptr": "*u8", "sc_ptr": "*fp32",
+                                             "out_ptr": "*i32" if what < C.PAIRS_E4M3_W else "*i16",
                                              "out_scale_ptr": "*fp32", "ROWS": "i32"},
-                    {"KB": 1024, "OUT": what, "MODE": e4m3, "R": N.PAIR_ROWS, "CB": N.PAIR_BYTES, "SB": 128})
+                    {"KB": 1024, "OUT": what, "MODE": e4m3, "R": C.PAIR_ROWS, "CB": C.PAIR_BYTES, "SB": 128})
     _compile_sm(N._rmsnorm_backward_kernel, {"dy_ptr": "*fp32", "stride_dy": "i32", "yp": "*u8", "ys": "*u8", "yr": "*fp32",
                                              "rstd_ptr": "*fp32", "w_ptr": "*bf16", "dx_ptr": "*bf16", "K": "i32"},
                 {"BLOCK_K": 2048})
@@ -76,20 +76,20 @@ def main(capability: int) -> None:
             "b_scales_ptr": "*u8", "b_gs_ptr": "*fp32", "c_ptr": "*bf16", "stride_cm": "i32", "M": "i32", "N": "i32"}
     for a_nvfp4 in (True, False):
         sig = dict(gemm, a_ptr="*u8" if a_nvfp4 else "*bf16")
-        _compile_sm(N._nvfp4_gemm_kernel, sig, {"K": 2048, "A_NVFP4": a_nvfp4, **N._gemm_blocks(8192, 2048, 2048),
+        _compile_sm(G._nvfp4_gemm_kernel, sig, {"K": 2048, "A_NVFP4": a_nvfp4, **G._gemm_blocks(8192, 2048, 2048),
                                                  "DOT_DTYPE": tl.bfloat16})
-    from pact.runtime.kernels import fp8 as F8
+    from pact.runtime.ops.triton import fp8 as F8
 
     _compile_sm(F8._fp8_rows_kernel, {"src_ptr": "*bf16", "stride_src": "i32", "out_ptr": "*u8",
                                       "out_scale_ptr": "*fp32", "K": "i32"},
                 {"BLOCK_K": 16384, "CHUNK": 2048, "MODE": e4m3})
-    from pact.runtime.kernels import rotary as RO
+    from pact.runtime.ops.triton import rotary as RO
 
     for inverse in (False, True):
         _compile_sm(RO._rope_kernel, {"x_ptr": "*bf16", "stride_x": "i32", "cos_ptr": "*bf16", "sin_ptr": "*bf16",
                                       "out_ptr": "*bf16", "S": "i32", "HEADS": "i32"},
                     {"HALF": 64, "BLOCK_H": 32, "INVERSE": inverse})
-    from pact.runtime.kernels import xent as XE
+    from pact.runtime.ops.triton import xent as XE
 
     _compile_sm(XE._ce_grad_kernel, {"z_ptr": "*bf16", "stride_z": "i32", "t_ptr": "*i64", "loss_ptr": "*fp32"},
                 {"V": 128256, "BLOCK_V": 4096})

@@ -12,7 +12,16 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGE_DIRS = ("formats", "convert", "calibrate", "runtime", "pipelines")
+PACKAGE_DIRS = ("formats", "convert", "calibrate", "runtime", "assets", "pipelines")
+# what each of our packages may import of ours: imports go down the stack only (ARCHITECTURE.md)
+MAY_IMPORT = {
+    "formats": set(),
+    "convert": {"formats"},
+    "runtime": {"formats"},
+    "calibrate": {"formats", "convert", "runtime"},
+    "assets": {"formats", "runtime"},
+    "pipelines": {"formats", "convert", "calibrate", "runtime", "assets"},
+}
 
 
 def _norm(name: str) -> str:
@@ -37,6 +46,22 @@ def _imported_modules() -> dict[str, list[str]]:
             for n in names:
                 found.setdefault(n.split(".")[0], []).append(str(f.relative_to(ROOT)))
     return found
+
+
+def test_imports_go_down_the_stack():
+    """formats imports nothing of ours; convert and runtime only formats; nothing but the CLIs
+    imports pipelines."""
+    wrong = []
+    for d, allowed in MAY_IMPORT.items():
+        for f in sorted((ROOT / d).rglob("*.py")):
+            for node in ast.walk(ast.parse(f.read_text(), str(f))):
+                mods = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                        [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module else [])
+                for m in mods:
+                    parts = m.split(".")
+                    if parts[0] == "pact" and len(parts) > 1 and parts[1] != d and parts[1] not in allowed:
+                        wrong.append(f"{f.relative_to(ROOT)} imports {m}")
+    assert not wrong, "imports up or across the stack:\n" + "\n".join(wrong)
 
 
 def _declared() -> set[str]:
@@ -83,18 +108,19 @@ def test_image_prompts_without_pillow_one_line(tmp_path, monkeypatch):
 
 def test_triton_kernels_without_triton(monkeypatch):
     from pact.formats import PactError
-    from pact.runtime.backends import get_ops
+    from pact.runtime.ops import get_ops
+    from pact.runtime.recipe import parse_recipe
 
     monkeypatch.setitem(sys.modules, "triton", None)
     with pytest.raises(PactError, match=r'--kernels triton needs the triton package: pip install "pact\[kernels\]"'):
-        get_ops("triton", "bf16-decode")
+        get_ops(parse_recipe(None), "triton")
 
 
 def test_unavailable_device_one_line(monkeypatch):
     import torch
 
     from pact.formats import PactError
-    from pact.runtime.backends import resolve_device
+    from pact.runtime.ops import resolve_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(PactError, match="no CUDA device here.*drop --device"):

@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from pact.formats.nvfp4 import NVFP4Rows, quantize_weight
-from pact.runtime import kernels as K
-from pact.runtime import reference as R
+from pact.runtime.ops import triton as K
+from pact.runtime.ops import reference as R
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -74,7 +74,7 @@ def test_rows_kept_bf16_with_saved_and_fp8_copies(monkeypatch, rows, k, chunk):
     bf16 rows match the twin (rstd / exp differ in the last fp32 bits: a bf16 ulp, rarely); the
     NVFP4 rows saved for backward are exactly quantize_rows of the kernel's own bf16 rows, and
     the E4M3 copy exactly fp8_rows of them; gate and up exactly the twin's."""
-    from pact.runtime.kernels import nvfp4 as KN
+    from pact.runtime.ops.triton import codec as KN
 
     monkeypatch.setattr(KN, "ROW_CHUNK", chunk)
     x = _awkward(rows, k, seed=6)
@@ -172,7 +172,7 @@ def _fp8_sources(rows, k, seed=0):
 @pytest.mark.parametrize("rows,k", [(1, 16), (6, 48), (42, 272)])
 def test_fp8_rows_exact(rows, k):
     """E4M3 rows (manual bit rounding in the kernel) == the twin (torch's own float8 cast)."""
-    from pact.runtime.kernels.fp8 import fp8_rows
+    from pact.runtime.ops.triton.fp8 import fp8_rows
 
     for name, src in _fp8_sources(rows, k).items():
         (a8, sa), (b8, sb) = fp8_rows(src), R.fp8_rows(src)
@@ -186,8 +186,8 @@ def test_quantizers_write_the_fp8_copy(monkeypatch, chunk):
     """RMSNorm / SiLU-mul / row quantization with fp8=True also write the E4M3 copy of what they
     quantized: bytes and scales == fp8_rows of the NVFP4 rows (the twin), in one pass and
     walked in pieces; the GEMM reads the copy instead of re-encoding."""
-    from pact.runtime.kernels import nvfp4 as KN
-    from pact.runtime.kernels.fp8 import fp8_rows, nvfp4_gemm_fp8
+    from pact.runtime.ops.triton import codec as KN
+    from pact.runtime.ops.triton.fp8 import fp8_rows, nvfp4_gemm_fp8
 
     monkeypatch.setattr(KN, "ROW_CHUNK", chunk)
     x = _awkward(21, 272, seed=4)
@@ -225,7 +225,7 @@ def test_fp8_rows_error_bound():
 def test_fp8_gemm(m, n, k):
     """The fp8 GEMM (kernel rows + `torch._scaled_mm`) == its twin up to bf16 rounding, and
     within E4M3's error of the exact NVFP4 product."""
-    from pact.runtime.kernels.fp8 import nvfp4_gemm_fp8
+    from pact.runtime.ops.triton.fp8 import nvfp4_gemm_fp8
 
     torch.manual_seed(m + n + k)
     fwd, bwd = quantize_weight(torch.randn(n, k) * 0.05)
@@ -283,8 +283,8 @@ def test_ce_grad(c, V):
 def test_rows_walked_in_chunks(monkeypatch):
     """Rows wider than ROW_CHUNK are walked in pieces (two passes where a row scale is needed):
     with a 32-element chunk, a 272-wide row takes 16 pieces, results unchanged."""
-    from pact.runtime.kernels import nvfp4 as KN
-    from pact.runtime.kernels.fp8 import fp8_rows
+    from pact.runtime.ops.triton import codec as KN
+    from pact.runtime.ops.triton.fp8 import fp8_rows
 
     monkeypatch.setattr(KN, "ROW_CHUNK", 32)
     x = _awkward(5, 272, seed=7)
@@ -308,8 +308,8 @@ def test_pair_decoder_tiles(monkeypatch):
     """The pair-decoding kernel (bf16 decode, E4M3 re-encode) walks rows and bytes in tiles:
     with 4 rows x 16 bytes, a 37 x 272 operand takes 10 x 9 programs (partial tiles on both
     edges; the row scale written by the first column, a weight's amax read from whole rows)."""
-    from pact.runtime.kernels import nvfp4 as KN
-    from pact.runtime.kernels.fp8 import fp8_rows
+    from pact.runtime.ops.triton import codec as KN
+    from pact.runtime.ops.triton.fp8 import fp8_rows
 
     monkeypatch.setattr(KN, "PAIR_ROWS", 4)
     monkeypatch.setattr(KN, "PAIR_BYTES", 16)
@@ -330,7 +330,7 @@ def test_host_scale_cached_without_tensor_ops():
 
     from torch.overrides import TorchFunctionMode
 
-    from pact.runtime.kernels import nvfp4 as KN
+    from pact.runtime.ops.triton import gemm as KN
 
     calls = []
 
@@ -377,12 +377,12 @@ def test_kernels_native_gpu(m, n, k):
     _close_bf16(K.silu_mul_backward(dy, gb, ub), R.silu_mul_backward(dy, gb, ub))
     fwd, bwd = quantize_weight(torch.randn(n, k, device="cuda") * 0.02)
     dy = torch.randn(m, n, device="cuda").to(torch.bfloat16)
-    from pact.runtime.kernels.nvfp4 import nvfp4_gemm_cublas, nvfp4_gemm_fused
+    from pact.runtime.ops.triton.gemm import nvfp4_gemm_cublas, nvfp4_gemm_fused
 
     for gemm in (nvfp4_gemm_fused, nvfp4_gemm_cublas):
         _check_gemm(gemm(qb, fwd), _gemm_ref64(qb, fwd))
         _check_gemm(gemm(dy, bwd), _gemm_ref64(dy, bwd))
-    from pact.runtime.kernels.fp8 import fp8_rows, nvfp4_gemm_fp8
+    from pact.runtime.ops.triton.fp8 import fp8_rows, nvfp4_gemm_fp8
 
     for src in (x, qb, fwd, bwd):
         (a8, sa), (b8, sb) = fp8_rows(src), R.fp8_rows(src)
@@ -434,7 +434,7 @@ def test_compute_choice_by_capability(monkeypatch):
     backend the GPU cannot run is one clear error naming the flag and the alternative
     (capabilities faked: no GPU here)."""
     from pact.formats import PactError
-    from pact.runtime import backends
+    from pact.runtime.ops import build as backends
 
     gpu = torch.device("cuda")
     for cap in ((12, 0), (10, 0), (9, 0), (8, 9), (8, 0)):

@@ -245,7 +245,7 @@ def test_resident_fp8_weights_change_nothing(tmp_path, kernels):
     """`--fp8-weights resident` multiplies the E4M3 copies made once at binding: the same bytes
     the fp8 backend re-encodes per call, so loss and gradients are bit-identical; other
     backends refuse the flag."""
-    from pact.runtime.rows import NVFP4TensorFP8
+    from pact.runtime.ops import NVFP4TensorFP8
 
     art = _artifact(tmp_path, "llama")
     ids, labels = _batch(b=1, s=16)

@@ -9,7 +9,7 @@ from click.testing import CliRunner
 
 from conftest import make_gguf
 from pact.convert import convert
-from pact.convert.offline import SMOLLM2_135M, PackagedFile, fetch
+from pact.assets.packaged import SMOLLM2_135M, PackagedFile, fetch
 from pact.formats import PactError, open_artifact
 from pact.formats import nvfp4 as F
 from pact.pipelines.cli import main as pact_cli
@@ -98,7 +98,7 @@ def _fake_rotten_tomatoes(path, n=120):
 def test_demo_end_to_end_on_tiny_model(tmp_path):
     """`pact demo` with a tiny GGUF and a tiny labelled CSV standing in for the real ones
     (placed in the cache, so nothing is downloaded): convert, calibrate, train, evaluate."""
-    from pact.convert.offline import ROTTEN_TOMATOES
+    from pact.assets.packaged import ROTTEN_TOMATOES
 
     cached = tmp_path / f"{SMOLLM2_135M.package}-{SMOLLM2_135M.version}" / SMOLLM2_135M.filename
     cached.parent.mkdir(parents=True)

@@ -14,9 +14,9 @@ well below NVFP4's own (~20 dB SQNR); the FP8 row conversion is what the twin
 `reference.nvfp4_gemm_fp8` reproduces bit for bit.
 
 E4M3 bytes: the GPU's own conversion on sm_90+, an exact emulation on the bits under the
-interpreter and on sm_89 (kernels/nvfp4.py's docstring says why). The forward GEMMs' A
+interpreter and on sm_89 (triton/codec.py's docstring says why). The forward GEMMs' A
 operand arrives with its E4M3 copy already written by the kernel that quantized it (RMSNorm,
-SiLU-mul, o_proj input: runtime/rows.py); only the input gradient's dY and the weights are
+SiLU-mul, o_proj input: runtime/ops/rows.py); only the input gradient's dY and the weights are
 re-encoded here.
 """
 
@@ -29,7 +29,8 @@ import triton.language as tl
 from pact.formats import nvfp4 as fmt
 from pact.formats.nvfp4 import NVFP4Rows, NVFP4Tensor
 
-from .nvfp4 import PAIRS_E4M3_ROWS, PAIRS_E4M3_W, _block_k, _check_k, _chunk, _e4m3_bytes, _e4m3_mode, decode_pairs
+from .codec import PAIRS_E4M3_ROWS, PAIRS_E4M3_W, block_width, decode_pairs, e4m3_bytes, e4m3_mode, row_config
+from .gemm import check_k
 
 FP8_MAX = tl.constexpr(fmt.E4M3_MAX)
 
@@ -51,7 +52,7 @@ def _fp8_rows_kernel(src_ptr, stride_src, out_ptr, out_scale_ptr, K, BLOCK_K: tl
         offs = c0 + tl.arange(0, CHUNK)
         v = tl.load(src_ptr + row * stride_src + offs, mask=offs < K, other=0.0).to(tl.float32)
         y = tl.minimum(tl.maximum(v * inv, -FP8_MAX), FP8_MAX)
-        tl.store(out_ptr + row * K + offs, _e4m3_bytes(y, MODE).to(tl.uint8), mask=offs < K)
+        tl.store(out_ptr + row * K + offs, e4m3_bytes(y, MODE).to(tl.uint8), mask=offs < K)
     tl.store(out_scale_ptr + row, tl.math.div_rn(amax, FP8_MAX))
 
 
@@ -75,8 +76,8 @@ def fp8_rows(x: NVFP4Rows | NVFP4Tensor | torch.Tensor, pad_to: int = 16) -> tup
         decode_pairs(x.packed, x.scales, x.global_scale.reshape(1), out[:rows], PAIRS_E4M3_W, scale)
     elif rows:
         x = x if x.stride(-1) == 1 else x.contiguous()
-        _fp8_rows_kernel[(rows,)](x, x.stride(0), out.view(torch.uint8), scale, k, **_chunk(_block_k(k)),
-                                  MODE=_e4m3_mode(device))
+        _fp8_rows_kernel[(rows,)](x, x.stride(0), out.view(torch.uint8), scale, k, **row_config(block_width(k)),
+                                  MODE=e4m3_mode(device))
     return out, scale
 
 
@@ -90,7 +91,7 @@ def nvfp4_gemm_fp8(a: NVFP4Rows | torch.Tensor, w: NVFP4Tensor, a_hat: torch.Ten
 
     ``a_hat`` is accepted for the launcher signature and unused: the NVFP4 A is smaller to read.
     """
-    _check_k(a, w)
+    check_k(a, w)
     m = a.shape[0]
     if getattr(a, "fp8", None) is not None:  # written by the kernel that quantized A
         a8, sa = a.fp8, a.fp8_scale

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .nvfp4 import _rne_bf16
+from .codec import rne_bf16
 
 _FAR = tl.constexpr(-1.0e30)  # "minus infinity" that stays finite in max / exp arithmetic
 
@@ -38,7 +38,7 @@ def _ce_grad_kernel(z_ptr, stride_z, t_ptr, loss_ptr, V: tl.constexpr, BLOCK_V: 
         x = tl.load(base + v0 + offs, mask=mask, other=0.0).to(tl.float32)
         p = tl.exp(x - lse)
         p = tl.where(v0 + offs == t, p - 1.0, p)
-        tl.store(base + v0 + offs, _rne_bf16(p).to(tl.bfloat16), mask=mask)
+        tl.store(base + v0 + offs, rne_bf16(p).to(tl.bfloat16), mask=mask)
 
 
 def ce_grad_(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,7 @@ FP8_MAX = E4M3_MAX  # E4M3 rows use the format's whole range
 
 
 def _attach_fp8(q: NVFP4Rows, fp8: bool) -> NVFP4Rows:
-    """With ``fp8``: q plus its E4M3 copy (runtime/rows.py), as the fused kernels write it."""
+    """With ``fp8``: q plus its E4M3 copy (runtime/ops/rows.py), as the fused kernels write it."""
     return NVFP4RowsFP8(q.packed, q.scales, q.row_scale, *fp8_rows(q)) if fp8 else q
 
 
@@ -185,7 +185,7 @@ def fp8_rows(x: NVFP4Rows | NVFP4Tensor | torch.Tensor, pad_to: int = 16) -> tup
     rows = x.shape[0]
     if isinstance(x, (NVFP4Rows, NVFP4Tensor)):
         v = _decoded_qs(x.packed, x.scales)
-        if isinstance(x, NVFP4Rows):  # every row's largest block scale is 448 (runtime/rows.py)
+        if isinstance(x, NVFP4Rows):  # every row's largest block scale is 448 (runtime/ops/rows.py)
             base, amax = x.row_scale.float(), torch.full((rows,), FP8_ROW_AMAX, device=v.device)
         else:
             base = x.global_scale.float().expand(rows)

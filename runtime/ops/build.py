@@ -7,14 +7,14 @@ Compute backends (how the frozen NVFP4 GEMMs run), `--compute`:
   fidelity: -0.8 points mean over 7 tasks x 2 learning rates, where `fp8` loses -2.0).
 - `fp8` (sm_89 / sm_90, Ada and Hopper; opt-in speed): both operands re-encoded as E4M3 rows
   (W decoded per call from NVFP4), FP8 tensor cores via cuBLAS `_scaled_mm` with rowwise
-  scales. Not exact: E4M3 keeps 3 of q * s_b's up to 5 mantissa bits (runtime/kernels/fp8.py);
+  scales. Not exact: E4M3 keeps 3 of q * s_b's up to 5 mantissa bits (runtime/ops/triton/fp8.py);
   ~11% shorter steps on the H200 for a measured accuracy cost.
 - `nvfp4-native` (sm_100 / sm_120, Blackwell; opt-in): FP4 tensor cores via `tl.dot_scaled`,
   both operands NVFP4 (dY quantized for the input gradient). UNVERIFIED ON HARDWARE: compiled
   for sm_100 and sm_120 in the tests, never run (no Blackwell GPU here).
 
-`torch`: the pure-PyTorch twins (runtime/reference.py) — the CPU path and the reference.
-`triton`: the Triton kernels (runtime/kernels/), register-decoding NVFP4 into bf16 `tl.dot`
+`torch`: the pure-PyTorch twins (runtime/ops/reference.py) — the CPU path and the reference.
+`triton`: the Triton kernels (runtime/ops/triton/), register-decoding NVFP4 into bf16 `tl.dot`
 (the `bf16-decode` compute backend; exact NVFP4 products). On a CPU they run only under
 TRITON_INTERPRET=1 (the tests do this).
 
@@ -23,20 +23,28 @@ Chosen once per model from `--kernels` or PACT_KERNELS (default: triton on CUDA,
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
-from types import SimpleNamespace
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from pact.formats import PactError, require
+from pact.formats.nvfp4 import NVFP4Rows, NVFP4Tensor
 
+from ..recipe import Recipe
 from .rows import DenseRows
 
 KERNELS = ("torch", "triton")
 COMPUTE = ("bf16-decode", "fp8", "nvfp4-native")
+# fp8 backend: re-encode each frozen weight to E4M3 per GEMM call, or keep E4M3 copies on the GPU
+# (1 byte per parameter per layout; no re-encode: cuBLAS FP8 speed).
+FP8_WEIGHTS = ("per-call", "resident")
 _OPS = ("rmsnorm_quant", "silu_mul_quant", "rmsnorm_rows", "silu_mul_rows", "quant_rows", "dequant_rows",
         "nvfp4_gemm", "rmsnorm_backward", "silu_mul_h", "silu_mul_backward", "rope", "ce_grad_")
+Rows = NVFP4Rows | DenseRows
 # Ops reading saved rows: unquantized rows (DenseRows, a recipe's "bf16" sites) go to the twins,
 # elementwise torch in fp32 on either device; NVFP4 rows to the chosen implementation.
 _ROW_READERS = ("dequant_rows", "rmsnorm_backward", "silu_mul_h", "silu_mul_backward")
@@ -101,25 +109,74 @@ def resolve_compute(name: str | None, device: torch.device) -> str:
     return name
 
 
-def get_ops(name: str, compute: str = "bf16-decode", dgrad: str = "auto") -> SimpleNamespace:
-    """A namespace with the launchers (same names and signatures in both implementations).
-    ``dgrad``: "auto", the input gradient on the compute backend's GEMM; "bf16", on the exact
-    bf16 x NVFP4 GEMM whatever the backend (runtime/recipe.py)."""
+@dataclass(frozen=True)
+class Ops:
+    """The launchers a model runs (runtime/functions.py calls nothing else): one implementation's
+    (`torch` twins or `triton` kernels: same names and signatures), with the recipe's compute
+    backend and dgrad choice already applied. Built by `get_ops`; never edited in place."""
+
+    name: str  # "<kernels>/<compute>"
+    fp8: bool  # the fp8 backend: quantizing kernels also write the E4M3 copy its next GEMM reads
+    native: bool  # the nvfp4-native backend: a bf16 GEMM input is made NVFP4 rows anyway
+    rmsnorm_quant: Callable[..., tuple[NVFP4Rows, torch.Tensor]]  # (x, w, eps) -> (NVFP4 rows, rstd)
+    silu_mul_quant: Callable[[torch.Tensor], tuple[NVFP4Rows, NVFP4Rows, NVFP4Rows]]  # gate|up -> h, gate, up
+    rmsnorm_rows: Callable[..., tuple[DenseRows, NVFP4Rows | None, torch.Tensor]]
+    silu_mul_rows: Callable[..., tuple[DenseRows, Rows, Rows]]
+    quant_rows: Callable[[torch.Tensor], NVFP4Rows]  # a GEMM input (with its E4M3 copy on fp8)
+    quant_saved: Callable[[torch.Tensor], NVFP4Rows]  # rows only kept for backward: never an E4M3 copy
+    dequant_rows: Callable[[Rows], torch.Tensor]
+    nvfp4_gemm: Callable[..., torch.Tensor]  # (a, W [N, K], a_hat=None) -> a @ W^T bf16: forward GEMMs
+    dgrad_gemm: Callable[[torch.Tensor, NVFP4Tensor], torch.Tensor]  # (dY, W^T [K, N]) -> dX: input gradients
+    rmsnorm_backward: Callable[[torch.Tensor, Rows, torch.Tensor, torch.Tensor], torch.Tensor]
+    silu_mul_h: Callable[[Rows, Rows], torch.Tensor]
+    silu_mul_backward: Callable[[torch.Tensor, Rows, Rows], torch.Tensor]
+    rope: Callable[..., torch.Tensor]  # (x, cos, sin, inverse=False)
+    ce_grad_: Callable[..., torch.Tensor]
+    fp8_rows: Callable[[NVFP4Tensor | torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None  # fp8 only
+
+    def observed(self, observe: Callable[[NVFP4Tensor, torch.Tensor], None]) -> "Ops":
+        """These ops with each forward GEMM first handing ``observe(weight, x)`` its input rows x in
+        bf16 (dequantized NVFP4 rows, or the unquantized rows where the recipe keeps them): the
+        public hook calibration collects its Hessians through. Input-gradient GEMMs are not observed."""
+        gemm, dequant = self.nvfp4_gemm, self.dequant_rows
+
+        def nvfp4_gemm(a, w, a_hat=None):
+            x = a_hat if a_hat is not None else a if isinstance(a, torch.Tensor) else dequant(a)
+            observe(w, x)
+            return gemm(a, w, a_hat)
+
+        return dataclasses.replace(self, nvfp4_gemm=nvfp4_gemm)
+
+
+def resolve_fp8_weights(name: str, compute: str) -> str:
+    """`--fp8-weights`, checked against the compute backend it serves."""
+    if name not in FP8_WEIGHTS:
+        raise PactError(f"--fp8-weights must be one of {', '.join(FP8_WEIGHTS)}, got {name!r}")
+    if name == "resident" and compute != "fp8":
+        raise PactError(f"--fp8-weights resident keeps E4M3 copies for the fp8 backend; this run computes with "
+                        f"{compute}: add --compute fp8 or leave --fp8-weights at per-call")
+    return name
+
+
+def get_ops(recipe: Recipe, kernels: str) -> Ops:
+    """The ops that run ``recipe`` (its compute backend and dgrad choice) with the ``kernels``
+    implementation ("torch" twins or "triton" kernels)."""
+    name, compute, dgrad = kernels, recipe.compute, recipe.dgrad
     if name == "torch":
         from . import reference as mod
 
         gemms = {"nvfp4-native": mod.nvfp4_gemm_native, "fp8": mod.nvfp4_gemm_fp8}
     else:
         require("triton", "kernels", "--kernels triton")
-        from . import kernels as mod
+        from . import triton as mod
 
         gemms = {}
         if compute == "nvfp4-native":
-            from .kernels.native import nvfp4_gemm_native
+            from .triton.native import nvfp4_gemm_native
 
             gemms["nvfp4-native"] = nvfp4_gemm_native
         elif compute == "fp8":
-            from .kernels.fp8 import nvfp4_gemm_fp8
+            from .triton.fp8 import nvfp4_gemm_fp8
 
             gemms["fp8"] = nvfp4_gemm_fp8
     from . import reference
@@ -136,9 +193,9 @@ def get_ops(name: str, compute: str = "bf16-decode", dgrad: str = "auto") -> Sim
         if name == "torch":
             ops["fp8_rows"] = mod.fp8_rows
         else:
-            from .kernels.fp8 import fp8_rows
+            from .triton.fp8 import fp8_rows
 
             ops["fp8_rows"] = fp8_rows  # resident weight copies (--fp8-weights resident)
     # fp8: kernels making bf16 GEMM inputs also write their E4M3 copy; native: a bf16 GEMM input is
     # quantized to NVFP4 rows anyway, so a site's NVFP4 copy serves as the GEMM's operand
-    return SimpleNamespace(name=f"{name}/{compute}", fp8=compute == "fp8", native=compute == "nvfp4-native", **ops)
+    return Ops(name=f"{name}/{compute}", fp8=compute == "fp8", native=compute == "nvfp4-native", **ops)

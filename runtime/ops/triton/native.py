@@ -2,7 +2,7 @@
 
 UNVERIFIED ON HARDWARE: no sm_100/sm_120 GPU was available; the kernel is compiled for both
 targets in the tests (Triton 3.6 ships ptxas), and its numerics are defined by the twin
-`nvfp4_gemm_native` in runtime/reference.py. Triton 3.6 cannot compile it for sm_90
+`nvfp4_gemm_native` in runtime/ops/reference.py. Triton 3.6 cannot compile it for sm_90
 (NVFP4 `dot_scaled` fails in TritonGPUAccelerateMatmul), nor run it under the interpreter.
 
 Both operands must be NVFP4: a bf16 A (the input gradient dY) is first quantized to NVFP4
@@ -18,7 +18,8 @@ import triton.language as tl
 
 from pact.formats.nvfp4 import NVFP4Rows, NVFP4Tensor
 
-from .nvfp4 import _tile, quant_rows
+from .gemm import gemm_tile
+from .rows import quant_rows
 
 
 @triton.jit
@@ -26,7 +27,7 @@ def _nvfp4_native_gemm_kernel(a_ptr, a_scales_ptr, a_rs_ptr, b_ptr, b_scales_ptr
                               K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                               GROUP_M: tl.constexpr):
     """C [M,N] = A [M,K] @ B [N,K]^T with A, B NVFP4 (packed along K, e4m3 scales per 16)."""
-    offs_m, offs_n, offs_h, offs_s, mask_m, mask_n = _tile(M, N, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+    offs_m, offs_n, offs_h, offs_s, mask_m, mask_n = gemm_tile(M, N, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kh, ks = k0 // 2 + offs_h, k0 // 16 + offs_s

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .nvfp4 import _rne_bf16
+from .codec import rne_bf16
 
 
 @triton.jit
@@ -31,8 +31,8 @@ def _rope_kernel(x_ptr, stride_x, cos_ptr, sin_ptr, out_ptr, S, HEADS, HALF: tl.
     x1 = tl.load(x_ptr + t * stride_x + first, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(x_ptr + t * stride_x + first + HALF, mask=mask, other=0.0).to(tl.float32)
     row = out_ptr + t * HEADS * 2 * HALF
-    tl.store(row + first, _rne_bf16(x1 * c - x2 * s).to(tl.bfloat16), mask=mask)
-    tl.store(row + first + HALF, _rne_bf16(x2 * c + x1 * s).to(tl.bfloat16), mask=mask)
+    tl.store(row + first, rne_bf16(x1 * c - x2 * s).to(tl.bfloat16), mask=mask)
+    tl.store(row + first + HALF, rne_bf16(x2 * c + x1 * s).to(tl.bfloat16), mask=mask)
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:

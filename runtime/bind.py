@@ -1,0 +1,122 @@
+"""Artifact -> decoder layers: the frozen tensors as views of the artifact's mapped files (moved to
+the model's device), fused groups (q|k|v, gate|up) concatenated once, and the LoRA adapters made
+(PEFT's init) for the targets the LoRA config names. The model (model.py) only runs what this binds.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from pact.formats import Artifact, PactError
+from pact.formats.families import GROUPS, LM_PREFIXES
+from pact.formats.nvfp4 import NVFP4Tensor
+
+from .functions import FrozenGroup, Lora
+from .lora import LoraConfig
+from .ops import NVFP4TensorFP8
+
+
+@dataclass
+class Layer:
+    """One decoder layer's frozen tensors: the two RMSNorm weights (and Qwen3's per-head q/k norms)
+    and the four frozen groups."""
+
+    attn_norm: torch.Tensor
+    mlp_norm: torch.Tensor
+    qkv: FrozenGroup
+    o: FrozenGroup
+    gate_up: FrozenGroup
+    down: FrozenGroup
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+
+
+@dataclass
+class Bound:
+    """What a model runs: embeddings, final norm, LM head, the layers, and the LoRA adapters
+    (``params``: every trainable tensor, keyed as the adapter files key them; ``adapters``: per
+    frozen member's name)."""
+
+    embed: torch.Tensor
+    final_norm: torch.Tensor
+    lm_head: torch.Tensor
+    layers: list[Layer]
+    params: nn.ParameterDict = field(default_factory=nn.ParameterDict)
+    adapters: dict[str, Lora] = field(default_factory=dict)
+
+
+def bind(artifact: Artifact, n_layers: int, lora: LoraConfig | None, device: torch.device, *, seed: int = 0,
+         fp8_copy=None) -> Bound:
+    """Bind ``n_layers`` decoder layers of ``artifact`` on ``device``. ``fp8_copy``: the fp8
+    backend's launcher for resident E4M3 weight copies (`--fp8-weights resident`), else None."""
+    names = set(artifact.names())
+    p = next((p for p in LM_PREFIXES if f"{p}embed_tokens.weight" in names), None)
+    if p is None:
+        raise PactError(f"{artifact.path}: no model.embed_tokens.weight: not a decoder this version can bind")
+    dense = lambda name: artifact.dense(name).to(device)  # noqa: E731
+    embed = dense(f"{p}embed_tokens.weight")
+    out = Bound(embed, dense(f"{p}norm.weight"), dense("lm_head.weight") if "lm_head.weight" in names else embed, [])
+    gen = torch.Generator().manual_seed(seed)
+    for i in range(n_layers):
+        lp = f"{p}layers.{i}"
+        groups = {}
+        for group in ("qkv", "o", "gate_up", "down"):
+            sub = "self_attn" if group in ("qkv", "o") else "mlp"
+            members = [f"{lp}.{sub}.{m}.weight" for m in GROUPS[group]]
+            groups[group] = _bind_group(artifact, members, names, device, lora, gen, out, fp8_copy)
+        qk = f"{lp}.self_attn.q_norm.weight" in names  # Qwen3: per-head RMSNorm on q and k
+        out.layers.append(Layer(dense(f"{lp}.input_layernorm.weight"), dense(f"{lp}.post_attention_layernorm.weight"),
+                                **groups, q_norm=dense(f"{lp}.self_attn.q_norm.weight") if qk else None,
+                                k_norm=dense(f"{lp}.self_attn.k_norm.weight") if qk else None))
+    return out
+
+
+def _bind_group(art: Artifact, members: list[str], names: set[str], dev: torch.device, cfg: LoraConfig | None,
+                gen: torch.Generator, out: Bound, fp8_copy) -> FrozenGroup:
+    entries = [art.entry(m) for m in members]
+    g = FrozenGroup(names=members, sizes=[e["shape"][0] for e in entries])
+    if all(e["kind"] == "nvfp4" for e in entries):
+        scales = {e["global_scale"] for e in entries}
+        if len(scales) != 1:
+            raise PactError(f"{art.path}: {members} do not share one global scale: re-run pact-convert")
+        fwd = [art.nvfp4(m, "fwd") for m in members]
+        bwd = [art.nvfp4(m, "bwd") for m in members]
+
+        def cat(ts, dim):  # one member: keep the mapped tensor itself (no copy on CPU)
+            return (ts[0] if len(ts) == 1 else torch.cat(ts, dim)).to(dev)
+
+        gs = fwd[0].global_scale.to(dev)
+        g.weight = NVFP4Tensor(cat([t.packed for t in fwd], 0), cat([t.scales for t in fwd], 0), gs)
+        g.weight_t = NVFP4Tensor(cat([t.packed for t in bwd], 1), cat([t.scales for t in bwd], 1), gs)
+        if fp8_copy is not None:
+            g.weight, g.weight_t = (NVFP4TensorFP8.of(w, fp8_copy) for w in (g.weight, g.weight_t))
+    else:
+        # a member kept in bf16: the group runs dense (NVFP4 members decoded once to bf16)
+        g.dense = torch.cat([art.dequantize(m).to(torch.bfloat16) for m in members], 0).to(dev)
+    biases = [m.removesuffix(".weight") + ".bias" for m in members]
+    if any(b in names for b in biases):
+        g.bias = torch.cat([
+            art.dense(b) if b in names else torch.zeros(n, dtype=torch.bfloat16)
+            for b, n in zip(biases, g.sizes)
+        ]).to(dev)
+    for m, e in zip(members, entries):
+        role = e["role"]
+        if cfg is None or role not in cfg.targets:
+            g.loras.append(None)
+            continue
+        n, k = e["shape"]
+        A = torch.empty(cfg.r, k)
+        # PEFT's init: kaiming-uniform A (a = sqrt(5)), zero B, so training starts at the base model
+        bound = math.sqrt(6.0 / ((1 + 5.0) * k))
+        A.uniform_(-bound, bound, generator=gen)
+        key = m.removesuffix(".weight").replace(".", "__")
+        out.params[key + "__A"] = nn.Parameter(A.to(dev))
+        out.params[key + "__B"] = nn.Parameter(torch.zeros(n, cfg.r, device=dev))
+        lo = Lora(out.params[key + "__A"], out.params[key + "__B"], cfg.scale, cfg.dropout)
+        out.adapters[m] = lo
+        g.loras.append(lo)
+    return g

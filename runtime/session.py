@@ -1,0 +1,55 @@
+"""The setup every tool runs before its work: the device, the artifact (opened, its checksums
+verified once per unchanged copy), its tokenizer, and the model over it. One helper for
+pact-train, pact-eval and pact-calibrate."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from pact.formats import Artifact, PactError, default_cache, open_artifact
+
+from .lora import LoraConfig
+from .model import TRAINABLE_FAMILIES, PactModel
+from .ops import resolve_device
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Session:
+    device: torch.device
+    artifact: Artifact
+    tokenizer: object  # a transformers tokenizer, from the artifact's hf/ folder
+
+    def model(self, lora: LoraConfig | None, **kw) -> PactModel:
+        """The model over this artifact (keywords: PactModel's), its embedding checked against the
+        tokenizer."""
+        model = PactModel(self.artifact, lora, device=self.device, **kw)
+        vocab = model.embed.shape[0]
+        if len(self.tokenizer) > vocab:
+            raise PactError(f"{self.artifact.hf_dir}: tokenizer has {len(self.tokenizer)} tokens but the embedding has "
+                            f"{vocab} rows: artifact and tokenizer do not match; re-run pact-convert on the model folder")
+        return model
+
+
+def open_session(artifact: str, *, device: str | None = None, tool: str = "pact-train",
+                 flag: str | None = None) -> Session:
+    """Device, verified artifact and tokenizer for ``tool``. ``flag``: the option that named the
+    artifact, prefixed to a failed verification."""
+    dev = resolve_device(device)
+    if dev.type == "cpu" and tool == "pact-train":
+        log.warning("no GPU: training on the CPU (correct, slow; fine for tiny models and tests)")
+    art = open_artifact(artifact)
+    try:  # every checksum, once per unchanged artifact: a damaged one is never used
+        art.verify_cached(default_cache())
+    except PactError as e:
+        raise PactError(f"{flag}: {e}" if flag else str(e)) from None
+    if art.meta["family"] not in TRAINABLE_FAMILIES:
+        raise PactError(f"{art.path}: {tool} supports {', '.join(TRAINABLE_FAMILIES)} artifacts; "
+                        f"this one is {art.meta['family']}")
+    from transformers import AutoTokenizer
+
+    return Session(dev, art, AutoTokenizer.from_pretrained(art.hf_dir, trust_remote_code=False))
