@@ -24,7 +24,7 @@ from pact.convert.sources import open_source, remove_tree
 from pact.formats import ArtifactWriter, PactError, check_output
 from pact.formats.artifact import sha256_file, work_path
 from pact.formats.errors import write_error
-from pact.formats.nvfp4 import dequantize, quantize, transpose_2d
+from pact.formats.nvfp4 import SCALE_RULES, dequantize, quantize, transpose_2d
 from pact.runtime.model import PactModel
 from pact.runtime.session import Session, open_session
 from pact.runtime.vision import ImageSample, VisionTower, image_inputs
@@ -74,6 +74,7 @@ def calibrate(
     actorder: bool = False,
     static_scales: bool = False,
     blocksize: int = 128,
+    block_scales: str = "auto",
     device: str | None = None,
     overwrite: bool = False,
     progress: bool = True,
@@ -82,9 +83,13 @@ def calibrate(
         raise PactError(f"--damp must be in (0, 1), got {damp}")
     if blocksize % 16 or blocksize < 16:
         raise PactError(f"--blocksize must be a multiple of 16, got {blocksize}")
+    if block_scales not in ("auto", *SCALE_RULES):
+        raise PactError(f"--block-scales must be auto, {' or '.join(SCALE_RULES)}, got {block_scales!r}")
     out = check_output(out, overwrite)
     ses = open_session(artifact, device=device, tool="pact-calibrate")  # a damaged artifact is never calibrated
     art = ses.artifact
+    # auto: the rule the artifact was converted with (artifacts from before the choice existed: amax)
+    rule = art.meta["provenance"].get("block_scales", "amax") if block_scales == "auto" else block_scales
     samples = load_prompts(prompts, ses.tokenizer, vision=art.meta["vision"], max_samples=max_samples, seq_len=seq_len,
                            hf_dir=art.hf_dir)
     prov = art.meta["provenance"]
@@ -101,7 +106,7 @@ def calibrate(
             raise PactError(f"{src_name}: not the model this artifact was converted from (fingerprint differs): "
                             "pass --source with the original model")
         return _calibrate(ses, src, samples, out, prompts=Path(prompts), damp=damp, actorder=actorder,
-                          static_scales=static_scales, blocksize=blocksize, overwrite=overwrite,
+                          static_scales=static_scales, blocksize=blocksize, scale_rule=rule, overwrite=overwrite,
                           progress=progress)
     except OSError as e:  # the writer has removed its temp folder; OUT is untouched
         raise write_error(e, getattr(e, "filename", None) or out, f"nothing was written to {out}") from None
@@ -110,7 +115,7 @@ def calibrate(
 
 
 def _calibrate(ses: Session, src, samples, out: Path, *, prompts: Path, damp, actorder, static_scales, blocksize,
-               overwrite, progress) -> Path:
+               scale_rule, overwrite, progress) -> Path:
     art, dev = ses.artifact, ses.device
     scaling = art.meta["provenance"]["scaling"]
     model = ses.model(None)
@@ -136,10 +141,11 @@ def _calibrate(ses: Session, src, samples, out: Path, *, prompts: Path, damp, ac
             fwd_parts, bwd_parts = [], []
             for name in g.names:
                 W = src.load(name).float().to(dev)
-                q = NVFP4Quantizer(g.weight.global_scale, scaling=scaling, static=static_scales)
+                q = NVFP4Quantizer(g.weight.global_scale, scaling=scaling, static=static_scales, scale_rule=scale_rule)
                 Q, _ = H.quantize(W, q, blocksize=blocksize, percdamp=damp, actorder=actorder)
                 fwd = q.pack(Q)
-                bwd = transpose_2d(fwd) if scaling == "2d" else quantize(Q.t().contiguous(), global_scale=fwd.global_scale)
+                bwd = transpose_2d(fwd) if scaling == "2d" else quantize(Q.t().contiguous(), global_scale=fwd.global_scale,
+                                                                                   scale_rule=scale_rule)
                 rtn = dequantize(art.nvfp4(name, "fwd")).to(dev)
                 errors[name] = {"rtn": _output_error(W, rtn, H.H), "gptq": _output_error(W, Q, H.H)}
                 new[name] = (fwd, bwd, float(((W - Q).norm() / W.norm()).item()))
@@ -154,7 +160,7 @@ def _calibrate(ses: Session, src, samples, out: Path, *, prompts: Path, damp, ac
             for u in units:
                 u.x = model.layer(L, u.x, u.cos, u.sin, u.B, u.S)
     return _write(art, out, new, errors, overwrite=overwrite, prompts=prompts, samples=samples, damp=damp,
-                  actorder=actorder, static_scales=static_scales, blocksize=blocksize)
+                  actorder=actorder, static_scales=static_scales, blocksize=blocksize, block_scales=scale_rule)
 
 
 def _units(model: PactModel, art, samples) -> list[Unit]:
@@ -223,7 +229,6 @@ def _write(art, out: Path, new: dict, errors: dict, *, overwrite, prompts: Path,
                 "samples": len(samples),
                 "tokens": int(sum(s.numel() for s in samples)),
                 "seq_len_max": int(max(s.numel() for s in samples)),
-                "block_scales": "amax",  # GPTQ's quantizer sets each block's scale by the amax rule
                 **settings,
                 "layer_output_error": errors,
                 "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),

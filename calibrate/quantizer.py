@@ -4,7 +4,11 @@ Scales: the global scale is fixed before the sweep (shared by a fused group, as 
 time); block scales are fixed either all before the sweep from the original weights
 (``static``, the only option with act-order) or when the sweep reaches each 16-column group,
 from the columns as GPTQ has updated them so far (``dynamic``). 1d: one scale per row per
-group; 2d: one per 16x16 block.
+group; 2d: one per 16x16 block. ``scale_rule`` picks each block scale as the converter does
+(formats.nvfp4.SCALE_RULES): ``amax`` maps the block's largest magnitude to 6; ``mse`` searches
+the E4M3 codes around that one for the least squared error of the block's values (the weights
+as the sweep has updated them, for dynamic scales) — the artifact's own rule, so calibration
+never falls back to coarser scales than conversion chose.
 """
 
 from __future__ import annotations
@@ -15,27 +19,38 @@ from pact.formats.nvfp4 import (
     BLOCK,
     E2M1_MAX,
     NVFP4Tensor,
+    SCALE_RULES,
     block_scales,
     decode_e2m1,
     encode_e2m1,
     encode_with_scales,
+    search_block_scales,
 )
 
 
 class NVFP4Quantizer:
-    def __init__(self, global_scale: torch.Tensor, *, scaling: str = "2d", static: bool = False):
+    def __init__(self, global_scale: torch.Tensor, *, scaling: str = "2d", static: bool = False,
+                 scale_rule: str = "amax"):
+        if scale_rule not in SCALE_RULES:
+            raise ValueError(f"scale_rule must be one of {SCALE_RULES}, got {scale_rule!r}")
         self.g = torch.as_tensor(global_scale, dtype=torch.float32)
-        self.scaling, self.static = scaling, static
+        self.scaling, self.static, self.scale_rule = scaling, static, scale_rule
         self.scales: torch.Tensor | None = None  # e4m3 [N, K/16], groups in the original column order
         self.perm: torch.Tensor | None = None
 
     def _group_scales(self, cols: torch.Tensor) -> torch.Tensor:
         """cols [N, 16] -> e4m3 scales [N] (2d: the 16x16 block amax, repeated over its rows)."""
-        n = cols.shape[0]
+        n, g = cols.shape[0], self.g.to(cols.device)
+        cols = cols.float()
         if self.scaling == "1d":
-            return block_scales(cols.abs().amax(1), self.g.to(cols.device))
-        amax = cols.reshape(n // BLOCK, BLOCK * BLOCK).abs().amax(1)
-        return block_scales(amax, self.g.to(cols.device)).repeat_interleave(BLOCK)
+            amax = cols.abs().amax(1)
+        else:
+            amax = cols.reshape(n // BLOCK, BLOCK * BLOCK).abs().amax(1)
+        if self.scale_rule == "mse":
+            sc = search_block_scales(cols, amax[:, None], g, self.scaling)[:, 0]
+        else:
+            sc = block_scales(amax, g)
+        return sc if self.scaling == "1d" else sc.repeat_interleave(BLOCK)
 
     def begin(self, W: torch.Tensor, perm: torch.Tensor | None) -> None:
         n, k = W.shape

@@ -24,15 +24,20 @@ from .common import cli_errors
 @click.option("--act-order", is_flag=True, help="Quantize columns in order of decreasing H diagonal (static scales).")
 @click.option("--static-scales", is_flag=True, help="Fix every block scale before the sweep (default: when reached).")
 @click.option("--blocksize", default=128, show_default=True)
+@click.option("--block-scales", type=click.Choice(["auto", "amax", "mse"]), default="auto", show_default=True,
+              help="How GPTQ picks each E4M3 block scale: auto = the rule the artifact was converted with "
+                   "(pact-convert --block-scales); amax maps the block's largest value to 6; mse searches the "
+                   "nearby scales for the least squared error.")
 @click.option("--device", default=None, help="cuda or cpu (default: cuda if available).")
 @click.option("--overwrite", is_flag=True)
 @click.option("--quiet", is_flag=True)
 @cli_errors
-def main(artifact, prompts, out, source, max_samples, seq_len, damp, act_order, static_scales, blocksize, device,
-         overwrite, quiet) -> None:
+def main(artifact, prompts, out, source, max_samples, seq_len, damp, act_order, static_scales, blocksize, block_scales,
+         device, overwrite, quiet) -> None:
     """Calibrate ARTIFACT's NVFP4 weights with GPTQ on PROMPTS; writes a new artifact."""
     path = calibrate(artifact, prompts, out, source=source, max_samples=max_samples, seq_len=seq_len, damp=damp,
-                     actorder=act_order, static_scales=static_scales, blocksize=blocksize, device=device,
+                     actorder=act_order, static_scales=static_scales, blocksize=blocksize, block_scales=block_scales,
+                     device=device,
                      overwrite=overwrite, progress=not quiet)
     errs = open_artifact(path).meta["provenance"]["calibration"]["layer_output_error"]
     ratios = sorted(e["gptq"] / e["rtn"] for e in errs.values() if e["rtn"] > 0)

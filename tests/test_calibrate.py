@@ -39,6 +39,51 @@ def test_quantizer_is_bit_compatible_with_formats(scaling):
     assert torch.equal(packed.scales.view(torch.uint8), ref.scales.view(torch.uint8))
 
 
+@pytest.mark.parametrize("scaling", ["2d", "1d"])
+def test_quantizer_mse_rule_is_the_converters(scaling):
+    """With the ``mse`` rule and no error feedback the quantizer picks exactly the scales and codes
+    `formats.nvfp4.quantize(scale_rule="mse")` stores (heavy-tailed weights, so the search moves scales)."""
+    torch.manual_seed(1)
+    W = torch.randn(32, 64) * torch.rand(32, 1) ** 3
+    g = F.global_scale_from_amax(W.abs().amax())
+    q = NVFP4Quantizer(g, scaling=scaling, scale_rule="mse")
+    q.begin(W, None)
+    Q = torch.stack([q.quantize(W, i, i) for i in range(64)], dim=1)
+    ref = F.quantize(W, global_scale=g, scaling=scaling, scale_rule="mse")
+    amax = F.quantize(W, global_scale=g, scaling=scaling)
+    packed = q.pack(Q)
+    assert torch.equal(packed.packed, ref.packed)
+    assert torch.equal(packed.scales.view(torch.uint8), ref.scales.view(torch.uint8))
+    assert not torch.equal(ref.scales.view(torch.uint8), amax.scales.view(torch.uint8))
+    with pytest.raises(ValueError, match="scale_rule"):
+        NVFP4Quantizer(g, scale_rule="max")
+
+
+@pytest.mark.parametrize("scaling", ["2d", "1d"])
+def test_gptq_with_searched_scales_beats_amax(scaling):
+    """1x16 blocks: GPTQ choosing each block scale by the mse rule (from the weights as the sweep
+    updated them) ends with lower layer-output error than with amax scales (measured 0.86-0.98x over
+    8 seeds of this layer). 16x16 blocks: no consistent gain (0.92-1.07x: the block's later columns
+    are updated after its scale is fixed, and the searched scale leaves them less headroom), so only
+    "both beat round-to-nearest with the artifact's own searched scales" is claimed there."""
+    torch.manual_seed(0)
+    X = torch.randn(1024, 8) @ torch.randn(8, 96) + 0.2 * torch.randn(1024, 96)
+    W = torch.randn(48, 96) * 0.05 * (1 + 3 * torch.rand(48, 1) ** 4)
+    g = F.global_scale_from_amax(W.abs().amax())
+    gp = GPTQ(96)
+    gp.add_batch(X)
+
+    def out_err(Q):
+        return float((X @ (W - Q).t()).norm() / (X @ W.t()).norm())
+
+    rtn = out_err(F.dequantize(F.quantize(W, global_scale=g, scaling=scaling, scale_rule="mse")))
+    err = {rule: out_err(gp.quantize(W, NVFP4Quantizer(g, scaling=scaling, scale_rule=rule))[0])
+           for rule in ("amax", "mse")}
+    assert max(err.values()) < 0.5 * rtn, (err, rtn)
+    if scaling == "1d":
+        assert err["mse"] < err["amax"], err
+
+
 def test_gptq_core_beats_rtn():
     torch.manual_seed(0)
     X = torch.randn(1024, 8) @ torch.randn(8, 96) + 0.2 * torch.randn(1024, 96)
@@ -108,6 +153,25 @@ def test_batched_prompts_match_one_at_a_time(setup, tmp_path, monkeypatch):
         assert eb[name]["gptq"] == pytest.approx(ea[name]["gptq"], rel=1e-2), name
         same = (batched.nvfp4(name).packed == alone.nvfp4(name).packed).float().mean().item()
         assert same > 0.99, (name, same)
+
+
+def test_calibration_follows_the_artifacts_block_scales(setup, tmp_path):
+    """An artifact converted with searched block scales is calibrated with them (auto), recorded in
+    the provenance; --block-scales overrides, a bad value is one error."""
+    src = setup / "src"
+    convert(str(src), tmp_path / "mse", progress=False, scaling="1d", block_scales="mse")
+    out = calibrate(str(tmp_path / "mse"), setup / "prompts.jsonl", tmp_path / "cal", progress=False)
+    cal = open_artifact(out)
+    assert cal.meta["provenance"]["calibration"]["block_scales"] == "mse"
+    errs = cal.meta["provenance"]["calibration"]["layer_output_error"]
+    assert all(e["gptq"] <= e["rtn"] for e in errs.values())
+    amax = open_artifact(calibrate(str(tmp_path / "mse"), setup / "prompts.jsonl", tmp_path / "cal-amax",
+                                   block_scales="amax", progress=False))
+    assert amax.meta["provenance"]["calibration"]["block_scales"] == "amax"
+    e_amax = amax.meta["provenance"]["calibration"]["layer_output_error"]
+    assert sum(e["gptq"] for e in errs.values()) < sum(e["gptq"] for e in e_amax.values())
+    with pytest.raises(PactError, match="--block-scales must be"):
+        calibrate(str(tmp_path / "mse"), setup / "prompts.jsonl", tmp_path / "c", block_scales="max")
 
 
 def test_cli_and_bad_input(setup, tmp_path):
