@@ -88,6 +88,10 @@ def calibrate(
     out = check_output(out, overwrite)
     ses = open_session(artifact, device=device, tool="pact-calibrate")  # a damaged artifact is never calibrated
     art = ses.artifact
+    if "source_quantization" in art.meta["provenance"]:
+        raise PactError(f"{art.path}: imported from an already quantized checkpoint "
+                        f"({art.meta['provenance']['source_quantization'].get('format')}): GPTQ needs the "
+                        "unquantized weights; calibrate an artifact converted from the original model")
     # auto: the rule the artifact was converted with (artifacts from before the choice existed: amax)
     rule = art.meta["provenance"].get("block_scales", "amax") if block_scales == "auto" else block_scales
     samples = load_prompts(prompts, ses.tokenizer, vision=art.meta["vision"], max_samples=max_samples, seq_len=seq_len,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as _dt
+import json
 import logging
 import math
 import os
@@ -17,7 +18,8 @@ from pact.formats import ArtifactWriter, PactError, check_output, classify, fami
 from pact.formats.families import VISION_FAMILIES, check_config
 from pact.formats.artifact import work_path
 from pact.formats.errors import write_error
-from pact.formats.nvfp4 import BLOCK, SCALE_RULES, SCALINGS, dequantize, global_scale_from_amax, quantize_weight
+from pact.formats.nvfp4 import (BLOCK, SCALE_RULES, SCALINGS, dequantize, global_scale_from_amax, quantize,
+                                quantize_weight)
 
 from .sources import Source, open_source, remove_tree
 
@@ -108,6 +110,9 @@ def convert(
 def _convert(source: Source, out: Path, *, scaling: str, block_scales: str, keep_bf16: float, overwrite: bool, progress: bool) -> Path:
     family = family_of(source.config, str(source.folder / "config.json"))
     check_config(source.config, source.names(), str(source.folder / "config.json"))
+    if source.packed and scaling != "1d":
+        raise PactError(f"{source.folder}: an NVFP4 checkpoint keeps its own 1x16 blocks (imported as they are): "
+                        "drop --scaling 2d")
     units = _plan(source, scaling)
     errors: dict[str, float] = {}
     with ArtifactWriter(out, overwrite=overwrite) as writer:
@@ -118,6 +123,14 @@ def _convert(source: Source, out: Path, *, scaling: str, block_scales: str, keep
                 name, t = unit[0], tensors[unit[0]]
                 writer.add_dense(name, t.to(torch.bfloat16), role=first.role, layer=first.layer, source_dtype=str(t.dtype))
                 continue
+            imported = {name: source.nvfp4(name) for name in unit}
+            if all(t is not None for t in imported.values()) and len({float(t.global_scale) for t in imported.values()}) == 1:
+                _add_imported(writer, imported, tensors, block_scales, errors)
+                del tensors
+                continue
+            if any(t is not None for t in imported.values()):
+                log.warning("%s: NVFP4 members without one shared global scale: re-quantized from their values "
+                            "to one (pact's fused GEMM needs it)", classify(unit[0]).group)
             # fused group: one global scale from the amax over all members
             g = global_scale_from_amax(max(float(t.float().abs().amax()) for t in tensors.values()))
             for name, w in tensors.items():
@@ -127,18 +140,26 @@ def _convert(source: Source, out: Path, *, scaling: str, block_scales: str, keep
                 writer.add_nvfp4(
                     name, fwd, bwd, role=role.role, layer=role.layer, group=role.group,
                     scaling=scaling, error=errors[name], source_dtype=str(w.dtype),
+                    **({"imported": "requantized"} if imported[name] is not None else {}),
                 )
             del tensors
         protected = _protect(source, writer, errors, keep_bf16)
+        # an imported checkpoint's quantization_config describes its files, not the artifact's: dropped
+        # from the config (transformers would otherwise try to quantize what reads it), kept in provenance
+        config = {k: v for k, v in source.config.items() if k != "quantization_config"}
         for f in source.side_files():
-            writer.add_file(f)
+            if f.name == "config.json" and source.quantization:
+                writer.add_bytes("config.json", (json.dumps(config, indent=2) + "\n").encode())
+            else:
+                writer.add_file(f)
         meta = dict(
             architecture=(source.config.get("architectures") or [None])[0],
             family=family,
             vision=family in VISION_FAMILIES,
-            hf_config=source.config,
+            hf_config=config,
             provenance={
                 **source.provenance,
+                **({"source_quantization": source.quantization} if source.quantization else {}),
                 "source_fingerprint": source.fingerprint(),
                 "scaling": scaling,
                 "block_scales": block_scales,
@@ -150,6 +171,19 @@ def _convert(source: Source, out: Path, *, scaling: str, block_scales: str, keep
             },
         )
         return writer.commit(**meta)
+
+
+def _add_imported(writer: ArtifactWriter, imported: dict, values: dict, block_scales: str, errors: dict) -> None:
+    """A group stored NVFP4 in the source with one global scale: its codes and scales are the forward
+    layout as they are (no second rounding); the backward layout W^T is quantized from the same
+    dequantized values with that global scale. ``error`` is 0: relative to the source's own weights."""
+    for name, fwd in imported.items():
+        role = classify(name)
+        bwd = quantize(values[name].t().contiguous(), global_scale=fwd.global_scale, scaling="1d",
+                       scale_rule=block_scales)
+        errors[name] = 0.0
+        writer.add_nvfp4(name, fwd, bwd, role=role.role, layer=role.layer, group=role.group, scaling="1d",
+                         error=0.0, source_dtype="nvfp4", imported="compressed-tensors")
 
 
 def _protect(source: Source, writer: ArtifactWriter, errors: dict[str, float], fraction: float) -> list[str]:

@@ -20,6 +20,7 @@ import torch
 
 from pact.formats import PactError
 from pact.formats.artifact import sha256_file
+from pact.formats.nvfp4 import NVFP4Tensor, dequantize
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +32,13 @@ SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokeni
               "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model",
               "chat_template.jinja", "chat_template.json", "preprocessor_config.json", "processor_config.json",
               "video_preprocessor_config.json")
+# compressed-tensors' NVFP4 layout (llm-compressor's output, what vLLM loads): per quantized Linear,
+# weight_packed uint8 [N, K/2] (E2M1 codes, low nibble first, bit 3 the sign: pact's own packing),
+# weight_scale e4m3 [N, K/16] and weight_global_scale fp32 [1] in the encode direction (1 / pact's g);
+# the rest (input_global_scale, ...) concerns inference-time activations and is not read.
+CT_NVFP4_FORMAT = "nvfp4-pack-quantized"
+_CT_PARTS = ("weight_packed", "weight_scale", "weight_global_scale")
+_CT_IGNORED = ("input_global_scale", "input_scale", "weight_zero_point", "output_scale", "k_scale", "v_scale")
 _ST_DTYPES = {
     "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
     "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "BOOL": torch.bool,
@@ -93,6 +101,8 @@ class Source:
     provenance: dict
     config: dict = field(init=False)
     _index: dict[str, SafetensorsFile] = field(init=False)
+    # weight name -> its compressed-tensors NVFP4 parts (an NVFP4 checkpoint imported as it is)
+    packed: dict[str, tuple[str, str, str]] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         cfg = self.folder / "config.json"
@@ -124,17 +134,77 @@ class Source:
             missing = sorted({v for k, v in wanted.items() if k not in self._index})
             if missing:
                 raise PactError(f"{index_json} names shards that are missing or incomplete: {missing[:3]}: re-download them")
+        self._read_quantization()
+
+    @property
+    def quantization(self) -> dict | None:
+        return self.config.get("quantization_config")
+
+    def _read_quantization(self) -> None:
+        """A quantized checkpoint: compressed-tensors NVFP4 is imported as it is (its codes and
+        scales become the artifact's forward layout); anything else is one clear error."""
+        q, cfg = self.quantization, self.folder / "config.json"
+        if not q:
+            return
+        method, fmt = q.get("quant_method"), q.get("format")
+        if method != "compressed-tensors" or fmt != CT_NVFP4_FORMAT:
+            raise PactError(f"{cfg}: the checkpoint is already quantized ({method}, {fmt}): pact-convert reads "
+                            f"bf16 / fp16 / fp32 weights or compressed-tensors {CT_NVFP4_FORMAT} (NVFP4, as "
+                            "llm-compressor writes it); point it at the unquantized model")
+        for name in list(self._index):
+            base, _, part = name.rpartition(".")
+            if part == "weight_packed":
+                parts = tuple(f"{base}.{p}" for p in _CT_PARTS)
+                lacking = [p for p in parts if p not in self._index]
+                if lacking:
+                    raise PactError(f"{self.file_of(name)}: {name} comes without {lacking[0]}: the NVFP4 checkpoint "
+                                    "is incomplete; re-download or re-export it")
+                self.packed[f"{base}.weight"] = parts
 
     def names(self) -> list[str]:
-        return list(self._index)
+        """Tensor names in file order; an imported NVFP4 weight appears once, as ``<module>.weight``."""
+        if not self.packed:
+            return list(self._index)
+        out = []
+        for name in self._index:
+            base, _, part = name.rpartition(".")
+            if part == "weight_packed" and f"{base}.weight" in self.packed:
+                out.append(f"{base}.weight")
+            elif part not in _CT_PARTS and part not in _CT_IGNORED:
+                out.append(name)
+        return out
 
     def file_of(self, name: str) -> Path:
-        return self._index[name].path
+        return self._index[self.packed[name][0] if name in self.packed else name].path
 
     def shape(self, name: str) -> list[int]:
+        if name in self.packed:
+            n, kb = self._index[self.packed[name][0]].shape(self.packed[name][0])
+            return [n, 2 * kb]
         return self._index[name].shape(name)
 
+    def nvfp4(self, name: str) -> NVFP4Tensor | None:
+        """An imported weight's NVFP4 codes and scales as stored (global scale turned to pact's decode
+        direction, g = 1 / weight_global_scale), or None for a weight the checkpoint holds unquantized."""
+        if name not in self.packed:
+            return None
+        packed, scales, gs = (self._index[p].get(p) for p in self.packed[name])
+        n, kb = packed.shape
+        if packed.dtype != torch.uint8 or scales.dtype != torch.float8_e4m3fn or tuple(scales.shape) != (n, kb // 8) \
+                or gs.numel() != 1 or not bool(torch.isfinite(gs).all()) or float(gs.reshape(())) <= 0:
+            raise PactError(f"{self.file_of(name)}: {name}'s NVFP4 parts are not compressed-tensors' "
+                            f"{CT_NVFP4_FORMAT} layout (packed {packed.dtype} {tuple(packed.shape)}, scales "
+                            f"{scales.dtype} {tuple(scales.shape)}, global scale {gs.tolist()}): re-export it")
+        g = torch.tensor(1.0, dtype=torch.float32) / gs.reshape(()).float()
+        return NVFP4Tensor(packed.contiguous(), scales.contiguous(), g)
+
     def load(self, name: str) -> torch.Tensor:
+        """A tensor as the checkpoint holds it; an imported NVFP4 weight dequantized to fp32 the way
+        compressed-tensors does it ((q * s_b) / weight_global_scale)."""
+        if name in self.packed:
+            t = self.nvfp4(name)
+            gs = self._index[self.packed[name][2]].get(self.packed[name][2]).reshape(()).float()
+            return dequantize(NVFP4Tensor(t.packed, t.scales, torch.tensor(1.0))) / gs
         return self._index[name].get(name)
 
     def side_files(self) -> list[Path]:

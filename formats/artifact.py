@@ -229,6 +229,13 @@ class ArtifactWriter:
         shutil.copyfile(src, dst)
         self.files[rel] = sha256_file(dst)
 
+    def add_bytes(self, rel: str, data: bytes) -> None:
+        """Write ``data`` as ``hf/<rel>`` (a file the writer made, e.g. a config with a part removed)."""
+        dst = self.tmp / HF_DIR / rel
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        dst.write_bytes(data)
+        self.files[rel] = sha256_file(dst)
+
     def commit(self, **meta: Any) -> Path:
         """Write the manifest and rename the temp dir to ``out`` (replacing it if allowed)."""
         manifest = {
