@@ -107,7 +107,7 @@ def work_path(out: Path, kind: str) -> Path:
     return out.parent / f".{out.name}.{kind}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
-def _sweep_leftovers(out: Path) -> None:
+def sweep_leftovers(out: Path) -> None:
     """Remove temp folders a killed run left beside ``out`` (their process is gone)."""
     pattern = re.compile(rf"^\.{re.escape(out.name)}\.(tmp|old|gguf|src)-(\d+)-[0-9a-f]{{8}}$")
     for p in out.parent.iterdir() if out.parent.is_dir() else []:
@@ -137,7 +137,7 @@ def check_output(out: str | os.PathLike, overwrite: bool) -> Path:
     except OSError as e:
         raise ArtifactError(f"output {out}: cannot write in {out.parent} ({e.strerror or e}): choose a writable "
                             "folder") from None
-    _sweep_leftovers(out)
+    sweep_leftovers(out)
     return out
 
 

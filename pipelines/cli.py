@@ -6,12 +6,13 @@ from .calibrate import main as calibrate
 from .convert import main as convert
 from .demo import demo
 from .eval import main as evaluate
+from .export import main as export
 from .train import main as train
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 def main() -> None:
-    """LoRA fine-tuning on NVFP4 frozen weights: convert, calibrate, train."""
+    """LoRA fine-tuning on NVFP4 frozen weights: convert, calibrate, train, eval, export."""
 
 
 main.add_command(convert, "convert")
@@ -19,6 +20,7 @@ main.add_command(calibrate, "calibrate")
 main.add_command(demo, "demo")
 main.add_command(train, "train")
 main.add_command(evaluate, "eval")
+main.add_command(export, "export")
 
 if __name__ == "__main__":
     main()

@@ -161,6 +161,12 @@ CHECKPOINT_FILES = ("adapter_config.json", "adapter_model.safetensors", "optimiz
                     "state.json")
 
 
+def base_model(art) -> str:
+    """What an adapter's ``base_model_name_or_path`` names: the model the artifact was converted from
+    (a hub id or a folder transformers loads; PEFT's AutoPeftModel reads it), not the artifact."""
+    return str(art.meta["provenance"].get("source") or art.path)
+
+
 def _disk_error(e: OSError, what: Path) -> PactError:
     return write_error(e, what, "the run's earlier checkpoints are kept")
 
@@ -184,7 +190,7 @@ def _save_checkpoint(run: Path, model: PactModel, opt: torch.optim.Optimizer, st
 
 
 def _write_checkpoint(tmp: Path, model: PactModel, opt: torch.optim.Optimizer, state: dict, cfg: TrainConfig) -> None:
-    save_peft_adapter(tmp, model.adapter_state(), cfg.lora(), cfg.artifact)
+    save_peft_adapter(tmp, model.adapter_state(), cfg.lora(), base_model(model.artifact))
     params = list(model.lora_params.values())
     tensors = {}
     for i, p in enumerate(params):
@@ -420,7 +426,7 @@ def _step(r: _Run, cfg: TrainConfig, micro: list) -> dict:
 def _finish(r: _Run, cfg: TrainConfig, run: Path, last: dict) -> dict:
     """The adapter in PEFT format, and the held-out evaluation when --eval-data is given."""
     try:
-        save_peft_adapter(run, r.model.adapter_state(), cfg.lora(), cfg.artifact)
+        save_peft_adapter(run, r.model.adapter_state(), cfg.lora(), base_model(r.model.artifact))
     except OSError as e:
         raise _disk_error(e, run / "adapter_model.safetensors") from None
     result = dict(last)

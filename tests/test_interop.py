@@ -173,3 +173,128 @@ def test_import_refusals(ckpt, tmp_path):
     save_file(sd, part / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(PactError, match="up_proj.weight_packed comes without .*weight_scale"):
         convert(str(part), tmp_path / "c", progress=False)
+
+
+# -- export
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A tiny Llama converted with the defaults, and an adapter trained on it until it is not zero."""
+    from pact.runtime.trainer import TrainConfig, train
+
+    d = tmp_path_factory.mktemp("exp")
+    make_model(d / "src", "llama")
+    convert(str(d / "src"), d / "art", progress=False)
+    make_sentiment_jsonl(d / "train.jsonl", 16)
+    train(TrainConfig(artifact=str(d / "art"), data=str(d / "train.jsonl"), out=str(d / "run"), steps=3,
+                      batch_size=4, max_len=64, lr=5e-3, warmup_ratio=0.0), progress=False)
+    return d
+
+
+def _pact_logits(art, ids, adapter=None):
+    from pact.runtime.lora import load_peft_adapter
+    from pact.runtime.model import PactModel
+
+    cfg, weights = load_peft_adapter(adapter) if adapter else (None, None)
+    model = PactModel(open_artifact(art), cfg, activations="bf16")
+    if weights:
+        model.load_adapter_state(weights)
+    return model.logits(ids)
+
+
+def _rel(a, b):
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def test_export_compressed_tensors_is_what_the_library_reads(trained, tmp_path):
+    """compressed-tensors decompresses the export to pact's weights (its bf16 output within one bf16
+    step of pact's fp32 dequantization: it computes q * (s_b / gs), pact (q * s_b) * g, so ~4% of
+    the values round to the neighbouring bf16), transformers loads it and gives pact's logits, and
+    importing the export back gives the same codes, scales and global scales (round trip)."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from pact.runtime.export import export
+
+    art = open_artifact(trained / "art")
+    export(str(trained / "art"), tmp_path / "ct")
+    ref = _ct_weights(tmp_path / "ct")
+    assert len(ref) == 14
+    for name, w in ref.items():
+        torch.testing.assert_close(w, art.dequantize(name), rtol=2**-8, atol=0)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "ct", dtype=torch.bfloat16)  # decompressed to bf16
+    ids = torch.randint(0, 200, (2, 24))
+    assert _rel(hf(input_ids=ids).logits.detach(), _pact_logits(trained / "art", ids)) < 0.02
+    back = open_artifact(convert(str(tmp_path / "ct"), tmp_path / "back", progress=False))
+    for name in art.names("nvfp4"):
+        assert torch.equal(back.nvfp4(name).packed, art.nvfp4(name).packed)
+        assert torch.equal(back.nvfp4(name).scales.view(torch.uint8), art.nvfp4(name).scales.view(torch.uint8))
+        # compressed-tensors stores 1 / g in fp32, and not every fp32 g is the reciprocal of one: g may
+        # come back one fp32 step away (relative 2^-24; the weights move far below bf16's resolution)
+        assert back.entry(name)["global_scale"] == pytest.approx(art.entry(name)["global_scale"], rel=2**-22)
+    sd = load_file(tmp_path / "ct" / "model.safetensors")
+    assert "lm_head.weight" not in sd or sd["lm_head.weight"].dtype == torch.bfloat16
+
+
+def test_export_with_adapter(trained, tmp_path):
+    """bf16 export (adapter merged) and compressed-tensors export with the adapter beside (PEFT on
+    top of it) or merged and re-quantized: transformers' logits are pact's with the adapter."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from pact.runtime.export import export
+
+    ids = torch.randint(0, 200, (2, 24))
+    ref = _pact_logits(trained / "art", ids, trained / "run")
+    base = _pact_logits(trained / "art", ids)
+    assert _rel(base, ref) > 0.01  # the adapter moves the logits: the comparisons below see it
+
+    export(str(trained / "art"), tmp_path / "bf16", fmt="bf16", adapter=str(trained / "run"))
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "bf16", dtype=torch.float32)
+    assert _rel(hf(input_ids=ids).logits.detach(), ref) < 0.02
+
+    r = export(str(trained / "art"), tmp_path / "ct", adapter=str(trained / "run"))
+    assert r["adapter"] == "beside"
+    cfg = json.loads((tmp_path / "ct" / "adapter" / "adapter_config.json").read_text())
+    assert cfg["base_model_name_or_path"] == str((tmp_path / "ct").resolve())
+    from transformers.utils.quantization_config import CompressedTensorsConfig
+
+    # transformers keeps NVFP4 Linears compressed (no .weight for PEFT to wrap) unless asked to decompress
+    base_ct = AutoModelForCausalLM.from_pretrained(tmp_path / "ct", dtype=torch.bfloat16,
+                                                   quantization_config=CompressedTensorsConfig(run_compressed=False))
+    hf = PeftModel.from_pretrained(base_ct, tmp_path / "ct" / "adapter")
+    assert _rel(hf(input_ids=ids).logits.detach(), ref) < 0.02
+
+    r = export(str(trained / "art"), tmp_path / "merged", adapter=str(trained / "run"), merge=True)
+    err = r["requantization_error"]
+    assert len(err["per_projection"]) == 14 and 0 < err["max"] < 0.2
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.bfloat16)
+    merged = hf(input_ids=ids).logits.detach()
+    # one more NVFP4 rounding of every adapted weight (this tiny random model's weights take it badly),
+    # yet far closer to pact-with-adapter than the base without it
+    assert _rel(merged, ref) < 0.5 * _rel(base, ref)
+
+
+def test_export_refusals(trained, tmp_path):
+    from pact.runtime.export import export
+
+    with pytest.raises(PactError, match="--merge folds an adapter"):
+        export(str(trained / "art"), tmp_path / "x", merge=True)
+    with pytest.raises(PactError, match="--format must be one of"):
+        export(str(trained / "art"), tmp_path / "x", fmt="gguf")
+    (tmp_path / "taken").mkdir()
+    with pytest.raises(PactError, match="exists: choose a new folder or pass --overwrite"):
+        export(str(trained / "art"), tmp_path / "taken")
+    assert not any(p.name.startswith(".taken") for p in tmp_path.iterdir())
+
+
+def test_adapter_names_the_source_model(trained):
+    """A pact-train run's adapter_config.json names the model the artifact came from, so PEFT's
+    AutoPeftModelForCausalLM loads the run folder as it is (the base in bf16, the adapter on top)."""
+    from peft import AutoPeftModelForCausalLM
+
+    cfg = json.loads((trained / "run" / "adapter_config.json").read_text())
+    assert cfg["base_model_name_or_path"] == str((trained / "src").resolve())
+    model = AutoPeftModelForCausalLM.from_pretrained(trained / "run")
+    assert model.peft_config["default"].r == 16
