@@ -388,6 +388,7 @@ class Artifact:
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
+        self.url: str | None = None  # where it was fetched from (open_artifact of a URL)
         root_json = self.path / "zarr.json"
         if not root_json.is_file():
             raise ArtifactError(
@@ -545,4 +546,12 @@ class Artifact:
 
 
 def open_artifact(path: str | os.PathLike) -> Artifact:
+    """The artifact in a local folder, or at a URL (http(s)://, s3://, hf://, file://: fetched into
+    the cache first and checked on the way in; formats/remote.py)."""
+    if isinstance(path, str) and "://" in path:
+        from .remote import fetch_artifact
+
+        art = Artifact(fetch_artifact(path))
+        art.url = path
+        return art
     return Artifact(path)

@@ -7,6 +7,7 @@ from .convert import main as convert
 from .demo import demo
 from .eval import main as evaluate
 from .export import main as export
+from .push import main as push
 from .train import main as train
 
 
@@ -21,6 +22,7 @@ main.add_command(demo, "demo")
 main.add_command(train, "train")
 main.add_command(evaluate, "eval")
 main.add_command(export, "export")
+main.add_command(push, "push")
 
 if __name__ == "__main__":
     main()
