@@ -18,6 +18,7 @@ import resource
 import shutil
 import socket
 import time
+import contextlib
 from contextlib import contextmanager
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
@@ -32,6 +33,7 @@ from pact.formats.errors import write_error
 from pact.formats.artifact import pid_alive, sha256_file
 
 from .data import batches, collate, pad_id, read_records, tokenize
+from .distributed import Dist, from_env, leave
 from .evaluate import evaluate
 from .lora import ALL_TARGETS, LoraConfig, load_peft_adapter, save_peft_adapter
 from .model import PactModel
@@ -139,10 +141,12 @@ def lr_at(step: int, total: int, base: float, warmup_ratio: float) -> float:
     return base * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 
-def _micro_batches(examples, cfg: TrainConfig, epoch: int, pos: int) -> Iterator[tuple[int, int, list[int]]]:
-    """(epoch, position after this batch, indices) forever, starting at (epoch, pos)."""
+def _micro_batches(examples, cfg: TrainConfig, epoch: int, pos: int, world: int = 1
+                   ) -> Iterator[tuple[int, int, list[int]]]:
+    """(epoch, position after this batch, indices of the global micro-batch: batch size x ``world``)
+    forever, starting at (epoch, pos). Every rank draws the same; each takes its share."""
     while True:
-        order = batches(examples, cfg.batch_size, seed=cfg.seed, epoch=epoch)
+        order = batches(examples, cfg.batch_size * world, seed=cfg.seed, epoch=epoch)
         for i in range(pos, len(order)):
             yield epoch, i + 1, order[i]
         epoch, pos = epoch + 1, 0
@@ -204,10 +208,12 @@ def _write_checkpoint(tmp: Path, model: PactModel, opt: torch.optim.Optimizer, s
     (tmp / "state.json").write_text(json.dumps({**state, "config": cfg.as_json()}, indent=2))
 
 
-def _config_diff(saved: dict, now: dict) -> list[str]:
+def _config_diff(saved: dict, now: dict, saved_world: int = 1, world: int = 1) -> list[str]:
     # a setting newer than the checkpoint counts as its default there (the run used that behaviour)
     saved = {**{f.name: f.default for f in fields(TrainConfig) if f.name not in saved
                 and f.default is not MISSING}, **saved}
+    if saved.get("batch_size", 0) * saved_world == now.get("batch_size", 0) * world:
+        saved["batch_size"] = now.get("batch_size")  # the same global batch on another number of ranks
     return [f"  {k}: checkpoint {saved.get(k)!r} -> now {now.get(k)!r}" for k in sorted(set(saved) | set(now))
             if saved.get(k) != now.get(k)]
 
@@ -229,7 +235,7 @@ def _usable_checkpoints(run: Path) -> list[Path]:
 
 
 def _load_checkpoint(run: Path, ck: Path, model: PactModel, opt: torch.optim.Optimizer, cfg: TrainConfig,
-                     inputs: dict) -> dict:
+                     inputs: dict, world: int = 1) -> dict:
     state = json.loads((ck / "state.json").read_text())
     saved_inputs = state.pop("inputs", None)
     if saved_inputs is not None and saved_inputs != inputs:
@@ -237,7 +243,7 @@ def _load_checkpoint(run: Path, ck: Path, model: PactModel, opt: torch.optim.Opt
         raise PactError(f"--resume: the {' and the '.join(changed)} changed since {ck} was saved (fingerprint "
                         "differs): resuming would silently mix two trainings; restore the originals or start a "
                         "new run in another --out")
-    diff = _config_diff(state.pop("config"), cfg.as_json())
+    diff = _config_diff(state.pop("config"), cfg.as_json(), state.pop("world_size", 1), world)
     if diff:
         raise PactError(f"--resume: {ck} was made with other settings; resume with the same flags or start a new run:\n"
                         + "\n".join(diff))
@@ -338,13 +344,30 @@ def _prepare_run(run: Path, resume: bool) -> None:
 def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True, stop_after: int | None = None) -> dict:
     """Train, save the adapter in PEFT format into ``cfg.out`` and return the final metrics.
 
-    ``stop_after`` ends the process-equivalent of a kill right after that step (tests).
+    Under torchrun (WORLD_SIZE > 1) every rank runs this; rank 0 alone owns the run folder
+    (runtime/distributed.py). ``stop_after`` ends the process-equivalent of a kill right after
+    that step (tests).
     """
+    dist, device = from_env(cfg.device)
     run = Path(cfg.out)
-    _prepare_run(run, resume)
-    with run_lock(run):
-        _prepare_run(run, resume)  # again under the lock: a run that finished meanwhile is not overwritten
-        return _train(cfg, run, resume, progress, stop_after)
+    try:
+        error = None
+        try:
+            if dist.main:
+                _prepare_run(run, resume)
+        except PactError as e:
+            error = e
+        dist.check(error, _collective_device(device))
+        with run_lock(run) if dist.main else contextlib.nullcontext():
+            if dist.main:
+                _prepare_run(run, resume)  # again under the lock: a run that finished meanwhile is not overwritten
+            return _train(cfg, run, resume, progress and dist.main, stop_after, dist, device)
+    finally:
+        leave(dist)
+
+
+def _collective_device(device: str | None) -> str:
+    return device if device and device.startswith("cuda") else "cpu"
 
 
 @dataclass
@@ -360,21 +383,22 @@ class _Run:
     opt: torch.optim.Optimizer
     state: dict
     last_good: Path | None
+    dist: Dist = field(default_factory=Dist)
 
 
-def _setup(cfg: TrainConfig, run: Path, resume: bool) -> _Run:
+def _setup(cfg: TrainConfig, run: Path, resume: bool, dist: Dist = Dist(), device: str | None = None) -> _Run:
     """Device, verified artifact, tokenizer and model (runtime/session.py), the tokenized data, the
     optimizer, and the state of the newest usable checkpoint when resuming; records the run's
-    config, recipe and input fingerprints in train_config.json."""
+    config, recipe and input fingerprints in train_config.json (rank 0)."""
     torch.manual_seed(cfg.seed)
-    ses = open_session(cfg.artifact, device=cfg.device, flag="--artifact")
+    ses = open_session(cfg.artifact, device=device if dist.active else cfg.device, flag="--artifact")
     inputs = {"artifact": ses.artifact.fingerprint(), "data": data_fingerprint(cfg.data)}
     model = ses.model(cfg.lora(), kernels=cfg.kernels, compute=cfg.compute, activations=cfg.activations,
                       checkpoint=cfg.checkpoint, seed=cfg.seed, fp8_weights=cfg.fp8_weights)
     vocab = model.embed.shape[0]
     examples = tokenize(read_records(cfg.data), ses.tokenizer, max_len=cfg.max_len, overlong=cfg.overlong,
                         vocab_size=vocab)
-    per_epoch = math.ceil(math.ceil(len(examples) / cfg.batch_size) / cfg.grad_accum)
+    per_epoch = math.ceil(math.ceil(len(examples) / (cfg.batch_size * dist.world)) / cfg.grad_accum)
     total = cfg.steps or max(1, math.ceil(cfg.epochs * per_epoch))
     params = list(model.lora_params.values())
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, foreach=ses.device.type == "cuda")
@@ -382,29 +406,43 @@ def _setup(cfg: TrainConfig, run: Path, resume: bool) -> _Run:
     last_good = None
     if resume and (good := _usable_checkpoints(run)):
         last_good = good[0]
-        state = _load_checkpoint(run, last_good, model, opt, cfg, inputs)
-        _truncate_metrics(run / "metrics.jsonl", state["step"])  # steps after the checkpoint are redone
+        state = _load_checkpoint(run, last_good, model, opt, cfg, inputs, dist.world)
+        if dist.main:
+            _truncate_metrics(run / "metrics.jsonl", state["step"])  # steps after the checkpoint are redone
         if state["step"] >= total:
             log.info("%s: the checkpoint is at the last step (%d); writing the adapter", last_good, total)
     state["inputs"] = inputs
-    (run / "train_config.json").write_text(json.dumps({**cfg.as_json(), "recipe": model.recipe.as_json(),
-                                                       "inputs_sha256": inputs}, indent=2) + "\n")
-    return _Run(model, ses.tokenizer, examples, pad_id(ses.tokenizer), total, params, opt, state, last_good)
+    state["world_size"] = dist.world
+    if dist.main:
+        (run / "train_config.json").write_text(json.dumps({
+            **cfg.as_json(), "recipe": model.recipe.as_json(), "world_size": dist.world,
+            "global_batch": cfg.batch_size * dist.world * cfg.grad_accum, "inputs_sha256": inputs}, indent=2) + "\n")
+    return _Run(model, ses.tokenizer, examples, pad_id(ses.tokenizer), total, params, opt, state, last_good, dist)
 
 
 def _step(r: _Run, cfg: TrainConfig, micro: list) -> dict:
-    """One optimizer step over the micro-batches ``micro``; returns its metrics (without timing)."""
-    device, state = r.model.device, r.state
-    loaded = [collate(r.examples, idx, r.pad, device) for _, _, idx in micro]
-    n_targets = sum(int((lab[:, 1:] != -100).sum()) for _, lab in loaded)
+    """One optimizer step over the global micro-batches ``micro`` (this rank computes its share of
+    each); returns the step's metrics (global, without timing)."""
+    device, state, dist = r.model.device, r.state, r.dist
+    shares = [idx[dist.share(len(idx))] for _, _, idx in micro]
+    loaded = [collate(r.examples, share, r.pad, device) for share in shares if share]
+    local_targets = sum(int((labels[:, 1:] != -100).sum()) for _, labels in loaded)
+    local_tokens = sum(int(ids.numel()) for ids, _ in loaded)
+    n_targets, tokens = (int(v) for v in dist.sum([local_targets, local_tokens], device))
     if n_targets == 0:
         raise PactError(f"step {state['step'] + 1}: the batch has no completion tokens within --max-len "
                         f"{cfg.max_len}: raise --max-len")
-    loss_sum = 0.0
-    for ids, labels in loaded:
-        loss, _ = r.model(ids, labels)
-        (loss / n_targets).backward()
-        loss_sum += float(loss.detach())
+    loss_sum, error = 0.0, None
+    try:
+        for ids, labels in loaded:
+            loss, _ = r.model(ids, labels)
+            (loss / n_targets).backward()
+            loss_sum += float(loss.detach())
+    except Exception as e:  # every rank stops with it (a failed rank never leaves the others waiting)
+        error = e
+    dist.check(error, device)
+    dist.sum_grads(r.params)
+    loss_sum = dist.sum([loss_sum], device)[0]
     grad_norm = float(torch.nn.utils.clip_grad_norm_(r.params, cfg.max_grad_norm))
     if not (math.isfinite(loss_sum) and math.isfinite(grad_norm)):
         kept = f"the last good checkpoint is {r.last_good}" if r.last_good else "no checkpoint was saved"
@@ -417,14 +455,16 @@ def _step(r: _Run, cfg: TrainConfig, micro: list) -> dict:
         group["lr"] = lr
     r.opt.step()
     r.opt.zero_grad(set_to_none=True)
-    tokens = sum(int(ids.numel()) for ids, _ in loaded)
     state.update(step=state["step"] + 1, epoch=micro[-1][0], pos=micro[-1][1], tokens=state["tokens"] + tokens)
     return {"step": state["step"], "loss": loss_sum / n_targets, "lr": lr, "grad_norm": grad_norm,
             "targets": n_targets, "tokens": tokens}
 
 
 def _finish(r: _Run, cfg: TrainConfig, run: Path, last: dict) -> dict:
-    """The adapter in PEFT format, and the held-out evaluation when --eval-data is given."""
+    """The adapter in PEFT format, and the held-out evaluation when --eval-data is given (rank 0;
+    the other ranks return the last step's metrics)."""
+    if not r.dist.main:
+        return dict(last)
     try:
         save_peft_adapter(run, r.model.adapter_state(), cfg.lora(), base_model(r.model.artifact))
     except OSError as e:
@@ -438,11 +478,17 @@ def _finish(r: _Run, cfg: TrainConfig, run: Path, last: dict) -> dict:
     return result
 
 
-def _train(cfg: TrainConfig, run: Path, resume: bool, progress: bool, stop_after: int | None) -> dict:
-    r = _setup(cfg, run, resume)
+def _train(cfg: TrainConfig, run: Path, resume: bool, progress: bool, stop_after: int | None,
+           dist: Dist = Dist(), device: str | None = None) -> dict:
+    r, error = None, None
+    try:
+        r = _setup(cfg, run, resume, dist, device)
+    except Exception as e:
+        error = e
+    dist.check(error, _collective_device(device))
     state, device = r.state, r.model.device
-    stream = _micro_batches(r.examples, cfg, state["epoch"], state["pos"])
-    metrics_f = open(run / "metrics.jsonl", "a")
+    stream = _micro_batches(r.examples, cfg, state["epoch"], state["pos"], dist.world)
+    metrics_f = open(run / "metrics.jsonl", "a") if dist.main else open(os.devnull, "w")
     bar = tqdm(total=r.total, initial=state["step"], desc="train", unit="step", disable=not progress)
     t_start = time.perf_counter()
     last = {}
@@ -457,7 +503,7 @@ def _train(cfg: TrainConfig, run: Path, resume: bool, progress: bool, stop_after
             metrics_f.flush()
             bar.update(1)
             bar.set_postfix(loss=f"{last['loss']:.4f}", tok_s=f"{last['tokens_per_s']:.0f}", mem=f"{last['peak_mem_gb']:.2f}G")
-            if cfg.save_every and state["step"] % cfg.save_every == 0:
+            if cfg.save_every and state["step"] % cfg.save_every == 0 and dist.main:
                 r.last_good = _save_checkpoint(run, r.model, r.opt, state, cfg)
             if stop_after is not None and state["step"] >= stop_after:
                 return last
