@@ -193,6 +193,17 @@ def make_sentiment_jsonl(path: Path, n: int, seed: int = 0) -> Path:
     return path
 
 
+def make_converted_llama(d: Path, n_examples: int) -> Path:
+    """A tiny Llama in d/src, its artifact (the converter's defaults) in d/art and ``n_examples``
+    sentiment examples in d/train.jsonl; returns d."""
+    from pact.convert import convert
+
+    make_model(d / "src", "llama")
+    convert(str(d / "src"), d / "art", progress=False)
+    make_sentiment_jsonl(d / "train.jsonl", n_examples)
+    return d
+
+
 def rehash_artifact(art: Path) -> None:
     """Re-record an edited artifact's checksums (files gone from hf/ leave the manifest): an artifact
     consistent with its manifest, as a faulty converter would write it, so the check under test is

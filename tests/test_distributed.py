@@ -11,8 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import make_model, make_sentiment_jsonl
-from pact.convert import convert
+from conftest import make_converted_llama
 from pact.runtime.trainer import TrainConfig, train
 
 pytestmark = pytest.mark.slow
@@ -20,11 +19,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    d = tmp_path_factory.mktemp("ddp")
-    make_model(d / "src", "llama")
-    convert(str(d / "src"), d / "art", progress=False)
-    make_sentiment_jsonl(d / "train.jsonl", 40)
-    return d
+    return make_converted_llama(tmp_path_factory.mktemp("ddp"), 40)
 
 
 def _free_port() -> int:

@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import make_model, make_sentiment_jsonl
+from conftest import make_converted_llama, make_model, make_sentiment_jsonl
 from pact.convert import convert
 from pact.formats import PactError, open_artifact
 from pact.formats import nvfp4 as F
@@ -183,10 +183,7 @@ def trained(tmp_path_factory):
     """A tiny Llama converted with the defaults, and an adapter trained on it until it is not zero."""
     from pact.runtime.trainer import TrainConfig, train
 
-    d = tmp_path_factory.mktemp("exp")
-    make_model(d / "src", "llama")
-    convert(str(d / "src"), d / "art", progress=False)
-    make_sentiment_jsonl(d / "train.jsonl", 16)
+    d = make_converted_llama(tmp_path_factory.mktemp("exp"), 16)
     train(TrainConfig(artifact=str(d / "art"), data=str(d / "train.jsonl"), out=str(d / "run"), steps=3,
                       batch_size=4, max_len=64, lr=5e-3, warmup_ratio=0.0), progress=False)
     return d

@@ -6,6 +6,7 @@ import http.server
 import json
 import os
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -56,6 +57,7 @@ class _Handler(http.server.SimpleHTTPRequestHandler):
         if chunk and self.mode == "cut" and len(body) > 64:
             self.wfile.write(body[: len(body) // 2])
             self.wfile.flush()
+            time.sleep(0.5)  # the half is read before the connection drops (else the client may see none of it)
             self.connection.shutdown(2)
             return
         self.wfile.write(body)
