@@ -125,7 +125,7 @@ def _convert(source: Source, out: Path, *, scaling: str, block_scales: str, keep
                 continue
             imported = {name: source.nvfp4(name) for name in unit}
             if all(t is not None for t in imported.values()) and len({float(t.global_scale) for t in imported.values()}) == 1:
-                _add_imported(writer, imported, tensors, block_scales, errors)
+                _add_imported(writer, imported, tensors, block_scales, errors, source.producer)
                 del tensors
                 continue
             if any(t is not None for t in imported.values()):
@@ -173,7 +173,8 @@ def _convert(source: Source, out: Path, *, scaling: str, block_scales: str, keep
         return writer.commit(**meta)
 
 
-def _add_imported(writer: ArtifactWriter, imported: dict, values: dict, block_scales: str, errors: dict) -> None:
+def _add_imported(writer: ArtifactWriter, imported: dict, values: dict, block_scales: str, errors: dict,
+                  producer: str) -> None:
     """A group stored NVFP4 in the source with one global scale: its codes and scales are the forward
     layout as they are (no second rounding); the backward layout W^T is quantized from the same
     dequantized values with that global scale. ``error`` is 0: relative to the source's own weights."""
@@ -183,7 +184,7 @@ def _add_imported(writer: ArtifactWriter, imported: dict, values: dict, block_sc
                        scale_rule=block_scales)
         errors[name] = 0.0
         writer.add_nvfp4(name, fwd, bwd, role=role.role, layer=role.layer, group=role.group, scaling="1d",
-                         error=0.0, source_dtype="nvfp4", imported="compressed-tensors")
+                         error=0.0, source_dtype="nvfp4", imported=producer)
 
 
 def _protect(source: Source, writer: ArtifactWriter, errors: dict[str, float], fraction: float) -> list[str]:

@@ -38,6 +38,9 @@ SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokeni
 # the rest (input_global_scale, ...) concerns inference-time activations and is not read.
 CT_NVFP4_FORMAT = "nvfp4-pack-quantized"
 _CT_PARTS = ("weight_packed", "weight_scale", "weight_global_scale")
+# ModelOpt's NVFP4 export (TensorRT-LLM / vLLM "modelopt"): ``weight`` uint8 [N, K/2] (same packing),
+# ``weight_scale`` e4m3 [N, K/16] and ``weight_scale_2`` fp32 in the decode direction (pact's g itself)
+_MO_PARTS = ("weight", "weight_scale", "weight_scale_2")
 _CT_IGNORED = ("input_global_scale", "input_scale", "weight_zero_point", "output_scale", "k_scale", "v_scale")
 _ST_DTYPES = {
     "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
@@ -101,8 +104,10 @@ class Source:
     provenance: dict
     config: dict = field(init=False)
     _index: dict[str, SafetensorsFile] = field(init=False)
-    # weight name -> its compressed-tensors NVFP4 parts (an NVFP4 checkpoint imported as it is)
+    # weight name -> its NVFP4 parts (packed, block scales, global scale) in an NVFP4 checkpoint
     packed: dict[str, tuple[str, str, str]] = field(init=False, default_factory=dict)
+    encode_global: bool = field(init=False, default=True)  # compressed-tensors: 1 / g; ModelOpt: g
+
 
     def __post_init__(self) -> None:
         cfg = self.folder / "config.json"
@@ -137,24 +142,42 @@ class Source:
         self._read_quantization()
 
     @property
+    def producer(self) -> str:
+        """Who wrote an NVFP4 checkpoint's layout: "compressed-tensors" or "modelopt"."""
+        return "compressed-tensors" if self.encode_global else "modelopt"
+
+    @property
     def quantization(self) -> dict | None:
-        return self.config.get("quantization_config")
+        q = self.config.get("quantization_config")
+        hq = self.folder / "hf_quant_config.json"  # ModelOpt exports describe themselves here too
+        if not q and hq.is_file():
+            try:
+                q = {"quant_method": "modelopt", **json.loads(hq.read_text()).get("quantization", {})}
+            except (ValueError, AttributeError):
+                raise PactError(f"{hq}: not valid JSON: re-export the checkpoint") from None
+        return q
 
     def _read_quantization(self) -> None:
-        """A quantized checkpoint: compressed-tensors NVFP4 is imported as it is (its codes and
-        scales become the artifact's forward layout); anything else is one clear error."""
+        """A quantized checkpoint: NVFP4 from compressed-tensors (llm-compressor) or ModelOpt is
+        imported as it is (its codes and scales become the artifact's forward layout); anything else
+        is one clear error."""
         q, cfg = self.quantization, self.folder / "config.json"
         if not q:
             return
-        method, fmt = q.get("quant_method"), q.get("format")
-        if method != "compressed-tensors" or fmt != CT_NVFP4_FORMAT:
+        method, fmt = q.get("quant_method"), q.get("format") or q.get("quant_algo")
+        if method == "compressed-tensors" and fmt == CT_NVFP4_FORMAT:
+            suffix, parts_of, self.encode_global = "weight_packed", _CT_PARTS, True
+        elif method == "modelopt" and fmt == "NVFP4":
+            suffix, parts_of, self.encode_global = "weight_scale_2", _MO_PARTS, False
+        else:
             raise PactError(f"{cfg}: the checkpoint is already quantized ({method}, {fmt}): pact-convert reads "
-                            f"bf16 / fp16 / fp32 weights or compressed-tensors {CT_NVFP4_FORMAT} (NVFP4, as "
-                            "llm-compressor writes it); point it at the unquantized model")
+                            f"bf16 / fp16 / fp32 weights, or NVFP4 as compressed-tensors ({CT_NVFP4_FORMAT}, "
+                            "llm-compressor's output) or ModelOpt (quant_algo NVFP4) write it; point it at the "
+                            "unquantized model")
         for name in list(self._index):
             base, _, part = name.rpartition(".")
-            if part == "weight_packed":
-                parts = tuple(f"{base}.{p}" for p in _CT_PARTS)
+            if part == suffix:
+                parts = tuple(f"{base}.{p}" for p in parts_of)
                 lacking = [p for p in parts if p not in self._index]
                 if lacking:
                     raise PactError(f"{self.file_of(name)}: {name} comes without {lacking[0]}: the NVFP4 checkpoint "
@@ -165,12 +188,12 @@ class Source:
         """Tensor names in file order; an imported NVFP4 weight appears once, as ``<module>.weight``."""
         if not self.packed:
             return list(self._index)
-        out = []
+        out, parts = [], {p for v in self.packed.values() for p in v}
         for name in self._index:
             base, _, part = name.rpartition(".")
-            if part == "weight_packed" and f"{base}.weight" in self.packed:
-                out.append(f"{base}.weight")
-            elif part not in _CT_PARTS and part not in _CT_IGNORED:
+            if name in parts and self.packed.get(f"{base}.weight", ())[:1] == (name,):
+                out.append(f"{base}.weight")  # the packed codes stand for the weight
+            elif name not in parts and part not in _CT_IGNORED:
                 out.append(name)
         return out
 
@@ -192,17 +215,20 @@ class Source:
         n, kb = packed.shape
         if packed.dtype != torch.uint8 or scales.dtype != torch.float8_e4m3fn or tuple(scales.shape) != (n, kb // 8) \
                 or gs.numel() != 1 or not bool(torch.isfinite(gs).all()) or float(gs.reshape(())) <= 0:
-            raise PactError(f"{self.file_of(name)}: {name}'s NVFP4 parts are not compressed-tensors' "
-                            f"{CT_NVFP4_FORMAT} layout (packed {packed.dtype} {tuple(packed.shape)}, scales "
+            raise PactError(f"{self.file_of(name)}: {name}'s NVFP4 parts are not {self.producer}'s NVFP4 "
+                            f"layout (packed {packed.dtype} {tuple(packed.shape)}, scales "
                             f"{scales.dtype} {tuple(scales.shape)}, global scale {gs.tolist()}): re-export it")
-        g = torch.tensor(1.0, dtype=torch.float32) / gs.reshape(()).float()
+        gs = gs.reshape(()).float()
+        g = torch.tensor(1.0, dtype=torch.float32) / gs if self.encode_global else gs
         return NVFP4Tensor(packed.contiguous(), scales.contiguous(), g)
 
     def load(self, name: str) -> torch.Tensor:
-        """A tensor as the checkpoint holds it; an imported NVFP4 weight dequantized to fp32 the way
-        compressed-tensors does it ((q * s_b) / weight_global_scale)."""
+        """A tensor as the checkpoint holds it; an imported NVFP4 weight dequantized to fp32 as its
+        producer does it ((q * s_b) / weight_global_scale for compressed-tensors, (q * s_b) * g else)."""
         if name in self.packed:
             t = self.nvfp4(name)
+            if not self.encode_global:
+                return dequantize(t)
             gs = self._index[self.packed[name][2]].get(self.packed[name][2]).reshape(()).float()
             return dequantize(NVFP4Tensor(t.packed, t.scales, torch.tensor(1.0))) / gs
         return self._index[name].get(name)

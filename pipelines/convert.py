@@ -32,7 +32,7 @@ def main(src: str, out: str, scaling: str, block_scales: str, keep_bf16: float, 
     path = convert(src, out, scaling=scaling, block_scales=block_scales, keep_bf16=keep_bf16, overwrite=overwrite, revision=revision, progress=not quiet)
     art = open_artifact(path)
     kept = art.meta["provenance"]["kept_bf16"]
-    imported = sum(art.entry(n).get("imported") == "compressed-tensors" for n in art.names("nvfp4"))
+    imported = sum(art.entry(n).get("imported") not in (None, "requantized") for n in art.names("nvfp4"))
     how = (f"{imported} imported as stored, W^T re-blocked" if imported else
            f"({scaling}){' with searched block scales' if block_scales == 'mse' else ''}")
     click.echo(f"wrote {path}: {art.meta['architecture']}, {len(art.names('nvfp4'))} NVFP4 projections "

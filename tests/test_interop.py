@@ -295,3 +295,34 @@ def test_adapter_names_the_source_model(trained):
     assert cfg["base_model_name_or_path"] == str((trained / "src").resolve())
     model = AutoPeftModelForCausalLM.from_pretrained(trained / "run")
     assert model.peft_config["default"].r == 16
+
+
+# -- ModelOpt
+
+
+MODELOPT = __import__("pathlib").Path(__file__).parent / "data" / "modelopt_nvfp4"
+
+
+def test_import_modelopt_nvfp4(tmp_path):
+    """A checkpoint nvidia-modelopt quantized to NVFP4 and exported (tests/data/modelopt_nvfp4, made
+    by tests/data/make_modelopt_nvfp4.py): imported as stored, its weights equal modelopt's own
+    dequantization (ref.safetensors) to fp32 rounding, and it trains."""
+    from safetensors.torch import load_file
+
+    from pact.runtime.trainer import TrainConfig, train
+
+    src = tmp_path / "mo"
+    shutil.copytree(MODELOPT, src, ignore=shutil.ignore_patterns("ref.safetensors", "WRITTEN_BY"))
+    art = open_artifact(convert(str(src), tmp_path / "art", progress=False))
+    ref = load_file(MODELOPT / "ref.safetensors")
+    sd = load_file(MODELOPT / "model.safetensors")
+    assert len(ref) == 14
+    for name, w in ref.items():
+        assert art.entry(name)["imported"] == "modelopt"
+        assert torch.equal(art.nvfp4(name).packed, sd[name])
+        torch.testing.assert_close(art.dequantize(name), w, rtol=2**-22, atol=0)
+    assert art.meta["provenance"]["source_quantization"]["quant_algo"] == "NVFP4"
+    make_sentiment_jsonl(tmp_path / "train.jsonl", 8)
+    r = train(TrainConfig(artifact=str(art.path), data=str(tmp_path / "train.jsonl"), out=str(tmp_path / "run"),
+                          steps=1, batch_size=4, max_len=64), progress=False)
+    assert r["step"] == 1
