@@ -350,19 +350,19 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True, stop
     """
     dist, device = from_env(cfg.device)
     run = Path(cfg.out)
+    lock, error = contextlib.ExitStack(), None
     try:
-        error = None
         try:
             if dist.main:
                 _prepare_run(run, resume)
+                lock.enter_context(run_lock(run))
+                _prepare_run(run, resume)  # again under the lock: a run that finished meanwhile is not overwritten
         except PactError as e:
             error = e
-        dist.check(error, _collective_device(device))
-        with run_lock(run) if dist.main else contextlib.nullcontext():
-            if dist.main:
-                _prepare_run(run, resume)  # again under the lock: a run that finished meanwhile is not overwritten
-            return _train(cfg, run, resume, progress and dist.main, stop_after, dist, device)
+        dist.check(error, _collective_device(device))  # every rank stops when rank 0 cannot own the folder
+        return _train(cfg, run, resume, progress and dist.main, stop_after, dist, device)
     finally:
+        lock.close()
         leave(dist)
 
 
@@ -503,8 +503,14 @@ def _train(cfg: TrainConfig, run: Path, resume: bool, progress: bool, stop_after
             metrics_f.flush()
             bar.update(1)
             bar.set_postfix(loss=f"{last['loss']:.4f}", tok_s=f"{last['tokens_per_s']:.0f}", mem=f"{last['peak_mem_gb']:.2f}G")
-            if cfg.save_every and state["step"] % cfg.save_every == 0 and dist.main:
-                r.last_good = _save_checkpoint(run, r.model, r.opt, state, cfg)
+            if cfg.save_every and state["step"] % cfg.save_every == 0:
+                error = None
+                try:
+                    if dist.main:
+                        r.last_good = _save_checkpoint(run, r.model, r.opt, state, cfg)
+                except PactError as e:  # (a full disk): every rank stops with it
+                    error = e
+                dist.check(error, device)
             if stop_after is not None and state["step"] >= stop_after:
                 return last
     except torch.cuda.OutOfMemoryError:
