@@ -5,6 +5,7 @@ pact-train, pact-eval and pact-calibrate."""
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +40,9 @@ def open_session(artifact: str, *, device: str | None = None, tool: str = "pact-
                  flag: str | None = None) -> Session:
     """Device, verified artifact and tokenizer for ``tool``. ``flag``: the option that named the
     artifact, prefixed to a failed verification."""
+    if tool != "pact-train" and int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+        raise PactError(f"{tool} runs in one process (WORLD_SIZE={os.environ['WORLD_SIZE']}): run it without "
+                        "torchrun; only pact-train is data-parallel")
     dev = resolve_device(device)
     if dev.type == "cpu" and tool == "pact-train":
         log.warning("no GPU: training on the CPU (correct, slow; fine for tiny models and tests)")

@@ -140,3 +140,16 @@ def test_a_failing_rank_ends_the_run(setup, tmp_path):
     assert res[0].startswith("PactError: rank 1 of 2 failed")
     assert not (tmp_path / "run" / "adapter_model.safetensors").exists()
     assert not (tmp_path / "run" / ".lock").exists()
+
+
+def test_single_process_tools_refuse_torchrun(setup, tmp_path, monkeypatch):
+    """pact-eval and pact-calibrate under torchrun would run N copies into one output: one line instead."""
+    from pact.calibrate import calibrate
+    from pact.formats import PactError
+    from pact.runtime.evaluate import evaluate_artifact
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(PactError, match="pact-eval runs in one process .*without torchrun"):
+        evaluate_artifact(str(setup / "art"), str(setup / "train.jsonl"))
+    with pytest.raises(PactError, match="pact-calibrate runs in one process"):
+        calibrate(str(setup / "art"), setup / "train.jsonl", tmp_path / "cal", progress=False)
