@@ -56,6 +56,11 @@ _STORAGE = {
     "float32": (np.float32, torch.float32),
 }
 _TORCH_NAME = {v[1]: k for k, v in _STORAGE.items()}
+
+
+def array_nbytes(spec: dict) -> int:
+    """Bytes of a manifest array's one chunk (its shape and stored dtype)."""
+    return int(np.prod(spec["shape"])) * np.dtype(_STORAGE[spec["dtype"]][0]).itemsize
 _BYTES_CODEC_OK = ({"name": "bytes"}, {"name": "bytes", "configuration": {"endian": "little"}})
 
 
@@ -456,7 +461,7 @@ class Artifact:
                 "so it cannot be memory-mapped: re-run pact-convert to rewrite the artifact"
             )
         chunk = _chunk_path(array_dir, len(shape))
-        expected = int(np.prod(shape)) * np.dtype(np_dtype).itemsize
+        expected = array_nbytes(spec)
         size = chunk.stat().st_size if chunk.is_file() else -1
         if size != expected:
             what = "missing" if size < 0 else f"{size} bytes, expected {expected}"

@@ -20,18 +20,16 @@ import contextlib
 import fcntl
 import hashlib
 import json
-import math
 import os
 import shutil
 from pathlib import Path
 from typing import Iterator
 
-from .artifact import FORMAT_NAME, FORMAT_VERSION, default_cache
+from .artifact import FORMAT_NAME, FORMAT_VERSION, array_nbytes, default_cache
 from .errors import ArtifactError, PactError, require, write_error
 
 SCHEMES = ("http", "https", "s3", "hf", "file", "memory")
 _META_MAX = 64 << 20  # a manifest or array metadata file larger than this is not one
-_ITEMSIZE = {"uint8": 1, "uint16": 2, "float8_e4m3fn": 1, "bfloat16": 2, "float16": 2, "float32": 4}
 _BLOCK = 8 << 20
 
 
@@ -78,8 +76,12 @@ def _plan(meta: dict) -> list[tuple[str, str | None, int | None]]:
         for spec in e["arrays"].values():
             shape = spec["shape"]
             files.append((f"{spec['path']}/zarr.json", None, None))
-            files.append(("/".join([spec["path"], "c", *(["0"] * len(shape))]), spec["sha256"],
-                          math.prod(shape) * _ITEMSIZE.get(spec["dtype"], 1)))
+            try:
+                nbytes = array_nbytes(spec)
+            except (KeyError, TypeError):
+                raise ArtifactError(f"manifest array {name} has dtype {spec.get('dtype')!r} or shape {shape!r}, which "
+                                    "pact does not store: not an artifact this version reads") from None
+            files.append(("/".join([spec["path"], "c", *(["0"] * len(shape))]), spec["sha256"], nbytes))
     for rel, _, _ in files:  # nothing outside the folder, whatever the manifest says
         parts = Path(rel).parts
         if Path(rel).is_absolute() or ".." in parts or rel.startswith("/"):
