@@ -176,6 +176,14 @@ def test_bad_urls_and_newer_format(served, cache, tmp_path):
     (newer / "zarr.json").write_text(json.dumps(doc))
     with pytest.raises(ArtifactError, match="version 99 is newer than this pact reads .*upgrade pact"):
         open_artifact(url.rsplit("/", 1)[0] + "/newer")
+    evil = d / "www" / "evil"  # a manifest naming a file outside the folder is refused before any download
+    shutil.copytree(d / "www" / "art", evil)
+    doc = json.loads((evil / "zarr.json").read_text())
+    name = next(iter(doc["attributes"]["pact"]["tensors"]))
+    doc["attributes"]["pact"]["tensors"][name]["arrays"]["data" if "data" in doc["attributes"]["pact"]["tensors"][name]["arrays"] else "fwd_packed"]["path"] = "../../outside"
+    (evil / "zarr.json").write_text(json.dumps(doc))
+    with pytest.raises(ArtifactError, match="outside the artifact"):
+        open_artifact(url.rsplit("/", 1)[0] + "/evil")
     # s3:// and hf:// get as far as the network, then one line (no network here)
     for bad in ("s3://pact-no-such-bucket-xyz/art", "hf://pact-no-such-org/no-such-repo"):
         with pytest.raises(PactError, match=rf"{bad.split(':')[0]}://"):
