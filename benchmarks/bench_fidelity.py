@@ -24,7 +24,8 @@ converted that way (`pact-convert --scaling 2d --block-scales amax` is `:2d`); w
 converter's defaults (`:1d-mse`). A pact method's weights may end in `+CALIBRATION` (`CALIBRATIONS`):
 `:1d-mse+gptq` is that artifact after `pact-calibrate` on 128 of the task's own training texts
 (prompt + completion, <= 128 tokens) with the artifact's block-scale rule, `+gptq-amax` the same
-with amax block scales, `+gptq-generic` calibrated on Rotten Tomatoes plot summaries for every task.
+with amax block scales, `+gptq-actorder` with act-order (static scales), `+gptq-generic` calibrated on
+Rotten Tomatoes plot summaries for every task.
 `prepare` makes them before a grid's workers start. `--shard I/N` splits one grid between N
 worker processes (each keeps its imports, compiled kernels and tokenized tasks between runs).
 """
@@ -49,10 +50,11 @@ KEY = ("task", "method", "lr", "seed", "steps")
 WEIGHT_VARIANTS = ("2d", "1d", "2d-mse", "1d-mse")  # -> pact-convert --scaling S --block-scales amax|mse
 DEFAULT_VARIANT = "1d-mse"  # pact-convert's defaults
 # a weight variant may end in +CALIBRATION: pact-calibrate on CALIB_SAMPLES texts of <= CALIB_LEN tokens
-CALIBRATIONS = {
-    "gptq": ("task", "auto"),  # the task's own training texts, the artifact's block-scale rule
-    "gptq-amax": ("task", "amax"),  # the same with amax block scales (calibrate's rule before it followed the artifact)
-    "gptq-generic": ("generic", "auto"),  # Rotten Tomatoes plot summaries, the same for every task
+CALIBRATIONS = {  # -> (calibration texts, --block-scales, --act-order)
+    "gptq": ("task", "auto", False),  # the task's own training texts, the artifact's block-scale rule
+    "gptq-amax": ("task", "amax", False),  # the same with amax block scales (calibrate's rule before it followed the artifact)
+    "gptq-actorder": ("task", "auto", True),  # act-order, static scales (llm-compressor's default; carried over to other text on the CPU)
+    "gptq-generic": ("generic", "auto", False),  # Rotten Tomatoes plot summaries, the same for every task
 }
 CALIB_SAMPLES, CALIB_LEN = 128, 128
 
@@ -272,12 +274,12 @@ def method_artifact(workdir: Path, gguf: Path, weights: str, task: str, bigbench
     base = variant_artifact(workdir, gguf, conv)
     if calib is None:
         return base
-    kind, rule = CALIBRATIONS[calib]
+    kind, rule, actorder = CALIBRATIONS[calib]
     prompts = calibration_prompts(workdir, task, kind, bigbench)
     out = workdir / f"smollm2-135m-nvfp4-{conv}-{calib}{'' if kind == 'generic' else '-' + task}"
     return Path(cached_artifact(out, lambda p: calibrate(str(base), prompts, p, max_samples=CALIB_SAMPLES,
-                                                         seq_len=CALIB_LEN, block_scales=rule, overwrite=p.exists(),
-                                                         progress=False)))
+                                                         seq_len=CALIB_LEN, block_scales=rule, actorder=actorder,
+                                                         overwrite=p.exists(), progress=False)))
 
 
 def variant_artifact(workdir: Path, gguf: Path, variant: str) -> Path:
