@@ -82,12 +82,16 @@ def export(artifact: str, out: str | os.PathLike, *, fmt: str = "compressed-tens
     out = Path(out)
     if out.exists() and not overwrite:
         raise PactError(f"--out {out} exists: choose a new folder or pass --overwrite")
+    if out.exists() and not _is_export(out):  # --overwrite replaces an earlier export, never another folder
+        raise PactError(f"--out {out} is not a checkpoint folder pact-export wrote (no config.json beside "
+                        "model*.safetensors): refusing to replace it; choose another --out")
     out.parent.mkdir(parents=True, exist_ok=True)
     sweep_leftovers(out)
     tmp = work_path(out, "tmp")
+    merged = merge or fmt == "bf16"  # bf16 folders take the adapter folded in
     try:
-        summary = _write(art, tmp, fmt, lora_cfg, adapters, merge or fmt == "bf16")
-        if adapters and not (merge or fmt == "bf16"):  # served beside the quantized base (vLLM LoRA)
+        summary = _write(art, tmp, fmt, lora_cfg, adapters, merged)
+        if adapters and not merged:  # served beside the quantized base (vLLM LoRA)
             save_peft_adapter(tmp / "adapter", adapters, lora_cfg, str(out.resolve()))
         if out.exists():
             shutil.rmtree(out)
@@ -99,6 +103,10 @@ def export(artifact: str, out: str | os.PathLike, *, fmt: str = "compressed-tens
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return {"out": str(out), "format": fmt, **summary}
+
+
+def _is_export(folder: Path) -> bool:
+    return folder.is_dir() and (folder / "config.json").is_file() and any(folder.glob("model*.safetensors"))
 
 
 def _write(art, tmp: Path, fmt: str, lora_cfg, adapters: dict, merge: bool) -> dict:

@@ -281,9 +281,16 @@ def test_export_refusals(trained, tmp_path):
     with pytest.raises(PactError, match="--format must be one of"):
         export(str(trained / "art"), tmp_path / "x", fmt="gguf")
     (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "notes.txt").write_text("mine")
     with pytest.raises(PactError, match="exists: choose a new folder or pass --overwrite"):
         export(str(trained / "art"), tmp_path / "taken")
+    with pytest.raises(PactError, match="is not a checkpoint folder pact-export wrote"):
+        export(str(trained / "art"), tmp_path / "taken", overwrite=True)
+    assert (tmp_path / "taken" / "notes.txt").read_text() == "mine"  # a folder that is not an export is kept
     assert not any(p.name.startswith(".taken") for p in tmp_path.iterdir())
+    export(str(trained / "art"), tmp_path / "done")
+    export(str(trained / "art"), tmp_path / "done", fmt="bf16", overwrite=True)  # an export is replaced
+    assert "quantization_config" not in json.loads((tmp_path / "done" / "config.json").read_text())
 
 
 def test_adapter_names_the_source_model(trained):
