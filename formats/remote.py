@@ -21,7 +21,6 @@ import fcntl
 import hashlib
 import json
 import os
-import shutil
 from pathlib import Path
 from typing import Iterator
 
@@ -31,10 +30,6 @@ from .errors import ArtifactError, PactError, require, write_error
 SCHEMES = ("http", "https", "s3", "hf", "file", "memory")
 _META_MAX = 64 << 20  # a manifest or array metadata file larger than this is not one
 _BLOCK = 8 << 20
-
-
-def is_url(path) -> bool:
-    return isinstance(path, str) and "://" in path
 
 
 def _fs(url: str):
@@ -223,9 +218,3 @@ def push_artifact(path, dest: str, *, overwrite: bool = False) -> str:
     fs.put_file(str(art.path / "zarr.json"), f"{root}/zarr.json")
     return dest
 
-
-def remove_partial(cache: Path | None = None) -> None:
-    """Drop interrupted fetches from the cache (their resumable files included)."""
-    base = (cache or default_cache()) / "artifacts"
-    for p in base.glob("*.partial") if base.is_dir() else []:
-        shutil.rmtree(p, ignore_errors=True)

@@ -46,7 +46,7 @@ def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return w * xf.to(x.dtype)
 
 
-def text_config(artifact: Artifact):
+def load_text_config(artifact: Artifact):
     """The artifact's decoder config (the text config of a vision-language model), checked against
     the artifact's tensors first (formats/families.py) so a damaged or hostile one is one error."""
     from transformers import AutoConfig
@@ -81,7 +81,7 @@ class PactModel(nn.Module):
         self.compute = self.recipe.compute
         self.ops = get_ops(self.recipe, self.kernels)
         fp8_copy = self.ops.fp8_rows if resolve_fp8_weights(fp8_weights, self.compute) == "resident" else None
-        cfg = self.cfg = text_config(artifact)
+        cfg = self.cfg = load_text_config(artifact)
         self.hidden = cfg.hidden_size
         self.n_heads, self.n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or self.hidden // self.n_heads

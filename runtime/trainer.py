@@ -359,15 +359,11 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True, stop
                 _prepare_run(run, resume)  # again under the lock: a run that finished meanwhile is not overwritten
         except PactError as e:
             error = e
-        dist.check(error, _collective_device(device))  # every rank stops when rank 0 cannot own the folder
+        dist.check(error, device)  # every rank stops when rank 0 cannot own the folder
         return _train(cfg, run, resume, progress and dist.main, stop_after, dist, device)
     finally:
         lock.close()
         leave(dist)
-
-
-def _collective_device(device: str | None) -> str:
-    return device if device and device.startswith("cuda") else "cpu"
 
 
 @dataclass
@@ -386,12 +382,12 @@ class _Run:
     dist: Dist = field(default_factory=Dist)
 
 
-def _setup(cfg: TrainConfig, run: Path, resume: bool, dist: Dist = Dist(), device: str | None = None) -> _Run:
+def _setup(cfg: TrainConfig, run: Path, resume: bool, dist: Dist, device: str | None) -> _Run:
     """Device, verified artifact, tokenizer and model (runtime/session.py), the tokenized data, the
     optimizer, and the state of the newest usable checkpoint when resuming; records the run's
     config, recipe and input fingerprints in train_config.json (rank 0)."""
     torch.manual_seed(cfg.seed)
-    ses = open_session(cfg.artifact, device=device if dist.active else cfg.device, flag="--artifact")
+    ses = open_session(cfg.artifact, device=device, flag="--artifact")  # from_env's: cfg.device, or this rank's
     inputs = {"artifact": ses.artifact.fingerprint(), "data": data_fingerprint(cfg.data)}
     model = ses.model(cfg.lora(), kernels=cfg.kernels, compute=cfg.compute, activations=cfg.activations,
                       checkpoint=cfg.checkpoint, seed=cfg.seed, fp8_weights=cfg.fp8_weights)
@@ -479,13 +475,13 @@ def _finish(r: _Run, cfg: TrainConfig, run: Path, last: dict) -> dict:
 
 
 def _train(cfg: TrainConfig, run: Path, resume: bool, progress: bool, stop_after: int | None,
-           dist: Dist = Dist(), device: str | None = None) -> dict:
+           dist: Dist, device: str | None) -> dict:
     r, error = None, None
     try:
         r = _setup(cfg, run, resume, dist, device)
     except Exception as e:
         error = e
-    dist.check(error, _collective_device(device))
+    dist.check(error, device)
     state, device = r.state, r.model.device
     stream = _micro_batches(r.examples, cfg, state["epoch"], state["pos"], dist.world)
     metrics_f = open(run / "metrics.jsonl", "a") if dist.main else open(os.devnull, "w")
