@@ -173,6 +173,13 @@ def test_import_refusals(ckpt, tmp_path):
     save_file(sd, part / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(PactError, match="up_proj.weight_packed comes without .*weight_scale"):
         convert(str(part), tmp_path / "c", progress=False)
+    odd = tmp_path / "odd"  # block scales stored as bf16: not the format's layout
+    shutil.copytree(ckpt / "nvfp4", odd)
+    sd = load_file(odd / "model.safetensors")
+    sd["model.layers.0.mlp.down_proj.weight_scale"] = sd["model.layers.0.mlp.down_proj.weight_scale"].to(torch.bfloat16)
+    save_file(sd, odd / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(PactError, match="down_proj.weight's NVFP4 parts are not compressed-tensors's NVFP4 layout"):
+        convert(str(odd), tmp_path / "d", progress=False)
 
 
 # -- export
