@@ -18,7 +18,9 @@ sees the same batches in the same order for a seed; SmolLM2-135M-Instruct from i
 bench_accuracy.py). Methods: `peft` (transformers + PEFT on the GGUF dequantized to bf16) and
 `peft@nvfp4` (the same on the RTN artifact's weights dequantized to bf16: the weight format's share),
 `pact=RECIPE` (pact-train on the RTN artifact, `--activations RECIPE`, `--compute auto`) or
-`pact@COMPUTE=RECIPE` (the same with `--compute COMPUTE`). A method may end in `:WEIGHTS`, one of
+`pact@COMPUTE=RECIPE` (the same with `--compute COMPUTE`); `pact~PROBE=RECIPE` patches one reader of
+the gate_up site's saved copy to read the exact rows instead (`PROBES`: a diagnostic of which
+reader a saved copy bends, never a mode of pact-train). A method may end in `:WEIGHTS`, one of
 `WEIGHT_VARIANTS` (scaling, then `-mse` for searched block scales): the same on an artifact
 converted that way (`pact-convert --scaling 2d --block-scales amax` is `:2d`); without it, the
 converter's defaults (`:1d-mse`). A pact method's weights may end in `+CALIBRATION` (`CALIBRATIONS`):
@@ -32,7 +34,9 @@ worker processes (each keeps its imports, compiled kernels and tokenized tasks b
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import dataclasses
 import json
 import random
 import statistics
@@ -57,6 +61,47 @@ CALIBRATIONS = {  # -> (calibration texts, --block-scales, --act-order)
     "gptq-generic": ("generic", "auto", False),  # Rotten Tomatoes plot summaries, the same for every task
 }
 CALIB_SAMPLES, CALIB_LEN = 128, 128
+# diagnostics: the MLP's RMSNorm output, saved as the recipe says, read exactly by one of its two readers
+PROBES = ("exact-dA",  # dA of gate and up reads the exact rows; the RMSNorm backward the saved copy
+          "exact-norm")  # the RMSNorm backward reads the exact rows; dA the saved copy
+
+
+@contextlib.contextmanager
+def gate_up_probe(probe: str | None):
+    """Within: MlpFn keeps the exact bf16 RMSNorm output beside its saved copy (more memory: a
+    diagnostic) and hands it to the reader ``probe`` names. Nothing changes with ``probe`` None."""
+    if probe is None:
+        yield
+        return
+    from pact.runtime import functions as fn
+    from pact.runtime.ops import DenseRows
+
+    fwd, bwd = fn.MlpFn.forward, fn.MlpFn.backward
+
+    def forward(ctx, x, norm_w, eps, *rest):  # the twin's RMSNorm: fp32 statistics, one bf16 rounding
+        xf = x.float()
+        ctx.exact = (xf * torch.rsqrt(xf.pow(2).mean(-1) + eps)[:, None] * norm_w.float()).to(torch.bfloat16)
+        return fwd(ctx, x, norm_w, eps, *rest)
+
+    def backward(ctx, dout):
+        ops, exact, saved = ctx.ops, ctx.exact, ctx.saved_tensors[0]
+
+        def mine(rows) -> bool:  # the RMSNorm output's saved copy (its first tensor), not gate or up
+            first = rows.data if isinstance(rows, DenseRows) else getattr(rows, "packed", getattr(rows, "data", None))
+            return first is not None and first.data_ptr() == saved.data_ptr()
+
+        if probe == "exact-dA":
+            ctx.ops = dataclasses.replace(ops, dequant_rows=lambda q, *a: exact if mine(q) else ops.dequant_rows(q, *a))
+        else:
+            ctx.ops = dataclasses.replace(ops, rmsnorm_backward=lambda dy, yq, rstd, w: ops.rmsnorm_backward(
+                dy, DenseRows(exact) if mine(yq) else yq, rstd, w))
+        return bwd(ctx, dout)
+
+    fn.MlpFn.forward, fn.MlpFn.backward = staticmethod(forward), staticmethod(backward)
+    try:
+        yield
+    finally:
+        fn.MlpFn.forward, fn.MlpFn.backward = staticmethod(fwd), staticmethod(bwd)
 
 
 # -- tasks
@@ -135,8 +180,10 @@ def cli() -> None:
 @click.option("--batches", default=8, show_default=True)
 @click.option("--lr", default=5e-4, show_default=True)
 @click.option("--seed", default=0, show_default=True)
+@click.option("--tokenizer", type=click.Path(exists=True, file_okay=False), default=None,
+              help="A folder whose tokenizer reads --data (default: the artifact's; for random-weight artifacts).")
 @click.option("--csv", "csv_path", type=click.Path(dir_okay=False, path_type=Path), default=None)
-def grads(artifact, data, recipes, computes, warm_steps, batches, lr, seed, csv_path) -> None:
+def grads(artifact, data, recipes, computes, warm_steps, batches, lr, seed, tokenizer, csv_path) -> None:
     """LoRA gradient of each recipe vs the bf16-activation reference on the same NVFP4 weights:
     per adapter tensor cosine and norm ratio per batch (median over tensors), and whether the
     error is biased: |mean error| / rms error over the batches (zero-mean noise: ~1/sqrt(batches))
@@ -151,7 +198,7 @@ def grads(artifact, data, recipes, computes, warm_steps, batches, lr, seed, csv_
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     art = open_artifact(artifact)
-    tok = AutoTokenizer.from_pretrained(art.hf_dir)
+    tok = AutoTokenizer.from_pretrained(tokenizer or art.hf_dir)
     pad = pad_id(tok)
     examples = tokenize(read_records(data), tok, max_len=MAX_LEN)
     order = make_batches(examples, BATCH, seed=seed, epoch=0)
@@ -179,11 +226,12 @@ def grads(artifact, data, recipes, computes, warm_steps, batches, lr, seed, csv_
     ref = run("bf16", "bf16-decode")
     names = list(ref[0])
     rows = []
-    click.echo(f"{'compute':<12} {'recipe':<60} {'cos':>6} {'norm':>6} {'cos(mean)':>9} {'bias':>6}   A cos / B cos")
+    click.echo(f"{'compute':<12} {'recipe':<60} {'cos':>6} {'norm':>6} {'cos(mean)':>9} {'bias':>6}   A cos / B cos"
+               f" / gate|up cos")
     for compute in computes.split(","):
         for spec in recipes.split(";"):
             got = run(spec, compute)
-            per = {"cos": [], "norm": [], "cos_mean": [], "bias": [], "cos_A": [], "cos_B": []}
+            per = {"cos": [], "norm": [], "cos_mean": [], "bias": [], "cos_A": [], "cos_B": [], "cos_gate_up": []}
             for k in names:
                 g = torch.stack([b[k].flatten() for b in got])
                 r = torch.stack([b[k].flatten() for b in ref])
@@ -192,6 +240,8 @@ def grads(artifact, data, recipes, computes, warm_steps, batches, lr, seed, csv_
                 cos = F.cosine_similarity(g, r, dim=1)
                 per["cos"].append(float(cos.median()))
                 per["cos_" + k[-1]].append(float(cos.median()))
+                if "gate_proj" in k or "up_proj" in k:
+                    per["cos_gate_up"].append(float(cos.median()))
                 per["norm"].append(float((g.norm(dim=1) / r.norm(dim=1)).median()))
                 per["cos_mean"].append(float(F.cosine_similarity(g.mean(0), r.mean(0), dim=0)))
                 e = g - r
@@ -199,7 +249,7 @@ def grads(artifact, data, recipes, computes, warm_steps, batches, lr, seed, csv_
             row = {"compute": compute, "recipe": spec, **{k: statistics.median(v) for k, v in per.items()}}
             rows.append(row)
             click.echo(f"{compute:<12} {spec:<60} {row['cos']:>6.3f} {row['norm']:>6.3f} {row['cos_mean']:>9.3f} "
-                       f"{row['bias']:>6.2f}   {row['cos_A']:.3f} / {row['cos_B']:.3f}")
+                       f"{row['bias']:>6.2f}   {row['cos_A']:.3f} / {row['cos_B']:.3f} / {row['cos_gate_up']:.3f}")
     click.echo(f"(medians over {len(names)} adapter tensors; {batches} batches; zero-mean noise gives bias "
                f"~{1 / batches ** 0.5:.2f}, a fixed error 1.0)")
     if csv_path:
@@ -376,13 +426,15 @@ def tasks(workdir, bigbench, tasks, methods, lrs, seeds, steps, eval_batch, shar
             base, _, variant = method.partition(":")
             art = artifact(variant, task)
             head, _, spec = base.partition("=")
-            compute = head.partition("@")[2] or None
+            probe = head.partition("~")[2] or None
+            compute = head.partition("~")[0].partition("@")[2] or None
             run = workdir / "fidelity-runs" / (f"{task}-{head}-{spec.replace(',', '+').replace('*', 'all')}"
                                                f"-{variant or DEFAULT_VARIANT}-lr{lr:g}-s{seed}-st{steps}")
             shutil.rmtree(run, ignore_errors=True)
-            train(TrainConfig(artifact=str(art), data=str(train_f), out=str(run), steps=steps, batch_size=BATCH,
-                              max_len=MAX_LEN, lr=lr, lora_r=RANK, lora_alpha=ALPHA, warmup_ratio=WARMUP, seed=seed,
-                              compute=compute, activations=spec), progress=False)
+            with gate_up_probe(probe):
+                train(TrainConfig(artifact=str(art), data=str(train_f), out=str(run), steps=steps, batch_size=BATCH,
+                                  max_len=MAX_LEN, lr=lr, lora_r=RANK, lora_alpha=ALPHA, warmup_ratio=WARMUP,
+                                  seed=seed, compute=compute, activations=spec), progress=False)
             losses = [json.loads(x)["loss"] for x in open(run / "metrics.jsonl")]
             loss = statistics.mean(losses[-25:])
             acc = evaluate_artifact(str(art), str(test_f), adapter=str(run), max_len=MAX_LEN, batch_size=eval_batch,
@@ -403,14 +455,16 @@ def _check_methods(methods) -> None:
     for method in methods:
         base, _, variant = method.partition(":")
         try:
-            ok = base in ("peft", "peft@nvfp4") or base.startswith(("pact=", "pact@"))
+            probe = base.partition("=")[0].partition("~")[2]
+            ok = base in ("peft", "peft@nvfp4") or base.startswith(("pact=", "pact@", "pact~"))
+            ok = ok and (not probe or probe in PROBES)
             ok = ok and not (variant and base == "peft") and (not variant or split_variant(variant))
             ok = ok and not (base == "peft@nvfp4" and "+" in variant)
         except ValueError:
             ok = False
         if not ok:
             raise click.BadParameter(
-                f"{method!r}: peft, peft@nvfp4, pact=RECIPE or pact@COMPUTE=RECIPE, the last three optionally "
+                f"{method!r}: peft, peft@nvfp4, pact[@COMPUTE][~PROBE]=RECIPE (PROBE: {', '.join(PROBES)}), the last two optionally "
                 f":WEIGHTS ({', '.join(WEIGHT_VARIANTS)}), pact's optionally followed by +CALIBRATION "
                 f"({', '.join(CALIBRATIONS)})", param_hint="--methods")
 
@@ -481,6 +535,24 @@ def table(csvs, stuck_margin, wide, ref) -> None:
         stuck = sum(a <= maj[task] + stuck_margin for a in vals)
         click.echo(f"| {task} ({100 * maj[task]:.1f}) | {lr:g} | {method} | {100 * statistics.mean(vals):.1f} +- "
                    f"{100 * sd:.1f} (n={len(vals)}) | {paired} | {stuck}/{len(vals)} |")
+
+
+@cli.command()
+@click.argument("csvs", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
+@click.option("--among", required=True, help="Space-separated candidate methods.")
+@click.option("--top", default=1, show_default=True)
+@click.option("--ref", default="peft", show_default=True)
+def best(csvs, among, top, ref) -> None:
+    """Print the ``top`` candidates with the highest mean paired difference to ``ref`` over every
+    (task, lr, seed) both ran (a later grid's methods, chosen by an earlier grid's rows)."""
+    acc: dict[tuple, float] = {}
+    for r in (r for c in csvs for r in csv.DictReader(open(c))):
+        acc[r["method"], r["task"], r["lr"], r["seed"]] = float(r["accuracy"])
+    score = {}
+    for m in among.split():
+        d = [a - acc[(ref, *k[1:])] for k, a in acc.items() if k[0] == m and (ref, *k[1:]) in acc]
+        score[m] = statistics.mean(d) if d else float("-inf")
+    click.echo(" ".join(sorted(score, key=score.get, reverse=True)[:top]))
 
 
 def _wide(by: dict, maj: dict, margin: float, ref: str) -> None:

@@ -2,8 +2,9 @@
 # The learning-fidelity runs on the lent H200, in device calls made back to back on one warm
 # machine (a call carries at most 64 MiB; the 98 MB GGUF travels in two halves, .gg1/ and .gg2/,
 # `split -n 2` of it, and /tmp keeps what the first call left):
-#   speed (carry .whl):      wheels (zarr + deps, gguf, liger-kernel); bench_train 1B: bs 16 memory and
-#          the 16 GiB capped tokens/s, pact bf16-decode and fp8 vs PEFT + Liger (GPU_TESTS=1: GPU tests first)
+#   speed (carry .whl .gg1 .fid): wheels (zarr + deps, gguf, liger-kernel), first half; bench_train 1B: bs 16
+#          memory and the 16 GiB capped tokens/s per recipe (RECIPES), vs PEFT + Liger (GPU_TESTS=1: GPU tests
+#          first; GRADS_1B=1: LoRA gradients per recipe on the 1B shapes)
 #   tasks (carry .gg2 .fid): second half, task files; bench_fidelity at lr 5e-4 on TASKS x SEEDS for
 #          METHODS (PEFT on the GGUF's and on the artifact's weights, pact fp8 and bf16-decode; a method's
 #          :WEIGHTS suffix converts that weight variant first, a +gptq.. suffix calibrates it per task,
@@ -33,21 +34,39 @@ stash)  # wheels and the first half only (a cold machine before `tasks`)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
   cp .gg1/* /tmp/wd/ && ls -la /tmp/wd
   ;;
-speed)  # (carry .whl) 1B: bs 16 step time / memory and the 16 GiB capped tokens/s, pact bf16-decode and fp8
-  # (both with the default recipe) vs PEFT + Liger in the same call; GPU_TESTS=1 runs the GPU tests first
+speed)  # (carry .whl; .gg1 too, to stash it for `tasks`) 1B: bs 16 step time / memory and the 16 GiB capped
+  # tokens/s of pact bf16-decode for each recipe in RECIPES (';'-separated; default: the default recipe) and
+  # fp8 (FP8=1), PEFT + Liger in the same call; GPU_TESTS=1 runs the GPU tests first; GRADS_1B=1 measures the
+  # LoRA gradient of each recipe against the bf16 one on the 1B shapes (random weights, Rotten Tomatoes prompts)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  [ -d .gg1 ] && cp .gg1/* /tmp/wd/
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   if [ "${GPU_TESTS:-0}" = 1 ]; then
-    python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels.py tests/test_model.py 2>&1 | tail -4 | tee $OUT/gpu_tests.txt
+    timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels.py tests/test_model.py 2>&1 | tail -4 | tee $OUT/gpu_tests.txt
   fi
   cd benchmarks
-  timeout 200 python3 bench_train.py --model llama-1b --warmup 1 --iters 3 --batch 16 --methods pact-bf16,pact-fp8,liger \
-    --csv-out $OUT/bs16.csv 2>&1 | grep "^{\|^|"
-  [ "${CAP_RUNS:-1}" = 1 ] || exit 0  # CAP_RUNS=0: the bs 16 rows only
-  timeout 170 python3 bench_train.py --model llama-1b --memory-cap-gib 16 --warmup 1 --iters 3 --methods pact-bf16,pact-fp8 \
-    --cap-batches ${CAP:-16,20,24,28} --csv-out $OUT/cap16_pact.csv 2>&1 | grep "^{\|^|"
-  timeout 100 python3 bench_train.py --model llama-1b --memory-cap-gib 16 --warmup 1 --iters 3 --methods liger \
-    --cap-batches 4,6,8 --csv-out $OUT/cap16_liger.csv 2>&1 | grep "^{\|^|"
+  IFS=';' read -ra recipes <<< "${RECIPES:-nvfp4-saved}"
+  m=pact-bf16$([ "${FP8:-0}" = 1 ] && echo ,pact-fp8)
+  for r in "${recipes[@]}"; do
+    timeout 150 python3 bench_train.py --model llama-1b --warmup 1 --iters 5 --batch 16 --methods $m --activations "$r" \
+      --csv-out /tmp/rows/bs16-$(echo "$r" | tr ',=.*' '+__a').csv 2>&1 | grep "^{\|^pact recipe\|^converted"
+    [ "${CAP_RUNS:-1}" = 1 ] && timeout 150 python3 bench_train.py --model llama-1b --memory-cap-gib 16 --warmup 1 --iters 5 \
+      --methods $m --activations "$r" --cap-batches ${CAP:-16,20,24} --csv-out /tmp/rows/cap16-$(echo "$r" | tr ',=.*' '+__a').csv \
+      2>&1 | grep "^{"
+  done
+  if [ "${PEERS:-1}" = 1 ]; then
+    timeout 150 python3 bench_train.py --model llama-1b --warmup 1 --iters 5 --batch 16 --methods liger \
+      --csv-out /tmp/rows/bs16-liger.csv 2>&1 | grep "^{"
+    timeout 150 python3 bench_train.py --model llama-1b --memory-cap-gib 16 --warmup 1 --iters 5 --methods liger \
+      --cap-batches 4,6,8 --csv-out /tmp/rows/cap16-liger.csv 2>&1 | grep "^{"
+  fi
+  cat /tmp/rows/bs16-*.csv | awk 'NR == 1 || !/^model,/' > $OUT/speed_bs16.csv
+  cat /tmp/rows/cap16-*.csv | awk 'NR == 1 || !/^model,/' > $OUT/speed_cap16.csv
+  if [ "${GRADS_1B:-0}" = 1 ]; then  # tokenizer of the random 1B model; prompts: Rotten Tomatoes snippets
+    timeout 200 python3 bench_fidelity.py grads --artifact /tmp/pact-bench/art-llama-1b-2d --data ../.fid/rt-train.jsonl --tokenizer ../.fid/tok \
+      --warm-steps 20 --batches 6 --recipes "${GRAD_RECIPES:-nvfp4-saved}" --csv $OUT/grads_1b.csv 2>&1 | grep -v Warn | tail -12
+  fi
+  column -s, -t $OUT/speed_bs16.csv $OUT/speed_cap16.csv | cut -c1-150
   ;;
 tasks|tasks2)  # tasks: lr LRS (5e-4); tasks2: LRS (2e-4) on the machine `tasks` left warm
   if [ $stage = tasks ]; then
@@ -66,6 +85,10 @@ tasks|tasks2)  # tasks: lr LRS (5e-4); tasks2: LRS (2e-4) on the machine `tasks`
     echo "bf16 folders + artifacts: $(( $(date +%s) - t )) s"
   fi
   t=$(date +%s); export DEADLINE=$(( t + ${BUDGET:-480} ))
+  if [ -n "${PICK:-}" ]; then  # PICK=N: the N candidates the earlier grid on this machine ranked best, beside METHODS
+    METHODS="$METHODS $(python3 benchmarks/bench_fidelity.py best --top $PICK --among "$CANDIDATES" /tmp/rows/tasks-*.csv)"
+    echo "methods: $METHODS"
+  fi
   grid ${LRS:-$([ $stage = tasks ] && echo 5e-4 || echo 2e-4)} $TASKS ${METHODS:-peft peft@nvfp4 pact=nvfp4-saved pact@bf16-decode=nvfp4-saved}
   echo "$stage: $(( $(date +%s) - t )) s, $(cat /tmp/rows/$stage-*.csv | grep -vc ^task) runs"
   cat /tmp/rows/*.csv | awk 'NR == 1 || !/^task,/' > $OUT/fidelity_all.csv

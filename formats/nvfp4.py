@@ -103,6 +103,18 @@ def encode_e2m1(x: torch.Tensor) -> torch.Tensor:
     return code | (torch.signbit(x).to(torch.uint8) << 3)
 
 
+def encode_e2m1_stochastic(x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """fp32 values already scaled into [-6, 6] -> uint8 codes rounded stochastically: a magnitude
+    between grid neighbours lo < hi becomes hi with probability (|x| - lo) / (hi - lo), so the
+    expected value is x (unbiased). ``u``: uniform [0, 1) draws, one per element."""
+    mag = x.abs()
+    grid = E2M1_VALUES[:8].to(x.device)
+    lo = (torch.bucketize(mag, grid, right=True) - 1).clamp_(0, 6)  # code below (6 rounds from 4 with p = 1)
+    p = (mag - grid[lo]) / (grid[lo + 1] - grid[lo])
+    code = (lo + (u < p)).to(torch.uint8)
+    return code | (torch.signbit(x).to(torch.uint8) << 3)
+
+
 def decode_e2m1(codes: torch.Tensor) -> torch.Tensor:
     return E2M1_VALUES.to(codes.device)[codes.long()]
 
@@ -128,12 +140,15 @@ def block_scales(block_amax: torch.Tensor, global_scale: torch.Tensor) -> torch.
     return s.clamp(E4M3_MIN_SCALE, E4M3_MAX).to(torch.float8_e4m3fn)
 
 
-def encode_with_scales(x: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
-    """x [rows, cols] with e4m3 scales [rows, cols/16] -> packed [rows, cols/2]."""
+def encode_with_scales(x: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor,
+                       u: torch.Tensor | None = None) -> torch.Tensor:
+    """x [rows, cols] with e4m3 scales [rows, cols/16] -> packed [rows, cols/2]; with ``u``
+    (uniform draws [rows, cols]) rounded stochastically (``encode_e2m1_stochastic``)."""
     rows, cols = x.shape
     recip = (_const(1.0, global_scale) / global_scale) / scales.float()  # [rows, cols/16]
     scaled = x.float().reshape(rows, cols // BLOCK, BLOCK) * recip.unsqueeze(-1)
-    codes = encode_e2m1(scaled.clamp_(-E2M1_MAX, E2M1_MAX).reshape(rows, cols))
+    scaled = scaled.clamp_(-E2M1_MAX, E2M1_MAX).reshape(rows, cols)
+    codes = encode_e2m1(scaled) if u is None else encode_e2m1_stochastic(scaled, u)
     return pack_e2m1(codes)
 
 
@@ -257,14 +272,17 @@ class NVFP4Rows:
         return sum(t.numel() * t.element_size() for t in (self.packed, self.scales, self.row_scale))
 
 
-def quantize_rows(x: torch.Tensor) -> NVFP4Rows:
-    """Per row: g_r = amax(row) / (6 * 448), then 1x16 blocks exactly as ``quantize``."""
+def quantize_rows(x: torch.Tensor, stochastic: bool = False) -> NVFP4Rows:
+    """Per row: g_r = amax(row) / (6 * 448), then 1x16 blocks exactly as ``quantize``.
+    ``stochastic``: elements rounded stochastically (unbiased; draws from torch's generator of
+    x's device), scales as usual."""
     _check_2d(x, "quantize_rows", need_rows16=False)
     rows, cols = x.shape
     xf = x.float()
     g = global_scale_from_amax(xf.abs().amax(-1, keepdim=True))  # [rows, 1]
     scales = block_scales(xf.reshape(rows, cols // BLOCK, BLOCK).abs().amax(-1), g)
-    return NVFP4Rows(encode_with_scales(xf, scales, g), scales, g.squeeze(-1))
+    u = torch.rand(xf.shape, device=xf.device) if stochastic else None
+    return NVFP4Rows(encode_with_scales(xf, scales, g, u), scales, g.squeeze(-1))
 
 
 def dequantize_rows(t: NVFP4Rows, dtype: torch.dtype = torch.float32) -> torch.Tensor:

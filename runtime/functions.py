@@ -33,7 +33,7 @@ import torch
 from pact.formats.nvfp4 import NVFP4Tensor
 
 from .recipe import Site
-from .ops.rows import DenseRows
+from .ops.rows import DenseRows, E4M3Rows
 
 
 @dataclass
@@ -186,13 +186,25 @@ def _flat_grads(groups: list[FrozenGroup], grads: list[list]) -> list:
 
 
 def _rows_tensors(q) -> tuple[torch.Tensor, ...]:
-    return (q.data,) if isinstance(q, DenseRows) else (q.packed, q.scales, q.row_scale)
+    if isinstance(q, DenseRows):
+        return (q.data,)
+    return (q.data, q.scale) if isinstance(q, E4M3Rows) else (q.packed, q.scales, q.row_scale)
 
 
 def _rows_from(kind: type, tensors: list[torch.Tensor]):
     """Rebuild a rows object of ``kind`` from the front of ``tensors``; returns (rows, rest)."""
-    n = 1 if kind is DenseRows else 3
+    n = 1 if kind is DenseRows else 2 if kind is E4M3Rows else 3
     return kind(*tensors[:n]), tensors[n:]
+
+
+def _saved_copy(ops, saved: str, y: torch.Tensor, q=None):
+    """The rows a site keeps for backward, of its unquantized rows y (bf16): the NVFP4 copy q
+    ("nvfp4"), y itself ("bf16"), E4M3 rows ("fp8") or stochastically rounded NVFP4 ("nvfp4-sr")."""
+    if saved == "nvfp4":
+        return q if q is not None else ops.quant_saved(y)
+    if saved == "fp8":
+        return E4M3Rows.of(y)
+    return ops.quant_saved_sr(y) if saved == "nvfp4-sr" else DenseRows(y)
 
 
 def _operands(ops, site: Site, y: DenseRows, q=None):
@@ -203,8 +215,7 @@ def _operands(ops, site: Site, y: DenseRows, q=None):
         q = (ops.quant_rows if site.gemm == "nvfp4" else ops.quant_saved)(y.data)
     q_hat = ops.dequant_rows(q) if site.lora == "nvfp4" else None  # the LoRA input, and A for cuBLAS
     gemm = q if site.gemm == "nvfp4" or (ops.native and q is not None) else y  # native: A is NVFP4 anyway
-    return (gemm, q_hat if gemm is q else None, y.data if q_hat is None else q_hat,
-            q if site.saved == "nvfp4" else DenseRows(y.data))
+    return gemm, q_hat if gemm is q else None, y.data if q_hat is None else q_hat, _saved_copy(ops, site.saved, y.data, q)
 
 
 # the down site's ``saved`` is about gate and up; h itself is never saved (recomputed from them)
@@ -293,6 +304,8 @@ class MlpFn(torch.autograd.Function):
             h_op, h_lora = hq, h_hat
         else:  # one fused kernel: bf16 h (+ its E4M3 copy for the GEMM), gate and up as the site saves them
             h, gq, uq = ops.silu_mul_rows(gu, nvfp4=site2.saved == "nvfp4", fp8=ops.fp8 and site2.gemm == "bf16")
+            if site2.saved not in ("nvfp4", "bf16"):  # gate and up as E4M3 / stochastically rounded rows
+                gq, uq = (_saved_copy(ops, site2.saved, t.data) for t in (gq, uq))
             h_op, h_hat, h_lora, _ = _operands(ops, _H_USES[site2.gemm, site2.lora], h)
         out, xas2, seeds2 = project(ops, down, h_op, h_lora, h_hat)
         ctx.ops, ctx.groups, ctx.norm_w, ctx.seeds = ops, (gate_up, down), norm_w, (seeds1, seeds2)

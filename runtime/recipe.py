@@ -10,7 +10,8 @@ Sites (one decoder layer):
                                             h that dA of down reads)
 
 Per site, each of ``gemm``, ``lora`` and ``saved`` is "nvfp4" (one NVFP4 copy of the rows) or "bf16"
-(the unquantized values). A frozen GEMM fed bf16 rows computes with them as its backend does: the
+(the unquantized values); ``saved`` may also be "fp8" (E4M3 rows, one fp32 scale per row: K + 4
+bytes a row) or "nvfp4-sr" (NVFP4 rows with stochastically rounded elements: unbiased). A frozen GEMM fed bf16 rows computes with them as its backend does: the
 exact bf16 x NVFP4 product on `bf16-decode`, E4M3 rows encoded straight from the bf16 values on
 `fp8` (no detour through E2M1), and NVFP4 rows made on the fly on `nvfp4-native`.
 
@@ -31,7 +32,8 @@ from pact.formats import PactError
 
 SITES = ("qkv", "o", "gate_up", "down")
 FIELDS = ("gemm", "lora", "saved")
-PRECISIONS = ("nvfp4", "bf16")
+PRECISIONS = ("nvfp4", "bf16")  # gemm and lora
+SAVED = ("nvfp4", "nvfp4-sr", "fp8", "bf16")  # saved
 DGRAD = ("auto", "bf16")
 
 
@@ -48,6 +50,7 @@ class Site:
 
     @property
     def needs_nvfp4(self) -> bool:
+        """Some use reads the site's round-to-nearest NVFP4 copy."""
         return "nvfp4" in (self.gemm, self.lora, self.saved)
 
 
@@ -122,9 +125,11 @@ def parse_recipe(spec: str | Recipe | None, flag: str = "--activations") -> Reci
             dgrad = value
             continue
         site, dot, fld = key.partition(".")
-        if not eq or not dot or (site != "*" and site not in SITES) or fld not in FIELDS or value not in PRECISIONS:
+        if (not eq or not dot or (site != "*" and site not in SITES) or fld not in FIELDS
+                or value not in (SAVED if fld == "saved" else PRECISIONS)):
             raise PactError(f"{flag} {spec!r}: {item!r} is not SITE.FIELD=VALUE with SITE in *, {', '.join(SITES)}; "
-                            f"FIELD in {', '.join(FIELDS)}; VALUE in {', '.join(PRECISIONS)}; or dgrad=auto|bf16")
+                            f"FIELD in {', '.join(FIELDS)}; VALUE in {', '.join(PRECISIONS)} (saved also "
+                            f"{', '.join(v for v in SAVED if v not in PRECISIONS)}); or dgrad=auto|bf16")
         for s in SITES if site == "*" else (site,):
             sites[s] = dataclasses.replace(sites[s], **{fld: value})
     return Recipe(**sites, dgrad=dgrad)
@@ -135,6 +140,7 @@ HELP = (
     "Precision recipe of the activations (weights stay NVFP4): a preset, default 'nvfp4-saved' (NVFP4 copies "
     "saved for backward; GEMMs and LoRA read unquantized rows), 'nvfp4' (every use reads the NVFP4 copy) or "
     "'bf16' (nothing quantized: the reference), optionally followed by SITE.FIELD=VALUE overrides, e.g. "
-    "'nvfp4,down.saved=bf16' (SITE: qkv, o, gate_up, down or *; FIELD: gemm, lora, saved; VALUE: nvfp4, bf16). "
+    "'nvfp4,down.saved=bf16' (SITE: qkv, o, gate_up, down or *; FIELD: gemm, lora, saved; VALUE: nvfp4, bf16, "
+    "and for saved also fp8 or nvfp4-sr). "
     "See README 'Precision recipe'."
 )

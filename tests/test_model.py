@@ -165,7 +165,7 @@ def test_saved_activation_bytes_per_token(tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 @pytest.mark.parametrize("seq,path", [(48, "fused"), (128, "cublas"), (128, "fp8")])
-@pytest.mark.parametrize("recipe", ["nvfp4-saved", "nvfp4"])
+@pytest.mark.parametrize("recipe", ["nvfp4-saved", "nvfp4", "nvfp4-saved,*.saved=fp8"])
 def test_gpu_triton_matches_torch_twins(tmp_path, family, seq, path, recipe):
     """The whole model on the GPU: Triton kernels against the torch twins (same GPU, same SDPA).
 

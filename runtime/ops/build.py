@@ -35,7 +35,7 @@ from pact.formats import PactError, require
 from pact.formats.nvfp4 import NVFP4Rows, NVFP4Tensor
 
 from ..recipe import Recipe
-from .rows import DenseRows
+from .rows import DenseRows, E4M3Rows
 
 KERNELS = ("torch", "triton")
 COMPUTE = ("bf16-decode", "fp8", "nvfp4-native")
@@ -44,15 +44,16 @@ COMPUTE = ("bf16-decode", "fp8", "nvfp4-native")
 FP8_WEIGHTS = ("per-call", "resident")
 _OPS = ("rmsnorm_quant", "silu_mul_quant", "rmsnorm_rows", "silu_mul_rows", "quant_rows", "dequant_rows",
         "nvfp4_gemm", "rmsnorm_backward", "silu_mul_h", "silu_mul_backward", "rope", "ce_grad_")
-Rows = NVFP4Rows | DenseRows
-# Ops reading saved rows: unquantized rows (DenseRows, a recipe's "bf16" sites) go to the twins,
-# elementwise torch in fp32 on either device; NVFP4 rows to the chosen implementation.
+Rows = NVFP4Rows | DenseRows | E4M3Rows
+# Ops reading saved rows: unquantized or E4M3 rows (DenseRows / E4M3Rows, a recipe's "bf16" and
+# "fp8" saved copies) go to the twins, elementwise torch in fp32 on either device; NVFP4 rows to the
+# chosen implementation.
 _ROW_READERS = ("dequant_rows", "rmsnorm_backward", "silu_mul_h", "silu_mul_backward")
 
 
 def _dense_aware(op, twin):
     def run(*args, **kw):
-        return twin(*args, **kw) if any(isinstance(a, DenseRows) for a in args) else op(*args, **kw)
+        return twin(*args, **kw) if any(isinstance(a, (DenseRows, E4M3Rows)) for a in args) else op(*args, **kw)
 
     run.__name__ = op.__name__
     return run
@@ -124,6 +125,7 @@ class Ops:
     silu_mul_rows: Callable[..., tuple[DenseRows, Rows, Rows]]
     quant_rows: Callable[[torch.Tensor], NVFP4Rows]  # a GEMM input (with its E4M3 copy on fp8)
     quant_saved: Callable[[torch.Tensor], NVFP4Rows]  # rows only kept for backward: never an E4M3 copy
+    quant_saved_sr: Callable[[torch.Tensor], NVFP4Rows]  # the same, stochastically rounded (saved=nvfp4-sr)
     dequant_rows: Callable[[Rows], torch.Tensor]
     nvfp4_gemm: Callable[..., torch.Tensor]  # (a, W [N, K], a_hat=None) -> a @ W^T bf16: forward GEMMs
     dgrad_gemm: Callable[[torch.Tensor, NVFP4Tensor], torch.Tensor]  # (dY, W^T [K, N]) -> dX: input gradients
@@ -185,6 +187,7 @@ def get_ops(recipe: Recipe, kernels: str) -> Ops:
     if mod is not reference:
         ops.update({op: _dense_aware(ops[op], getattr(reference, op)) for op in _ROW_READERS})
     ops["quant_saved"] = ops["quant_rows"]  # NVFP4 rows only kept for backward: never an E4M3 copy
+    ops["quant_saved_sr"] = reference.quant_saved_sr  # torch on every device (no fused kernel yet)
     ops["dgrad_gemm"] = ops["nvfp4_gemm"] if dgrad == "bf16" else gemms.get(compute, ops["nvfp4_gemm"])
     ops["nvfp4_gemm"] = gemms.get(compute, ops["nvfp4_gemm"])
     if compute == "fp8":  # the quantizing kernels also write the E4M3 copy the next GEMM reads

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from pact.formats.nvfp4 import BLOCK, E4M3_MAX, NVFP4Rows, NVFP4Tensor, decode_packed, dequantize_rows, quantize_rows
 
-from .rows import FP8_ROW_AMAX, DenseRows, NVFP4RowsFP8
+from .rows import FP8_ROW_AMAX, DenseRows, E4M3Rows, NVFP4RowsFP8
 
 FP8_MAX = E4M3_MAX  # E4M3 rows use the format's whole range
 
@@ -69,8 +69,10 @@ def silu_mul_rows(gate_up: torch.Tensor, nvfp4: bool = True, fp8: bool = False
     return _dense(h, fp8), g, u
 
 
-def rows_value(q: NVFP4Rows | DenseRows) -> torch.Tensor:
-    """fp32 values of saved rows, NVFP4 or unquantized."""
+def rows_value(q: NVFP4Rows | DenseRows | E4M3Rows) -> torch.Tensor:
+    """fp32 values of saved rows: NVFP4, E4M3 or unquantized."""
+    if isinstance(q, E4M3Rows):
+        return q.value()
     return q.data.float() if isinstance(q, DenseRows) else dequantize_rows(q)
 
 
@@ -138,8 +140,16 @@ def quant_rows(x: torch.Tensor, fp8: bool = False) -> NVFP4Rows:
     return _attach_fp8(quantize_rows(x.float()), fp8)
 
 
-def dequant_rows(q: NVFP4Rows | DenseRows, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+def dequant_rows(q: NVFP4Rows | DenseRows | E4M3Rows, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    if isinstance(q, E4M3Rows):
+        return q.value(dtype)
     return q.data.to(dtype) if isinstance(q, DenseRows) else dequantize_rows(q, dtype)
+
+
+def quant_saved_sr(x: torch.Tensor) -> NVFP4Rows:
+    """x [T, K] -> NVFP4 rows with stochastically rounded elements (unbiased), for rows only kept
+    for backward (a recipe site's ``saved=nvfp4-sr``); torch on every device."""
+    return quantize_rows(x.float(), stochastic=True)
 
 
 def _decoded_qs(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

@@ -34,6 +34,33 @@ class DenseRows:
 
 
 @dataclass(frozen=True)
+class E4M3Rows:
+    """Activation rows kept for backward as E4M3 with one fp32 scale per row (a recipe site's
+    ``saved=fp8``): data float8_e4m3fn [T, K], scale fp32 [T] (amax / 448; 1 for an all-zero row).
+    K + 4 bytes a row, against K/2 + K/16 + 4 for NVFP4 rows and 2K for bf16. E4M3 spans 17 binades
+    per row, so the small values beside a large one in a 16-block, which NVFP4 flushes to zero,
+    are kept to 3 mantissa bits. Only the readers of saved rows accept them (as DenseRows)."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    @classmethod
+    def of(cls, y: torch.Tensor) -> "E4M3Rows":
+        """E4M3 rows of y [T, K] (any float dtype): one rounding, RNE, in fp32."""
+        yf = y.float()
+        amax = yf.abs().amax(-1) if yf.shape[1] else torch.zeros(yf.shape[0], device=yf.device)
+        scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+        return cls((yf / scale[:, None]).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), scale)
+
+    def value(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return (self.data.float() * self.scale[:, None]).to(dtype)
+
+
+@dataclass(frozen=True)
 class NVFP4RowsFP8(NVFP4Rows):
     """NVFP4 rows plus, for the `fp8` backend's next GEMM, their E4M3 copy written by the same
     kernel that quantized them: fp8 [T', K] (T' = T rounded up to 16, zero padding) and its
