@@ -32,7 +32,7 @@ import torch
 
 from pact.formats.nvfp4 import NVFP4Tensor
 
-from .recipe import Site
+from .recipe import Site, parse_recipe
 from .ops.rows import DenseRows, E4M3Rows
 
 
@@ -197,14 +197,16 @@ def _rows_from(kind: type, tensors: list[torch.Tensor]):
     return kind(*tensors[:n]), tensors[n:]
 
 
-def _saved_copy(ops, saved: str, y: torch.Tensor, q=None):
-    """The rows a site keeps for backward, of its unquantized rows y (bf16): the NVFP4 copy q
-    ("nvfp4"), y itself ("bf16"), E4M3 rows ("fp8") or stochastically rounded NVFP4 ("nvfp4-sr")."""
+def _saved_copy(ops, saved: str, y: DenseRows, q=None):
+    """The rows a site keeps for backward, of its unquantized rows y: the NVFP4 copy q ("nvfp4"), y
+    itself ("bf16"), E4M3 rows ("fp8": the fp8 backend's E4M3 copy of y when y carries one, the same
+    bytes) or stochastically rounded NVFP4 ("nvfp4-sr")."""
     if saved == "nvfp4":
-        return q if q is not None else ops.quant_saved(y)
+        return q if q is not None else ops.quant_saved(y.data)
     if saved == "fp8":
-        return E4M3Rows.of(y)
-    return ops.quant_saved_sr(y) if saved == "nvfp4-sr" else DenseRows(y)
+        rows = y.data.shape[0]
+        return E4M3Rows(y.fp8[:rows], y.fp8_scale[:rows]) if y.fp8 is not None else ops.e4m3_rows(y.data)
+    return ops.quant_saved_sr(y.data) if saved == "nvfp4-sr" else DenseRows(y.data)
 
 
 def _operands(ops, site: Site, y: DenseRows, q=None):
@@ -215,7 +217,7 @@ def _operands(ops, site: Site, y: DenseRows, q=None):
         q = (ops.quant_rows if site.gemm == "nvfp4" else ops.quant_saved)(y.data)
     q_hat = ops.dequant_rows(q) if site.lora == "nvfp4" else None  # the LoRA input, and A for cuBLAS
     gemm = q if site.gemm == "nvfp4" or (ops.native and q is not None) else y  # native: A is NVFP4 anyway
-    return gemm, q_hat if gemm is q else None, y.data if q_hat is None else q_hat, _saved_copy(ops, site.saved, y.data, q)
+    return gemm, q_hat if gemm is q else None, y.data if q_hat is None else q_hat, _saved_copy(ops, site.saved, y, q)
 
 
 # the down site's ``saved`` is about gate and up; h itself is never saved (recomputed from them)
@@ -305,7 +307,7 @@ class MlpFn(torch.autograd.Function):
         else:  # one fused kernel: bf16 h (+ its E4M3 copy for the GEMM), gate and up as the site saves them
             h, gq, uq = ops.silu_mul_rows(gu, nvfp4=site2.saved == "nvfp4", fp8=ops.fp8 and site2.gemm == "bf16")
             if site2.saved not in ("nvfp4", "bf16"):  # gate and up as E4M3 / stochastically rounded rows
-                gq, uq = (_saved_copy(ops, site2.saved, t.data) for t in (gq, uq))
+                gq, uq = (_saved_copy(ops, site2.saved, t) for t in (gq, uq))
             h_op, h_hat, h_lora, _ = _operands(ops, _H_USES[site2.gemm, site2.lora], h)
         out, xas2, seeds2 = project(ops, down, h_op, h_lora, h_hat)
         ctx.ops, ctx.groups, ctx.norm_w, ctx.seeds = ops, (gate_up, down), norm_w, (seeds1, seeds2)
@@ -330,13 +332,18 @@ class MlpFn(torch.autograd.Function):
         return (dx, None, None, None, None, None, None, *_flat_grads([gate_up, down], [grads1, grads2]))
 
 
-def saved_bytes_per_token(hidden: int, attn: int, inter: int, rank_members: dict[str, int]) -> int:
-    """What the three Functions of one layer save per token (the attention core not included).
+def saved_bytes_per_token(hidden: int, attn: int, inter: int, rank_members: dict[str, int], recipe=None) -> int:
+    """What the three Functions of one layer save per token under ``recipe`` (default: the default
+    recipe; the attention core not included). A site's saved rows of width K cost K/2 + K/16 + 4
+    bytes as NVFP4 (nvfp4, nvfp4-sr), K + 4 as E4M3 (fp8), 2K as bf16; the norms add rstd (4 bytes).
 
     ``rank_members``: LoRA rank per target (q_proj..down_proj), 0 for none; xa is bf16 [T, r].
     """
-    def rows(k: int) -> int:
-        return k // 2 + k // 16 + 4
+    recipe = parse_recipe(recipe)
+
+    def rows(k: int, saved: str) -> int:
+        return {"fp8": k + 4, "bf16": 2 * k}.get(saved, k // 2 + k // 16 + 4)
 
     lora = sum(2 * r for r in rank_members.values())
-    return (rows(hidden) + 4) + rows(attn) + (rows(hidden) + 4) + 2 * rows(inter) + lora
+    return ((rows(hidden, recipe.qkv.saved) + 4) + rows(attn, recipe.o.saved) + (rows(hidden, recipe.gate_up.saved) + 4)
+            + 2 * rows(inter, recipe.down.saved) + lora)

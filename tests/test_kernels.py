@@ -57,6 +57,24 @@ def test_rmsnorm_quant(rows, k):
     _rows_equal(K.quant_rows(y), R.quant_rows(y))
 
 
+@pytest.mark.parametrize("rows,k", [(1, 16), (42, 96), (123, 272)])
+def test_e4m3_saved_rows_exact(rows, k):
+    """Rows kept for backward as E4M3 (saved=fp8): bytes and scales == fp8_rows of the bf16 rows
+    (the twin), their bf16 decode, and the RMSNorm backward reading them."""
+    from pact.runtime.ops import E4M3Rows
+
+    y = _awkward(rows, k, seed=5)
+    a, b = K.e4m3_rows(y), R.e4m3_rows(y)
+    assert isinstance(a, E4M3Rows) and a.shape == (rows, k)
+    assert torch.equal(a.data.view(torch.uint8), b.data.view(torch.uint8)) and torch.equal(a.scale, b.scale)
+    assert torch.equal(K.dequant_rows(a), R.dequant_rows(b))
+    assert torch.equal(K.dequant_rows(a, torch.float32), R.dequant_rows(b, torch.float32))
+    err = (R.dequant_rows(b, torch.float32) - y.float()).abs()
+    assert (err <= y.float().abs() * 2.0**-4 + b.scale[:, None] * 2.0**-9).all()  # half an E4M3 step, or a subnormal's
+    rstd, w, dy = torch.rand(rows) + 0.5, (torch.rand(k) + 0.5).to(torch.bfloat16), torch.randn(rows, k)
+    _close_bf16(K.rmsnorm_backward(dy, a, rstd, w), R.rmsnorm_backward(dy, b, rstd, w))
+
+
 @pytest.mark.parametrize("rows,k", [(6, 16), (42, 96), (123, 176)])
 def test_silu_mul_quant(rows, k):
     gu = _awkward(rows, 2 * k, seed=2)

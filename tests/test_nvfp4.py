@@ -195,3 +195,21 @@ def test_bad_shapes():
         F.quantize_weight(torch.randn(20, 32))
     with pytest.raises(ValueError, match="scaling"):
         F.quantize(torch.randn(16, 16), scaling="3d")
+
+
+def test_stochastic_rounding_is_unbiased_and_on_the_grid():
+    """quantize_rows(stochastic=True): the same scales as round-to-nearest, every element one of
+    its two grid neighbours, the mean over draws the input (RTN's error is a fixed bias per element)."""
+    from pact.formats.nvfp4 import dequantize_rows, quantize_rows
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 64, generator=g) * torch.logspace(-1, 1, 64)
+    rtn = quantize_rows(x)
+    torch.manual_seed(0)
+    draws = torch.stack([dequantize_rows(quantize_rows(x, stochastic=True)) for _ in range(400)])
+    one = quantize_rows(x, stochastic=True)
+    assert torch.equal(one.scales.view(torch.uint8), rtn.scales.view(torch.uint8)) and torch.equal(one.row_scale, rtn.row_scale)
+    step = (rtn.scales.float().repeat_interleave(16, -1) * rtn.row_scale[:, None]) * 2  # widest grid gap
+    assert ((draws - x).abs() <= step).all()
+    rtn_bias = (dequantize_rows(rtn) - x).abs().mean()
+    assert (draws.mean(0) - x).abs().mean() < 0.25 * rtn_bias

@@ -7,12 +7,16 @@ from pact.runtime.recipe import DEFAULT, PRESETS, SITES, parse_recipe
 
 
 def test_presets_and_overrides_round_trip():
-    assert parse_recipe(None) == PRESETS[DEFAULT] == PRESETS["nvfp4-saved"]
+    assert parse_recipe(None) == PRESETS[DEFAULT] == PRESETS["mixed"]
     r = parse_recipe("nvfp4,qkv.saved=bf16,*.lora=bf16,dgrad=bf16")
     assert r.qkv.saved == "bf16" and all(r.site(s).lora == "bf16" for s in SITES) and r.dgrad == "bf16"
     assert r.o.gemm == "nvfp4" and r.o.saved == "nvfp4"
     assert parse_recipe(r.spec()) == r  # the recorded spec rebuilds the recipe
     assert parse_recipe("bf16,*.saved=nvfp4").spec() == "nvfp4-saved"  # canonical: the preset's name
+    # the default: NVFP4 copies saved, the MLP's RMSNorm output as E4M3 rows
+    assert parse_recipe("nvfp4-saved,gate_up.saved=fp8").spec() == "mixed"
+    r = parse_recipe("mixed,*.saved=nvfp4-sr,o.saved=bf16")
+    assert r.qkv.saved == "nvfp4-sr" and r.o.saved == "bf16" and parse_recipe(r.spec()) == r
 
 
 @pytest.mark.parametrize("spec,match", [
@@ -20,7 +24,9 @@ def test_presets_and_overrides_round_trip():
     ("nvfp4,qkv.gemm", "not SITE.FIELD=VALUE"),
     ("nvfp4,attn.gemm=bf16", "not SITE.FIELD=VALUE"),
     ("nvfp4,qkv.input=bf16", "not SITE.FIELD=VALUE"),
-    ("nvfp4,qkv.gemm=fp8", "not SITE.FIELD=VALUE"),
+    ("nvfp4,qkv.gemm=fp8", "not SITE.FIELD=VALUE"),  # E4M3 / stochastic rounding: saved copies only
+    ("nvfp4,o.lora=nvfp4-sr", "not SITE.FIELD=VALUE"),
+    ("nvfp4,o.saved=fp4", "not SITE.FIELD=VALUE"),
     ("nvfp4,dgrad=fp8", "dgrad must be one of auto, bf16"),
 ])
 def test_bad_specs_one_clear_error(spec, match):

@@ -110,7 +110,7 @@ def test_demo_end_to_end_on_tiny_model(tmp_path):
     assert r.exit_code == 0, r.output
     for line in ("zero-shot, NVFP4 ", "zero-shot, NVFP4 (GPTQ)", "pact LoRA, NVFP4 ", "training loss over 3 steps"):
         assert line in r.output
-    run = tmp_path / "run-1d-mse-48x3-lr0.001-nvfp4-saved"  # trained on the converted artifact (default variant)
+    run = tmp_path / "run-1d-mse-48x3-lr0.001-mixed"  # trained on the converted artifact (default variant)
     assert (run / "adapter_model.safetensors").is_file()
     assert (run / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     r = CliRunner().invoke(pact_cli, args)

@@ -43,17 +43,20 @@ COMPUTE = ("bf16-decode", "fp8", "nvfp4-native")
 # (1 byte per parameter per layout; no re-encode: cuBLAS FP8 speed).
 FP8_WEIGHTS = ("per-call", "resident")
 _OPS = ("rmsnorm_quant", "silu_mul_quant", "rmsnorm_rows", "silu_mul_rows", "quant_rows", "dequant_rows",
-        "nvfp4_gemm", "rmsnorm_backward", "silu_mul_h", "silu_mul_backward", "rope", "ce_grad_")
+        "nvfp4_gemm", "rmsnorm_backward", "silu_mul_h", "silu_mul_backward", "rope", "ce_grad_", "e4m3_rows")
 Rows = NVFP4Rows | DenseRows | E4M3Rows
-# Ops reading saved rows: unquantized or E4M3 rows (DenseRows / E4M3Rows, a recipe's "bf16" and
-# "fp8" saved copies) go to the twins, elementwise torch in fp32 on either device; NVFP4 rows to the
-# chosen implementation.
+# Ops reading saved rows: unquantized rows (DenseRows, a recipe's "bf16" sites) go to the twins,
+# elementwise torch in fp32 on either device; NVFP4 rows to the chosen implementation; E4M3 rows
+# (saved=fp8) to it where it reads them (_E4M3_READERS: the default recipe's MLP norm output), else to the twins.
 _ROW_READERS = ("dequant_rows", "rmsnorm_backward", "silu_mul_h", "silu_mul_backward")
+_E4M3_READERS = ("dequant_rows", "rmsnorm_backward")
 
 
 def _dense_aware(op, twin):
+    kinds = DenseRows if op.__name__ in _E4M3_READERS else (DenseRows, E4M3Rows)
+
     def run(*args, **kw):
-        return twin(*args, **kw) if any(isinstance(a, (DenseRows, E4M3Rows)) for a in args) else op(*args, **kw)
+        return twin(*args, **kw) if any(isinstance(a, kinds) for a in args) else op(*args, **kw)
 
     run.__name__ = op.__name__
     return run
@@ -126,6 +129,7 @@ class Ops:
     quant_rows: Callable[[torch.Tensor], NVFP4Rows]  # a GEMM input (with its E4M3 copy on fp8)
     quant_saved: Callable[[torch.Tensor], NVFP4Rows]  # rows only kept for backward: never an E4M3 copy
     quant_saved_sr: Callable[[torch.Tensor], NVFP4Rows]  # the same, stochastically rounded (saved=nvfp4-sr)
+    e4m3_rows: Callable[[torch.Tensor], E4M3Rows]  # bf16 rows -> E4M3 rows kept for backward (saved=fp8)
     dequant_rows: Callable[[Rows], torch.Tensor]
     nvfp4_gemm: Callable[..., torch.Tensor]  # (a, W [N, K], a_hat=None) -> a @ W^T bf16: forward GEMMs
     dgrad_gemm: Callable[[torch.Tensor, NVFP4Tensor], torch.Tensor]  # (dY, W^T [K, N]) -> dX: input gradients

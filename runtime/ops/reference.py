@@ -146,6 +146,11 @@ def dequant_rows(q: NVFP4Rows | DenseRows | E4M3Rows, dtype: torch.dtype = torch
     return q.data.to(dtype) if isinstance(q, DenseRows) else dequantize_rows(q, dtype)
 
 
+def e4m3_rows(y: torch.Tensor) -> E4M3Rows:
+    """bf16 rows [T, K] -> E4M3 rows kept for backward (a recipe's saved=fp8): ``fp8_rows`` of y, unpadded."""
+    return E4M3Rows(*fp8_rows(y, pad_to=1))
+
+
 def quant_saved_sr(x: torch.Tensor) -> NVFP4Rows:
     """x [T, K] -> NVFP4 rows with stochastically rounded elements (unbiased), for rows only kept
     for backward (a recipe site's ``saved=nvfp4-sr``); torch on every device."""

@@ -36,10 +36,12 @@ class DenseRows:
 @dataclass(frozen=True)
 class E4M3Rows:
     """Activation rows kept for backward as E4M3 with one fp32 scale per row (a recipe site's
-    ``saved=fp8``): data float8_e4m3fn [T, K], scale fp32 [T] (amax / 448; 1 for an all-zero row).
+    ``saved=fp8``; made by the ops' ``e4m3_rows``, as ``fp8_rows`` encodes bf16 rows): data
+    float8_e4m3fn [T, K], scale fp32 [T] (amax / 448; 1 for an all-zero row).
     K + 4 bytes a row, against K/2 + K/16 + 4 for NVFP4 rows and 2K for bf16. E4M3 spans 17 binades
     per row, so the small values beside a large one in a 16-block, which NVFP4 flushes to zero,
-    are kept to 3 mantissa bits. Only the readers of saved rows accept them (as DenseRows)."""
+    are kept to 3 mantissa bits (SmolLM2's RMSNorm outputs: 2% relative error, against 9% in NVFP4).
+    Only the readers of saved rows accept them."""
 
     data: torch.Tensor
     scale: torch.Tensor
@@ -47,14 +49,6 @@ class E4M3Rows:
     @property
     def shape(self) -> torch.Size:
         return self.data.shape
-
-    @classmethod
-    def of(cls, y: torch.Tensor) -> "E4M3Rows":
-        """E4M3 rows of y [T, K] (any float dtype): one rounding, RNE, in fp32."""
-        yf = y.float()
-        amax = yf.abs().amax(-1) if yf.shape[1] else torch.zeros(yf.shape[0], device=yf.device)
-        scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
-        return cls((yf / scale[:, None]).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), scale)
 
     def value(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return (self.data.float() * self.scale[:, None]).to(dtype)

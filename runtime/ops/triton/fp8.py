@@ -29,6 +29,7 @@ import triton.language as tl
 from pact.formats import nvfp4 as fmt
 from pact.formats.nvfp4 import NVFP4Rows, NVFP4Tensor
 
+from ..rows import E4M3Rows
 from .codec import PAIRS_E4M3_ROWS, PAIRS_E4M3_W, block_width, decode_pairs, e4m3_bytes, e4m3_mode, row_config
 from .gemm import check_k
 
@@ -79,6 +80,12 @@ def fp8_rows(x: NVFP4Rows | NVFP4Tensor | torch.Tensor, pad_to: int = 16) -> tup
         _fp8_rows_kernel[(rows,)](x, x.stride(0), out.view(torch.uint8), scale, k, **row_config(block_width(k)),
                                   MODE=e4m3_mode(device))
     return out, scale
+
+
+def e4m3_rows(y: torch.Tensor) -> E4M3Rows:
+    """bf16 rows [T, K] -> E4M3 rows kept for backward (a recipe's saved=fp8): fp8_rows' bytes and
+    scales, unpadded."""
+    return E4M3Rows(*fp8_rows(y, pad_to=1))
 
 
 def scaled_mm_rows(a8: torch.Tensor, sa: torch.Tensor, b8: torch.Tensor, sb: torch.Tensor) -> torch.Tensor:

@@ -12,10 +12,10 @@ import triton.language as tl
 from pact.formats import nvfp4 as fmt
 from pact.formats.nvfp4 import NVFP4Rows
 
-from ..rows import FP8_ROW_AMAX, DenseRows, NVFP4RowsFP8
+from ..rows import FP8_ROW_AMAX, DenseRows, E4M3Rows, NVFP4RowsFP8
 from .codec import (E4M3_MAX, PAIRS_ROWS, amax_scale, block_offsets, block_width, decode_pairs, decode_row,
-                    e4m3_bytes, e4m3_mode, empty_rows, load_row_fp32, rne_bf16, row_args, row_config, store_blocks,
-                    store_row, warps_for)
+                    e4m3_bytes, e4m3_mode, e4m3_value, empty_rows, load_row_fp32, rne_bf16, row_args, row_config,
+                    store_blocks, store_row, warps_for)
 
 # ---------------------------------------------------------------------------- kernels
 # One program per row. Rows wider than CHUNK are walked in CHUNK-wide pieces (static loops):
@@ -163,11 +163,35 @@ def _dequant_rows_kernel(packed_ptr, scales_ptr, rs_ptr, out_ptr, K, BLOCK_K: tl
 
 
 @triton.jit
-def _rmsnorm_backward_kernel(dy_ptr, stride_dy, yp, ys, yr, rstd_ptr, w_ptr, dx_ptr, K, BLOCK_K: tl.constexpr):
+def _e4m3_row(f8_ptr, sc_ptr, row, K, c0, CHUNK: tl.constexpr):
+    """Elements c0 .. c0+CHUNK of an E4M3 row (saved=fp8) decoded to fp32 (zeros past K): byte value * row scale."""
+    offs = c0 + tl.arange(0, CHUNK)
+    b = tl.load(f8_ptr + row * K + offs, mask=offs < K, other=0).to(tl.int32)
+    v = e4m3_value(b & 127)
+    return tl.where((b & 128) != 0, -v, v) * tl.load(sc_ptr + row)
+
+
+@triton.jit
+def _dequant_e4m3_kernel(f8_ptr, sc_ptr, out_ptr, K, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr):
+    """E4M3 rows -> bf16 (the fp32 product rounded to nearest even)."""
+    row = tl.program_id(0)
+    for c0 in tl.static_range(0, BLOCK_K, CHUNK):
+        offs = c0 + tl.arange(0, CHUNK)
+        v = rne_bf16(_e4m3_row(f8_ptr, sc_ptr, row, K, c0, CHUNK))
+        tl.store(out_ptr + row * K + offs, v.to(tl.bfloat16), mask=offs < K)
+
+
+@triton.jit
+def _rmsnorm_backward_kernel(dy_ptr, stride_dy, yp, ys, yr, rstd_ptr, w_ptr, dx_ptr, K, BLOCK_K: tl.constexpr,
+                             E4M3: tl.constexpr):
+    """E4M3: the saved rows are E4M3 (yp bytes, yr row scales; ys unused), else NVFP4 rows."""
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK_K)
     mask = offs < K
-    y = load_row_fp32(yp, ys, yr, row, K, 0, BLOCK_K)
+    if E4M3:
+        y = _e4m3_row(yp, yr, row, K, 0, BLOCK_K)
+    else:
+        y = load_row_fp32(yp, ys, yr, row, K, 0, BLOCK_K)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     dy = tl.load(dy_ptr + row * stride_dy + offs, mask=mask, other=0.0).to(tl.float32)
     n = tl.where(w == 0, 0.0, y / tl.where(w == 0, 1.0, w))
@@ -319,9 +343,22 @@ def silu_mul_rows(gate_up: torch.Tensor, nvfp4: bool = True, fp8: bool = False
     return h, g, u
 
 
-def dequant_rows(q: NVFP4Rows, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """NVFP4 rows -> (q * s_b) * g_r in ``dtype`` (bf16: rounded to nearest even)."""
+def _e4m3_args(q: E4M3Rows) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """E4M3 rows as a row kernel's (values, scales, row scales) arguments: the middle one unused."""
+    return q.data.view(torch.uint8), q.scale, q.scale
+
+
+def dequant_rows(q: NVFP4Rows | E4M3Rows, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """NVFP4 rows -> (q * s_b) * g_r in ``dtype`` (bf16: rounded to nearest even); E4M3 rows ->
+    value * row scale, likewise."""
     T, K = q.shape
+    if isinstance(q, E4M3Rows):
+        out = torch.empty(T, K, dtype=torch.bfloat16 if dtype == torch.bfloat16 else torch.float32, device=q.data.device)
+        if T and dtype == torch.bfloat16:
+            _dequant_e4m3_kernel[(T,)](q.data.view(torch.uint8), q.scale, out, K, **row_config(block_width(K)))
+        elif T:
+            out = q.value(dtype)
+        return out
     if dtype == torch.bfloat16:
         out = torch.empty(T, K, dtype=dtype, device=q.packed.device)
         decode_pairs(q.packed, q.scales, q.row_scale, out, PAIRS_ROWS)
@@ -332,15 +369,16 @@ def dequant_rows(q: NVFP4Rows, dtype: torch.dtype = torch.bfloat16) -> torch.Ten
     return out.to(dtype)
 
 
-def rmsnorm_backward(dy: torch.Tensor, yq: NVFP4Rows, rstd: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """dx [T, H] bf16 from dY and the saved NVFP4 RMSNorm output (see the twin's formula)."""
+def rmsnorm_backward(dy: torch.Tensor, yq: NVFP4Rows | E4M3Rows, rstd: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """dx [T, H] bf16 from dY and the saved NVFP4 or E4M3 RMSNorm output (see the twin's formula)."""
     dy = dy if dy.stride(-1) == 1 else dy.contiguous()
     T, K = yq.shape
     dx = torch.empty(T, K, dtype=torch.bfloat16, device=dy.device)
     bk = block_width(K)
     if T:
-        _rmsnorm_backward_kernel[(T,)](dy, dy.stride(0), *row_args(yq), rstd, weight, dx, K, BLOCK_K=bk,
-                                       num_warps=warps_for(bk))
+        e4m3 = isinstance(yq, E4M3Rows)
+        _rmsnorm_backward_kernel[(T,)](dy, dy.stride(0), *(_e4m3_args(yq) if e4m3 else row_args(yq)), rstd, weight, dx, K,
+                                       BLOCK_K=bk, E4M3=e4m3, num_warps=warps_for(bk))
     return dx
 
 
