@@ -1,6 +1,6 @@
 """Learning fidelity: does pact learn what BF16 LoRA learns, at the same hyperparameters?
 
-Three subcommands:
+Subcommands:
 
     # 1. where the LoRA gradient departs from the bf16-activation reference, per recipe site
     python benchmarks/bench_fidelity.py grads --artifact ART --data train.jsonl [--recipes ...]
@@ -8,6 +8,8 @@ Three subcommands:
     python benchmarks/bench_fidelity.py tasks --workdir W --bigbench DIR --seeds 0 --csv s0.csv
     # 3. the table: mean +- std, paired difference to PEFT, seeds stuck at the majority class
     python benchmarks/bench_fidelity.py table s*.csv
+    # the saved copies' error per site and layer (relative to the bf16 rows) on real text
+    python benchmarks/bench_fidelity.py rows --model BF16_FOLDER --data train.jsonl
 
 Tasks (`tasks`): Rotten Tomatoes (the demo's snippets, " fresh"/" rotten") and BIG-bench tasks
 read from the `bigbench` sdist's task JSONs (`pip download --no-binary :all: bigbench==1.0.0`,
@@ -257,6 +259,46 @@ def grads(artifact, data, recipes, computes, warm_steps, batches, lr, seed, toke
             w = csv.DictWriter(f, fieldnames=list(rows[0]))
             w.writeheader()
             w.writerows(rows)
+
+
+@cli.command()
+@click.option("--model", "folder", required=True, type=click.Path(exists=True, file_okay=False),
+              help="An HF folder with the source weights (e.g. the GGUF's bf16 folder bench_accuracy.py makes).")
+@click.option("--data", required=True, type=click.Path(exists=True, dir_okay=False))
+@click.option("--samples", default=16, show_default=True)
+def rows(folder, data, samples) -> None:
+    """How far each saved copy of the RMSNorm outputs (the qkv and gate_up sites) is from the
+    bf16 rows, per layer: relative error (Frobenius) as NVFP4 rows, E4M3 rows, stochastically
+    rounded NVFP4, and the share of nonzero values NVFP4 flushes to zero."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pact.formats.nvfp4 import dequantize_rows, quantize_rows
+    from pact.runtime.ops import reference as R
+    from pact.runtime.data import read_records
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    caps: dict[tuple[str, int], list[torch.Tensor]] = {}
+    for i, layer in enumerate(model.model.layers):
+        for site, norm in (("qkv", layer.input_layernorm), ("gate_up", layer.post_attention_layernorm)):
+            norm.register_forward_hook(lambda m, a, out, key=(site, i): caps.setdefault(key, []).append(
+                out.reshape(-1, out.shape[-1]).to(torch.bfloat16)))
+    with torch.no_grad():
+        for rec in read_records(data)[:samples]:
+            text = rec.get("prompt", "") + rec.get("completion", "") if "text" not in rec else rec["text"]
+            model(tok(text, return_tensors="pt").input_ids[:, :MAX_LEN])
+    per: dict[str, list[list[float]]] = {"qkv": [], "gate_up": []}
+    for (site, _), xs in sorted(caps.items(), key=lambda kv: (kv[0][0], kv[0][1])):
+        y = torch.cat(xs)
+        x = y.float()
+        q = dequantize_rows(quantize_rows(x))
+        rel = [float((v - x).norm() / x.norm()) for v in
+               (q, R.dequant_rows(R.e4m3_rows(y), torch.float32), dequantize_rows(quantize_rows(x, stochastic=True)))]
+        per[site].append(rel + [float(((q == 0) & (x != 0)).sum() / (x != 0).sum())])
+    click.echo(f"{'site':<8} {'nvfp4':>7} {'e4m3':>7} {'nvfp4-sr':>9} {'flushed':>8}   (medians over {len(per['qkv'])} layers)")
+    for site, v in per.items():
+        click.echo(f"{site:<8} " + " ".join(f"{statistics.median(c[i] for c in v):>{w}.3f}" for i, w in
+                                            enumerate((7, 7, 9, 8))))
 
 
 # -- tasks
