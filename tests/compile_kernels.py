@@ -65,9 +65,13 @@ def main(capability: int) -> None:
                                              "out_ptr": "*i32" if what < C.PAIRS_E4M3_W else "*i16",
                                              "out_scale_ptr": "*fp32", "ROWS": "i32"},
                     {"KB": 1024, "OUT": what, "MODE": e4m3, "R": C.PAIR_ROWS, "CB": C.PAIR_BYTES, "SB": 128})
-    _compile_sm(N._rmsnorm_backward_kernel, {"dy_ptr": "*fp32", "stride_dy": "i32", "yp": "*u8", "ys": "*u8", "yr": "*fp32",
-                                             "rstd_ptr": "*fp32", "w_ptr": "*bf16", "dx_ptr": "*bf16", "K": "i32"},
-                {"BLOCK_K": 2048})
+    for saved_e4m3 in (False, True):  # the saved RMSNorm output as NVFP4 rows, or as E4M3 rows (saved=fp8)
+        _compile_sm(N._rmsnorm_backward_kernel, {"dy_ptr": "*bf16", "stride_dy": "i32", "yp": "*u8",
+                                                 "ys": "*fp32" if saved_e4m3 else "*u8", "yr": "*fp32",
+                                                 "rstd_ptr": "*fp32", "w_ptr": "*bf16", "dx_ptr": "*bf16", "K": "i32"},
+                    {"BLOCK_K": 2048, "E4M3": saved_e4m3})
+    _compile_sm(N._dequant_e4m3_kernel, {"f8_ptr": "*u8", "sc_ptr": "*fp32", "out_ptr": "*bf16", "K": "i32"},
+                {"BLOCK_K": 2048, "CHUNK": 2048})
     gu = {f"{p}{s}": t for p in "gu" for s, t in (("p", "*u8"), ("s", "*u8"), ("r", "*fp32"))}
     _compile_sm(N._silu_mul_h_kernel, {**gu, "h_ptr": "*bf16", "K": "i32"}, {"BLOCK_K": 8192, "CHUNK": 2048})
     _compile_sm(N._silu_mul_backward_kernel, {"dh_ptr": "*bf16", "stride_dh": "i32", **gu, "dgu_ptr": "*bf16", "K": "i32"},
