@@ -24,6 +24,7 @@ log = logging.getLogger(__name__)
 IGNORE = -100
 TEMPLATE_SECONDS = 10  # one conversation's chat-template rendering; a template from an artifact may loop
 TEMPLATE_CHARS = 1 << 20  # and the rendered text's bound
+RECORD_BYTES = 4 << 20  # one JSONL line (a record of 40 MB took 75 s and 6 GB of memory to tokenize)
 
 
 @dataclass
@@ -56,7 +57,10 @@ def read_records(path: str | Path, flag: str = "--data") -> list[dict]:
     else:
         records, where = [], []
         with open(p, "rb") as f:
-            for n, raw in enumerate(f, 1):
+            for n, raw in enumerate(iter(lambda: f.readline(RECORD_BYTES + 1), b""), 1):
+                if len(raw) > RECORD_BYTES:
+                    raise PactError(f"{p}:{n}: a record longer than {RECORD_BYTES >> 20} MiB: split it, or leave it "
+                                    "out (training reads at most --max-len tokens of it)")
                 try:
                     line = raw.decode("utf-8")
                 except UnicodeDecodeError as e:
@@ -68,6 +72,9 @@ def read_records(path: str | Path, flag: str = "--data") -> list[dict]:
                     rec = json.loads(line)
                 except json.JSONDecodeError as e:
                     raise PactError(f"{p}:{n}: not valid JSON ({e.msg}): one JSON object per line") from None
+                except (RecursionError, ValueError) as e:  # nesting too deep; an integer too long to convert
+                    kind = "nested too deeply" if isinstance(e, RecursionError) else str(e).split(";")[0]
+                    raise PactError(f"{p}:{n}: unreadable JSON ({kind}): one flat JSON object per line") from None
                 if not isinstance(rec, dict):
                     raise PactError(f"{p}:{n}: expected a JSON object, got {type(rec).__name__}")
                 records.append(rec)
@@ -120,6 +127,18 @@ def render_chat(tokenizer, messages: list[dict], where: str, **kw) -> str:
     return text
 
 
+def _text(value, where: str, what: str) -> str:
+    """``value`` as training text: a string that encodes as UTF-8 (JSON may carry lone surrogates)."""
+    if not isinstance(value, str):
+        raise PactError(f"{where}: {what} must be a string, got {'null' if value is None else type(value).__name__}")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise PactError(f"{where}: {what} holds a lone surrogate (\\u{ord(value[e.start]):04x} at character "
+                        f"{e.start}): not text; fix the record") from None
+    return value
+
+
 def _split(tokenizer, rec: dict) -> tuple[str, str]:
     w = rec["_where"]
     if "messages" in rec:
@@ -128,6 +147,11 @@ def _split(tokenizer, rec: dict) -> tuple[str, str]:
             raise PactError(f"{w}: 'messages' must be a non-empty list of {{role, content}} objects")
         if msgs[-1]["role"] != "assistant":
             raise PactError(f"{w}: the last message must be the assistant's (it is the training target)")
+        for i, m in enumerate(msgs):  # text, or a list of content parts (multimodal templates); never null
+            if not isinstance(m["content"], list) or i == len(msgs) - 1:
+                _text(m["content"], w, f"message {i + 1}'s content")
+        if not msgs[-1]["content"]:
+            raise PactError(f"{w}: the assistant's message is empty: nothing to train on")
         if tokenizer.chat_template is None:
             raise PactError(f"{w}: the artifact's tokenizer has no chat template: use prompt/completion records")
         full = render_chat(tokenizer, msgs, w)
@@ -136,11 +160,13 @@ def _split(tokenizer, rec: dict) -> tuple[str, str]:
             raise PactError(f"{w}: the chat template renders the conversation inconsistently; use prompt/completion")
         return prompt, full[len(prompt):]
     if "prompt" not in rec or "completion" not in rec:
-        missing = "completion" if "prompt" in rec else "prompt"
-        raise PactError(f"{w}: record has no '{missing}' (expected prompt/completion or messages)")
-    if not isinstance(rec["prompt"], str) or not isinstance(rec["completion"], str) or not rec["completion"]:
-        raise PactError(f"{w}: prompt and completion must be strings, completion non-empty")
-    return rec["prompt"], rec["completion"]
+        found = ", ".join(repr(k) for k in rec if k != "_where") or "none"
+        raise PactError(f"{w}: expected 'prompt' and 'completion', or 'messages'; the record has {found}: "
+                        "rename the fields (e.g. input/output -> prompt/completion)")
+    prompt, completion = _text(rec["prompt"], w, "prompt"), _text(rec["completion"], w, "completion")
+    if not completion:
+        raise PactError(f"{w}: the completion is empty: nothing to train on")
+    return prompt, completion
 
 
 def tokenize(records: list[dict], tokenizer, *, max_len: int, overlong: str = "truncate",

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 
 from pact.formats import PactError
 from pact.formats.families import PROJECTIONS
@@ -44,11 +44,13 @@ def peft_key(hf_weight_name: str, which: str) -> str:
     return f"base_model.model.{stem}.lora_{which}.weight"
 
 
-def save_peft_adapter(out_dir: str | os.PathLike, adapters: dict[str, tuple[torch.Tensor, torch.Tensor]],
-                      cfg: LoraConfig, base_model: str) -> Path:
-    """adapters: HF weight name -> (A [r,K], B [N,r]). Written atomically (temp names, rename)."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+ADAPTER_TMP = (".adapter_model.safetensors.tmp", ".adapter_config.json.tmp")
+
+
+def _adapter_bytes(adapters: dict[str, tuple[torch.Tensor, torch.Tensor]], cfg: LoraConfig,
+                   base_model: str) -> tuple[bytes, bytes]:
+    """The two files of a PEFT adapter as bytes: weights (safetensors) and adapter_config.json.
+    Their sizes depend only on the names and shapes, never on the values."""
     tensors = {}
     for name, (A, B) in adapters.items():
         tensors[peft_key(name, "A")] = A.detach().float().cpu().contiguous()
@@ -69,11 +71,48 @@ def save_peft_adapter(out_dir: str | os.PathLike, adapters: dict[str, tuple[torc
         "use_dora": False,
         "modules_to_save": None,
     }
-    tmp_w, tmp_c = out / ".adapter_model.safetensors.tmp", out / ".adapter_config.json.tmp"
-    save_file(tensors, tmp_w, metadata={"format": "pt"})
-    tmp_c.write_text(json.dumps(config, indent=2) + "\n")
-    os.replace(tmp_w, out / "adapter_model.safetensors")
-    os.replace(tmp_c, out / "adapter_config.json")
+    return save(tensors, metadata={"format": "pt"}), (json.dumps(config, indent=2) + "\n").encode()
+
+
+def _write_into(path: Path, data: bytes) -> None:
+    """``data`` into ``path``: overwritten in place when the file already holds exactly as many
+    bytes (a reservation: no new disk blocks are needed), else written anew."""
+    if path.is_file() and path.stat().st_size == len(data):
+        with open(path, "r+b") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    else:
+        path.write_bytes(data)
+
+
+def reserve_peft_adapter(out_dir: str | os.PathLike, adapters: dict[str, tuple[torch.Tensor, torch.Tensor]],
+                         cfg: LoraConfig, base_model: str) -> None:
+    """Claim, at the start of a run, the disk space its final adapter needs: temp files of the
+    final size that ``save_peft_adapter`` later overwrites in place and renames. A full disk
+    then fails the run before it trains, never at its last write."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for name, data in zip(ADAPTER_TMP, _adapter_bytes(adapters, cfg, base_model)):
+        _write_into(out / name, data)
+
+
+def save_peft_adapter(out_dir: str | os.PathLike, adapters: dict[str, tuple[torch.Tensor, torch.Tensor]],
+                      cfg: LoraConfig, base_model: str) -> Path:
+    """adapters: HF weight name -> (A [r,K], B [N,r]). Written atomically (temp names, rename),
+    into the space ``reserve_peft_adapter`` claimed when it ran first."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tmps = [out / name for name in ADAPTER_TMP]
+    try:
+        for tmp, data in zip(tmps, _adapter_bytes(adapters, cfg, base_model)):
+            _write_into(tmp, data)
+    except OSError:
+        for tmp in tmps:
+            tmp.unlink(missing_ok=True)
+        raise
+    os.replace(tmps[0], out / "adapter_model.safetensors")
+    os.replace(tmps[1], out / "adapter_config.json")
     return out
 
 
@@ -111,4 +150,8 @@ def load_peft_adapter(adapter_dir: str | os.PathLike) -> tuple[LoraConfig, dict[
     for k, (a, b) in out.items():
         if a is None or b is None or a.dim() != 2 or b.dim() != 2 or a.shape[0] != c["r"] or b.shape[1] != c["r"]:
             raise PactError(f"{w_path}: {k}: A/B missing or not of rank r={c['r']}: {fix}")
+    for k, (a, b) in out.items():
+        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+            raise PactError(f"{w_path}: {k}: the adapter holds NaN or Inf values: it cannot be used; retrain it "
+                            "(or resume from an earlier checkpoint)")
     return cfg, {k: (a, b) for k, (a, b) in out.items()}

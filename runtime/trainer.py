@@ -35,7 +35,7 @@ from pact.formats.artifact import pid_alive, sha256_file
 from .data import batches, collate, pad_id, read_records, tokenize
 from .distributed import Dist, from_env, leave
 from .evaluate import evaluate
-from .lora import ALL_TARGETS, LoraConfig, load_peft_adapter, save_peft_adapter
+from .lora import ALL_TARGETS, LoraConfig, load_peft_adapter, reserve_peft_adapter, save_peft_adapter
 from .model import PactModel
 from .ops import COMPUTE, FP8_WEIGHTS, KERNELS
 from .recipe import HELP as RECIPE_HELP
@@ -122,6 +122,8 @@ class TrainConfig:
         if self.overlong not in ("truncate", "refuse"):
             raise PactError(f"--overlong must be truncate or refuse, got {self.overlong!r}")
         self.activations = parse_recipe(self.activations).spec()  # canonical: resume compares it
+        for name in PATH_FIELDS:  # absolute: --out ./run/ and --out run are the same run
+            setattr(self, name, _absolute(getattr(self, name)))
 
     def lora(self) -> LoraConfig:
         return LoraConfig(r=self.lora_r, alpha=self.lora_alpha, dropout=self.lora_dropout, targets=self.targets)
@@ -130,6 +132,16 @@ class TrainConfig:
         d = asdict(self)
         d["targets"] = list(d["targets"])
         return d
+
+
+PATH_FIELDS = ("artifact", "data", "out", "eval_data")
+
+
+def _absolute(path: str | None) -> str | None:
+    """A local path made absolute (symlinks resolved); URLs and None as given."""
+    if path is None or "://" in str(path):
+        return path
+    return str(Path(path).expanduser().resolve())
 
 
 def lr_at(step: int, total: int, base: float, warmup_ratio: float) -> float:
@@ -212,10 +224,21 @@ def _config_diff(saved: dict, now: dict, saved_world: int = 1, world: int = 1) -
     # a setting newer than the checkpoint counts as its default there (the run used that behaviour)
     saved = {**{f.name: f.default for f in fields(TrainConfig) if f.name not in saved
                 and f.default is not MISSING}, **saved}
+    saved.update({k: _absolute(saved[k]) for k in PATH_FIELDS if isinstance(saved.get(k), str)})  # older: as typed
     if saved.get("batch_size", 0) * saved_world == now.get("batch_size", 0) * world:
         saved["batch_size"] = now.get("batch_size")  # the same global batch on another number of ranks
     return [f"  {k}: checkpoint {saved.get(k)!r} -> now {now.get(k)!r}" for k in sorted(set(saved) | set(now))
             if saved.get(k) != now.get(k)]
+
+
+MAX_STEP = 10**9
+
+
+def _sane_state(state) -> bool:
+    """A checkpoint's state.json as this trainer writes it: counters are integers in range."""
+    return isinstance(state, dict) and isinstance(state.get("config"), dict) and all(
+        isinstance(state.get(k), int) and not isinstance(state.get(k), bool) and 0 <= state[k] <= MAX_STEP * 10**6
+        for k in ("step", "epoch", "pos", "tokens")) and state["step"] <= MAX_STEP
 
 
 def _usable_checkpoints(run: Path) -> list[Path]:
@@ -224,7 +247,7 @@ def _usable_checkpoints(run: Path) -> list[Path]:
     for ck in sorted((run / "checkpoints").glob("step-???????"), reverse=True):
         try:
             ok = all((ck / f).is_file() and (ck / f).stat().st_size > 0 for f in CHECKPOINT_FILES)
-            ok = ok and isinstance(json.loads((ck / "state.json").read_text()).get("step"), int)
+            ok = ok and _sane_state(json.loads((ck / "state.json").read_text()))
         except (OSError, ValueError):
             ok = False
         if ok:
@@ -260,18 +283,36 @@ def _load_checkpoint(run: Path, ck: Path, model: PactModel, opt: torch.optim.Opt
         if st:
             st["step"] = st["step"].reshape(())
             opt.state[p] = {k: v.to(p.device) if k != "step" else v for k, v in st.items()}
-    rng = load_file(ck / "rng.safetensors")
-    torch.random.set_rng_state(rng["cpu"])
-    if "cuda" in rng and torch.cuda.is_available():
-        torch.cuda.set_rng_state(rng["cuda"])
+    try:
+        rng = load_file(ck / "rng.safetensors")
+        torch.random.set_rng_state(rng["cpu"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])
+    except Exception as e:  # safetensors' errors, a missing key, a state of the wrong size or dtype
+        raise PactError(f"{ck}/rng.safetensors: unreadable ({type(e).__name__}: {str(e)[:120]}): remove {ck} to "
+                        "resume from the checkpoint before it") from None
     log.info("resumed from %s (step %d)", ck, state["step"])
     return state
 
 
 def _truncate_metrics(path: Path, step: int) -> None:
-    if path.exists():
-        keep = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
-        path.write_text("".join(line + "\n" for line in keep))
+    """metrics.jsonl up to ``step``: later steps are redone; a line a kill tore, or any line that is
+    not a step's metrics, is dropped (the file is a log, rewritten through a temp file)."""
+    if not path.exists():
+        return
+
+    def step_of(line: str):
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            return None
+        return rec.get("step") if isinstance(rec, dict) and isinstance(rec.get("step"), int) else None
+
+    raw = path.read_bytes().decode("utf-8", errors="replace")
+    keep = [line for line in raw.splitlines() if (n := step_of(line)) is not None and n <= step]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in keep))
+    os.replace(tmp, path)
 
 
 # ------------------------------------------------------------------------- run folder
@@ -410,6 +451,10 @@ def _setup(cfg: TrainConfig, run: Path, resume: bool, dist: Dist, device: str | 
     state["inputs"] = inputs
     state["world_size"] = dist.world
     if dist.main:
+        try:  # the final adapter's disk space, claimed now: a full disk fails here, not after training
+            reserve_peft_adapter(run, model.adapter_state(), cfg.lora(), base_model(model.artifact))
+        except OSError as e:
+            raise _disk_error(e, run / "adapter_model.safetensors") from None
         (run / "train_config.json").write_text(json.dumps({
             **cfg.as_json(), "recipe": model.recipe.as_json(), "world_size": dist.world,
             "global_batch": cfg.batch_size * dist.world * cfg.grad_accum, "inputs_sha256": inputs}, indent=2) + "\n")

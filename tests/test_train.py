@@ -163,7 +163,7 @@ def test_cli(task, tmp_path):
 @pytest.mark.parametrize("content,match", [
     ("", "no records"),
     ('{"prompt": "a", "completion": "b"}\n{not json}\n', r"train.jsonl:2: not valid JSON"),
-    ('{"prompt": "a"}\n', r"train.jsonl:1: record has no 'completion'"),
+    ('{"prompt": "a"}\n', r"train.jsonl:1: expected 'prompt' and 'completion', or 'messages'; the record has 'prompt'"),
     ('{"messages": [{"role": "user", "content": "hi"}]}\n', r"train.jsonl:1: the last message must be the assistant"),
     ('[1, 2]\n', r"train.jsonl:1: expected a JSON object"),
 ])
