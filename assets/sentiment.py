@@ -101,3 +101,26 @@ def loss_png(losses: list[float], path: Path) -> Path | None:
 def majority(test_f: Path) -> float:
     labels = [json.loads(line)["completion"] for line in test_f.read_text().splitlines()]
     return max(labels.count(c) for c in set(labels)) / len(labels)
+
+
+def cached_score(folder: Path, artifact: Path, data: Path, adapter: Path | None, compute, echo) -> dict:
+    """``compute()``'s scores, kept in ``folder`` under the sha256 of what decides them: the
+    artifact's fingerprint, the data file, the adapter's files and pact's default recipe; a second
+    demo reuses them."""
+    import hashlib
+
+    from pact.formats.artifact import sha256_file
+
+    parts = [open_artifact(artifact).fingerprint(), sha256_file(data), parse_recipe(None).spec(), "score-1"]
+    if adapter is not None:
+        parts += [sha256_file(adapter / f) for f in ("adapter_model.safetensors", "adapter_config.json")]
+    path = folder / (hashlib.sha256("\n".join(parts).encode()).hexdigest() + ".json")
+    if path.is_file():
+        echo(f"reusing scores {path}")
+        return json.loads(path.read_text())
+    result = compute()
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result))
+    tmp.replace(path)
+    return result

@@ -15,7 +15,7 @@ from pathlib import Path
 import click
 
 from pact.assets.packaged import ROTTEN_TOMATOES, SMOLLM2_135M, fetch
-from pact.assets.sentiment import (ARTIFACT_VARIANT, LR, STEPS, TRAIN_SIZE, cached_artifact, gptq_dir, loss_png,
+from pact.assets.sentiment import (ARTIFACT_VARIANT, LR, STEPS, TRAIN_SIZE, cached_artifact, cached_score, gptq_dir, loss_png,
                                    majority, splits, sparkline)
 from pact.calibrate import calibrate
 from pact.convert import convert
@@ -33,7 +33,7 @@ from .common import cli_errors
 @click.option("--train-size", default=TRAIN_SIZE, show_default=True)
 @click.option("--test-size", default=200, show_default=True)
 @click.option("--calibrate/--no-calibrate", "with_gptq", default=False, show_default=True,
-              help="Also calibrate with GPTQ (pact-calibrate, ~5 min on a 2-core CPU) and report its zero-shot accuracy.")
+              help="Also calibrate with GPTQ (pact-calibrate, a few minutes on a 2-core CPU) and report its zero-shot accuracy.")
 @click.option("--calib-samples", default=48, show_default=True)
 @click.option("--steps", default=STEPS, show_default=True)
 @click.option("--batch-size", default=8, show_default=True)
@@ -50,13 +50,17 @@ def demo(workdir: Path | None, train_size: int, test_size: int, with_gptq: bool,
     train_f, test_f, calib_f = splits(rt, workdir / "data", train_size, test_size, calib_samples)
     art = cached_artifact(workdir / f"smollm2-135m-nvfp4-{ARTIFACT_VARIANT}", lambda p: convert(str(gguf), p, overwrite=p.exists()),
                           click.echo)
-    rows = [("zero-shot, NVFP4", evaluate_artifact(str(art), str(test_f), max_len=128, batch_size=batch_size))]
+    def score(artifact: Path, adapter: Path | None = None) -> dict:
+        return cached_score(workdir / "scores", artifact, test_f, adapter, lambda: evaluate_artifact(
+            str(artifact), str(test_f), adapter=None if adapter is None else str(adapter), max_len=128,
+            batch_size=batch_size, progress=True), click.echo)
+
+    rows = [("zero-shot, NVFP4", score(art))]
     if with_gptq:
         cal = cached_artifact(gptq_dir(workdir, calib_f),
                                lambda p: calibrate(str(art), calib_f, p, max_samples=calib_samples, seq_len=128,
                                                    overwrite=p.exists()), click.echo)
-        rows.append(("zero-shot, NVFP4 (GPTQ)", evaluate_artifact(str(cal), str(test_f), max_len=128,
-                                                                   batch_size=batch_size)))
+        rows.append(("zero-shot, NVFP4 (GPTQ)", score(cal)))
     # LoRA trains on the converted artifact: on the fidelity benchmark it learns what BF16 LoRA learns,
     # and GPTQ has not yet shown a gain after LoRA (BENCHMARKS.md). Named by artifact and recipe, so a
     # run cached under another default is never reused.
@@ -67,8 +71,7 @@ def demo(workdir: Path | None, train_size: int, test_size: int, with_gptq: bool,
                           max_len=128, lr=LR, lora_r=16, lora_alpha=32, warmup_ratio=0.1))
     else:
         click.echo(f"reusing {run}")
-    rows.append(("pact LoRA, NVFP4", evaluate_artifact(str(art), str(test_f), adapter=str(run), max_len=128,
-                                                        batch_size=batch_size)))
+    rows.append(("pact LoRA, NVFP4", score(art, run)))
     losses = [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     click.echo(f"\nRotten Tomatoes sentiment, {test_size} held-out snippets (majority class "
                f"{majority(test_f):.1%}); accuracy by label likelihood")

@@ -33,12 +33,15 @@ def sequence_logprobs(model, ids: torch.Tensor, labels: torch.Tensor) -> torch.T
     return out
 
 
-def label_candidates(examples: list[Example], max_labels: int = 32) -> dict[str, list[int]] | None:
+def label_candidates(examples: list[Example], max_labels: int = 32, drop_eos: int | None = None
+                     ) -> dict[str, list[int]] | None:
     """Completion text -> its token ids, when the completions look like class labels
-    (between 2 and ``max_labels`` distinct values, each seen at least twice on average)."""
+    (between 2 and ``max_labels`` distinct values, each seen at least twice on average). The
+    ids end with the end-of-sequence token tokenize() appends, unless ``drop_eos`` (its id) is given."""
     cands: dict[str, list[int]] = {}
     for e in examples:
-        cands.setdefault(e.completion, e.ids[len(e.prompt_ids):])
+        ids = e.ids[len(e.prompt_ids):]
+        cands.setdefault(e.completion, ids[:-1] if drop_eos is not None and len(ids) > 1 and ids[-1] == drop_eos else ids)
     if 2 <= len(cands) <= max_labels and len(cands) * 2 <= len(examples):
         return cands
     return None
@@ -55,17 +58,24 @@ def candidate_batches(examples: list[Example], cands: dict[str, list[int]], batc
 
 
 @torch.no_grad()
-def evaluate(model, examples: list[Example], *, batch_size: int, pad_id: int) -> dict:
+def evaluate(model, examples: list[Example], *, batch_size: int, pad_id: int, progress: bool = False,
+             drop_eos: int | None = None) -> dict:
     """{"eval_loss", "eval_tokens", and "eval_accuracy" + "eval_labels" for label-style data}.
 
     Label-style data is scored in one pass: every (example, candidate) sequence of a chunk of
     ``batch_size`` examples runs as one batch; the true candidate's log-likelihood gives the loss.
+    A candidate's likelihood includes the end-of-sequence token after it (as training targets
+    it), unless ``drop_eos`` names that token's id. ``progress``: a bar over the batches.
     """
+    from tqdm.auto import tqdm
+
     device = model.device
-    cands = label_candidates(examples)
+    cands = label_candidates(examples, drop_eos=drop_eos)
     total, count = 0.0, 0
+    bar = tqdm(total=len(examples), desc="scoring", unit="ex", disable=not progress)
     if cands is None:
         for i in range(0, len(examples), batch_size):
+            bar.update(min(batch_size, len(examples) - i))
             ids, labels = collate(examples, list(range(i, min(i + batch_size, len(examples)))), pad_id, device)
             loss, n = model(ids, labels)
             total, count = total + float(loss), count + n
@@ -73,6 +83,7 @@ def evaluate(model, examples: list[Example], *, batch_size: int, pad_id: int) ->
     names = list(cands)
     correct = 0
     for chunk, ids, labels in candidate_batches(examples, cands, batch_size, pad_id, device):
+        bar.update(len(chunk))
         logp = sequence_logprobs(model, ids, labels).view(len(chunk), len(names))
         for e, row in zip(chunk, logp):
             correct += names[int(row.argmax())] == e.completion
@@ -140,10 +151,12 @@ def evaluate_generation(model, examples: list[Example], tokenizer, *, max_new_to
 
 def evaluate_artifact(artifact: str, data: str, *, adapter: str | None = None, max_len: int = 1024, batch_size: int = 8,
                       device: str | None = None, activations: str | None = None, generate: bool | None = None,
-                      max_new_tokens: int | None = None, compute: str | None = None) -> dict:
+                      max_new_tokens: int | None = None, compute: str | None = None, progress: bool = False,
+                      score_eos: bool = True) -> dict:
     """Held-out loss (and label accuracy) of an artifact, with a PEFT adapter folder or zero-shot.
     ``generate`` (default: when completions are not class labels) adds exact match / token F1.
-    ``activations`` None: the recipe the adapter's run recorded (its train_config.json), else the default."""
+    ``activations`` None: the recipe the adapter's run recorded (its train_config.json), else the default.
+    ``score_eos``: a label's likelihood includes the end-of-sequence token after it (training's target)."""
     from pact.formats import PactError
 
     from .data import pad_id, read_records, tokenize
@@ -163,7 +176,8 @@ def evaluate_artifact(artifact: str, data: str, *, adapter: str | None = None, m
     if weights is not None:
         model.load_adapter_state(weights)
     examples = tokenize(read_records(data, flag="--data"), tokenizer, max_len=max_len, vocab_size=model.embed.shape[0])
-    result = {"adapter": adapter, **evaluate(model, examples, batch_size=batch_size, pad_id=pad_id(tokenizer))}
+    result = {"adapter": adapter, **evaluate(model, examples, batch_size=batch_size, pad_id=pad_id(tokenizer),
+                                             progress=progress, drop_eos=None if score_eos else tokenizer.eos_token_id)}
     if generate or (generate is None and "eval_accuracy" not in result):
         result.update(evaluate_generation(model, examples, tokenizer, max_new_tokens=max_new_tokens))
     return result

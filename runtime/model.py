@@ -78,6 +78,7 @@ class PactModel(nn.Module):
         self.kernels = resolve_kernels(kernels, self.device)
         # per site: GEMM input, LoRA input, saved; and the backend (runtime/recipe.py)
         self.recipe = parse_recipe(activations).on(resolve_compute(compute, self.device))
+        self._no_backward = self.recipe.forward_only()  # under torch.no_grad: no saved copies encoded
         self.compute = self.recipe.compute
         self.ops = get_ops(self.recipe, self.kernels)
         fp8_copy = self.ops.fp8_rows if resolve_fp8_weights(fp8_weights, self.compute) == "resident" else None
@@ -107,9 +108,12 @@ class PactModel(nn.Module):
             self.ops = plain
 
     # -- forward
+    def _recipe(self):
+        return self.recipe if torch.is_grad_enabled() else self._no_backward
+
     def _attention(self, L: Layer, x: torch.Tensor, cos, sin, B: int, S: int) -> torch.Tensor:
         nh, nkv, hd = self.n_heads, self.n_kv, self.head_dim
-        qkv = NormProjectionFn.apply(x, L.attn_norm, self.eps, L.qkv, self.ops, self.recipe.qkv, *L.qkv.lora_params())
+        qkv = NormProjectionFn.apply(x, L.attn_norm, self.eps, L.qkv, self.ops, self._recipe().qkv, *L.qkv.lora_params())
         q, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1)
         if L.q_norm is not None:  # Qwen3: per-head RMSNorm before the rotation
             q = rmsnorm(q.view(B * S, nh, hd), L.q_norm, self.eps).view(B * S, nh * hd)
@@ -118,7 +122,7 @@ class PactModel(nn.Module):
         q, k, v = (t.view(B, S, -1, hd).transpose(1, 2) for t in (q, k, v))
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=nkv != nh)
         o = o.transpose(1, 2).reshape(B * S, nh * hd)
-        return ProjectionFn.apply(o, L.o, self.ops, self.recipe.o, *L.o.lora_params())
+        return ProjectionFn.apply(o, L.o, self.ops, self._recipe().o, *L.o.lora_params())
 
     def rope(self, x: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [seq_len, head_dim / 2] for positions 0..seq_len-1, in x's dtype."""
@@ -165,7 +169,7 @@ class PactModel(nn.Module):
         """Decoder layer L on rows x [B * S, H] (RoPE tables cos/sin): the public hook calibration runs."""
         x = x + self._attention(L, x, cos, sin, B, S)
         return x + MlpFn.apply(x, L.mlp_norm, self.eps, L.gate_up, L.down, self.ops,
-                               (self.recipe.gate_up, self.recipe.down),
+                               (self._recipe().gate_up, self._recipe().down),
                                *L.gate_up.lora_params(), *L.down.lora_params())
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:

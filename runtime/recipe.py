@@ -80,6 +80,14 @@ class Recipe:
         base = min(PRESETS, key=lambda n: len(_diff(PRESETS[n], me)))
         return ",".join([base, *_diff(PRESETS[base], me)])
 
+    def forward_only(self) -> "Recipe":
+        """This recipe for a forward no backward follows (scoring and generation under
+        torch.no_grad): nothing is kept, so no site encodes a saved copy (its unquantized rows stand
+        in, free); the GEMM and LoRA inputs, and so the outputs, are unchanged."""
+        keep = {s: self.site(s) if self.site(s).quantized else dataclasses.replace(self.site(s), saved="bf16")
+                for s in SITES}
+        return dataclasses.replace(self, **keep)
+
     def as_json(self) -> dict:
         return {**{s: dataclasses.asdict(self.site(s)) for s in SITES}, "dgrad": self.dgrad, "compute": self.compute}
 
@@ -148,5 +156,5 @@ HELP = (
     "quantized: the reference), optionally followed by SITE.FIELD=VALUE overrides, e.g. "
     "'nvfp4,down.saved=bf16' (SITE: qkv, o, gate_up, down or *; FIELD: gemm, lora, saved; VALUE: nvfp4, bf16, "
     "and for saved also fp8 or nvfp4-sr). "
-    "See README 'Precision recipe'."
+    "See README, Train, 'Precision recipe'."
 )

@@ -391,7 +391,10 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True, stop
     """
     dist, device = from_env(cfg.device)
     run = Path(cfg.out)
-    lock, error = contextlib.ExitStack(), None
+    for path, flag in ((cfg.data, "--data"), (cfg.eval_data, "--eval-data")):
+        if path is not None:
+            read_records(path, flag)  # a missing or malformed file fails now, before any model loads
+    lock, error, created = contextlib.ExitStack(), None, dist.main and not run.exists()
     try:
         try:
             if dist.main:
@@ -404,7 +407,16 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True, stop
         return _train(cfg, run, resume, progress and dist.main, stop_after, dist, device)
     finally:
         lock.close()
+        if created and run.is_dir() and not _trained(run):  # a run that failed before its first step leaves no folder
+            shutil.rmtree(run, ignore_errors=True)
         leave(dist)
+
+
+def _trained(run: Path) -> bool:
+    """The run took at least one step (its metrics or checkpoints exist), or finished."""
+    metrics = run / "metrics.jsonl"
+    return ((metrics.is_file() and metrics.stat().st_size > 0) or (run / "checkpoints").is_dir()
+            or (run / "adapter_model.safetensors").is_file())
 
 
 @dataclass

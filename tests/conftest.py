@@ -6,6 +6,8 @@ import tempfile
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# pact's cache (verified-artifact stamps, downloads) in a temp folder: tests never write the user's ~/.cache/pact
+os.environ["PACT_CACHE"] = tempfile.mkdtemp(prefix="pact-test-cache-")
 
 import json  # noqa: E402
 from pathlib import Path  # noqa: E402

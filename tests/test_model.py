@@ -299,3 +299,24 @@ def test_default_recipe_keeps_the_lora_gradient(tmp_path, compute):
     (c_new, n_new), (c_old, n_old) = fidelity(parse_recipe(None)), fidelity("nvfp4")
     assert c_new >= 0.97 and abs(1 - n_new) <= 0.06, (c_new, n_new)
     assert c_new > c_old and abs(1 - n_new) < abs(1 - n_old), ((c_new, n_new), (c_old, n_old))
+
+
+def test_no_saved_copies_without_backward(tmp_path, monkeypatch):
+    """Under torch.no_grad (scoring, generation) nothing is kept for backward, so no saved copy
+    is encoded; the forward's numbers are the same as with autograd on."""
+    from pact.runtime.ops import reference
+
+    art = _artifact(tmp_path, "llama")
+    model = PactModel(art, LoraConfig(r=R, alpha=ALPHA), kernels="torch")
+    _random_adapters(model)
+    ids, labels = _batch(b=2, s=24)
+    calls = []
+    for name in ("quantize_rows", "fp8_rows"):
+        real = getattr(reference, name)
+        monkeypatch.setattr(reference, name, lambda *a, _real=real, _n=name, **k: (calls.append(_n), _real(*a, **k))[1])
+    loss, n = model(ids, labels)
+    assert calls  # training keeps NVFP4 and E4M3 copies
+    calls.clear()
+    with torch.no_grad():
+        loss2, _ = model(ids, labels)
+    assert calls == [] and torch.equal(loss.detach(), loss2)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import os
 from dataclasses import dataclass
 from typing import Callable
@@ -37,6 +38,7 @@ from pact.formats.nvfp4 import NVFP4Rows, NVFP4Tensor
 from ..recipe import Recipe
 from .rows import DenseRows, E4M3Rows
 
+log = logging.getLogger(__name__)
 KERNELS = ("torch", "triton")
 COMPUTE = ("bf16-decode", "fp8", "nvfp4-native")
 # fp8 backend: re-encode each frozen weight to E4M3 per GEMM call, or keep E4M3 copies on the GPU
@@ -104,6 +106,8 @@ def resolve_compute(name: str | None, device: torch.device) -> str:
     if name not in COMPUTE:
         raise PactError(f"--compute must be one of auto, {', '.join(COMPUTE)}, got {name!r}")
     sm = None if cap is None else f"sm_{cap[0]}{cap[1]}"
+    if cap is None and name != "bf16-decode":
+        log.warning("--compute %s on the CPU runs as its PyTorch twin: the same numbers as on a GPU, none of its speed", name)
     if name == "nvfp4-native" and cap is not None and cap[0] not in (10, 12):
         raise PactError(f"--compute nvfp4-native needs a Blackwell GPU (sm_100 / sm_120); this one is {sm}: "
                         "use --compute fp8 or bf16-decode")

@@ -1,0 +1,93 @@
+"""What a new user meets first: early data errors, no empty run folders, cached demo scores,
+scoring options and the CPU notice for GPU backends."""
+
+import json
+import logging
+
+import pytest
+
+from conftest import make_converted_llama
+from pact.formats import PactError
+from pact.runtime.trainer import TrainConfig, train
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory):
+    return make_converted_llama(tmp_path_factory.mktemp("task"), 32)
+
+
+def _cfg(task, out, **kw):
+    return TrainConfig(**{**dict(artifact=str(task / "art"), data=str(task / "train.jsonl"), out=str(out), max_len=32,
+                                 batch_size=4, lora_r=4, lora_alpha=8, steps=1), **kw})
+
+
+def test_data_errors_before_the_model_and_no_empty_run_folder(task, tmp_path, monkeypatch):
+    from pact.runtime import trainer
+
+    def no_model(*a, **k):
+        raise AssertionError("the model was loaded before the data was checked")
+
+    monkeypatch.setattr(trainer, "open_session", no_model)
+    with pytest.raises(PactError, match=r"--data .*missing.jsonl: no such file"):
+        train(_cfg(task, tmp_path / "run", data=str(tmp_path / "missing.jsonl")), progress=False)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a", "completion": "b"}\n')
+    with pytest.raises(PactError, match=r"--eval-data .*nope.jsonl: no such file"):
+        train(_cfg(task, tmp_path / "run", eval_data=str(tmp_path / "nope.jsonl")), progress=False)
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_run_failing_before_its_first_step_leaves_no_folder(task, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a", "completion": ""}\n')  # parses; fails once tokenized, after the model loads
+    with pytest.raises(PactError, match="the completion is empty"):
+        train(_cfg(task, tmp_path / "run", data=str(bad)), progress=False)
+    assert not (tmp_path / "run").exists()
+    (tmp_path / "mine").mkdir()  # a folder the user made is never removed
+    with pytest.raises(PactError):
+        train(_cfg(task, tmp_path / "mine", data=str(bad)), progress=False)
+    assert (tmp_path / "mine").is_dir()
+
+
+def test_scores_cached_by_artifact_data_and_adapter(task, tmp_path):
+    from pact.assets.sentiment import cached_score
+
+    calls = []
+
+    def compute():
+        calls.append(1)
+        return {"eval_accuracy": 0.5, "eval_loss": 1.0}
+
+    data = task / "train.jsonl"
+    a = cached_score(tmp_path / "scores", task / "art", data, None, compute, print)
+    b = cached_score(tmp_path / "scores", task / "art", data, None, compute, print)
+    assert a == b and len(calls) == 1
+    run = tmp_path / "run"
+    train(_cfg(task, run), progress=False)
+    cached_score(tmp_path / "scores", task / "art", data, run, compute, print)
+    assert len(calls) == 2  # another adapter: scored again
+    other = tmp_path / "other.jsonl"
+    other.write_text(data.read_text() + '{"prompt": "x", "completion": " fresh"}\n')
+    cached_score(tmp_path / "scores", task / "art", other, None, compute, print)
+    assert len(calls) == 3  # other data: scored again
+
+
+def test_score_eos_option(task, tmp_path):
+    from pact.runtime.evaluate import evaluate_artifact
+
+    test = tmp_path / "test.jsonl"
+    test.write_text("".join(json.dumps({"prompt": f"p{i}", "completion": [" fresh", " rotten"][i % 2]}) + "\n"
+                            for i in range(8)))
+    with_eos = evaluate_artifact(str(task / "art"), str(test), max_len=32)
+    without = evaluate_artifact(str(task / "art"), str(test), max_len=32, score_eos=False)
+    assert with_eos["eval_tokens"] > without["eval_tokens"] and with_eos["eval_loss"] != without["eval_loss"]
+
+
+def test_gpu_backend_on_the_cpu_says_so(caplog):
+    import torch
+
+    from pact.runtime.ops import resolve_compute
+
+    with caplog.at_level(logging.WARNING):
+        assert resolve_compute("fp8", torch.device("cpu")) == "fp8"
+    assert "runs as its PyTorch twin" in caplog.text
