@@ -1,35 +1,76 @@
-"""Artifacts at a URL: fetched through fsspec into a local content-addressed cache, checked on the
-way in; and pushed to one, manifest last.
+"""Artifacts at a URL: fetched into a local content-addressed cache, checked on the way in; and
+pushed to one, manifest last.
 
     open_artifact("https://host/art/")   # http(s)://, s3://, hf://org/repo[/path], file://
 
 What is fetched is what the manifest names and nothing else: the root ``zarr.json`` (the manifest),
 ``hf/zarr.json`` and the hf/ files it lists, and per tensor its group ``zarr.json``, and per array
-its ``zarr.json`` and its one chunk. Every chunk and hf/ file is checked against the manifest's
-sha256 as it lands; metadata files are size-bounded and checked by the reader when the cached copy
-opens. The copy is built in ``<digest>.partial/`` under ``$PACT_CACHE/artifacts/`` (digest: sha256
-of the manifest bytes) and renamed to ``<digest>/`` once complete, so the cache never holds half an
-artifact under its final name; an interrupted fetch resumes from what the partial folder holds (a
-partly received chunk from its last byte, where the server honours ranges). One process fetches
-a digest at a time (a lock file); others wait for it and then read its copy.
+its ``zarr.json`` and its one chunk. Every path the manifest names is checked before any download,
+percent-decoded too (no ``..``, ``.``, empty segment, leading ``/``, backslash or NUL), and every
+URL built from one must lie under the artifact's URL. Every chunk and hf/ file is checked against
+the manifest's sha256 as it lands, and no file may grow past its bound while it streams (a chunk:
+its manifest size; an hf/ file: 64 MiB; a metadata file: 16 MiB); metadata files are checked by
+the reader when the cached copy opens. The copy is built in ``<digest>.partial/`` under
+``$PACT_CACHE/artifacts/`` (digest: sha256 of the manifest bytes) and renamed to ``<digest>/`` once
+complete, so the cache never holds half an artifact under its final name; an interrupted fetch
+resumes from what the partial folder holds (a partly received chunk from its last byte, where the
+server honours ranges). One process fetches a digest at a time (a lock file); others wait for it
+and then read its copy.
+
+http(s):// is read by pact's own small client (http.client), not fsspec's: one keep-alive
+connection to the artifact's origin; a redirect is followed only within that origin (scheme, host
+and port), never to another; every request is bounded in time (``PACT_FETCH_TIMEOUT`` seconds
+without a byte, and below ``PACT_FETCH_MIN_RATE`` bytes/s on average once that long has passed).
+s3://, hf://, file:// and memory:// go through fsspec with the same size and rate bounds.
+
+Pushing (``pact-push``) writes to a local folder (plain path or file://) through a temp folder
+renamed into place, or to s3:// / hf:// / memory:// with the old manifest removed first and the new
+one written last; it never writes into the source artifact, a folder holding it, a file, or a
+non-empty folder that is not a pact artifact.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
+import http.client
 import json
 import os
+import posixpath
+import shutil
+import time
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
+from urllib.parse import quote, unquote, urljoin, urlsplit
 
-from .artifact import FORMAT_NAME, FORMAT_VERSION, array_nbytes, default_cache
+from .artifact import FORMAT_NAME, FORMAT_VERSION, _is_artifact, array_nbytes, default_cache, sweep_leftovers, work_path
 from .errors import ArtifactError, PactError, require, write_error
 
 SCHEMES = ("http", "https", "s3", "hf", "file", "memory")
-_META_MAX = 64 << 20  # a manifest or array metadata file larger than this is not one
+PUSH_SCHEMES = ("s3", "hf", "file", "memory")  # http(s) servers take no uploads
+_META_MAX = 16 << 20  # a manifest or array metadata file larger than this is not one (a 400B model's is ~2 MB)
+_SIDE_MAX = 64 << 20  # an hf/ file (config, tokenizer): convert/sources.py copies none larger
 _BLOCK = 8 << 20
+_REDIRECTS = 5  # same-origin hops per request; more is a loop
+_TIMEOUT_S = 60.0  # PACT_FETCH_TIMEOUT default: seconds without a byte, and the grace before the rate floor
+_MIN_RATE = 16 << 10  # PACT_FETCH_MIN_RATE default, bytes/s: slower than this on average is a stalled server
+
+
+def _limits() -> tuple[float, float]:
+    """(PACT_FETCH_TIMEOUT seconds, PACT_FETCH_MIN_RATE bytes/s), read at each fetch."""
+    out = []
+    for name, default, low in (("PACT_FETCH_TIMEOUT", _TIMEOUT_S, 1e-3), ("PACT_FETCH_MIN_RATE", _MIN_RATE, 0)):
+        raw = os.environ.get(name, "")
+        try:
+            v = float(raw) if raw.strip() else float(default)
+            assert low <= v < float("inf")
+        except (ValueError, AssertionError):
+            raise PactError(f"{name}={raw!r} is not a number >= {low}: set it like {name}={default:g}, "
+                            "or unset it") from None
+        out.append(v)
+    return out[0], out[1]
 
 
 def _fs(url: str):
@@ -42,46 +83,235 @@ def _fs(url: str):
     try:
         return fsspec.core.url_to_fs(url.rstrip("/"))
     except ImportError as e:  # the protocol's own package (s3fs, aiohttp) is missing
-        raise PactError(f"{url}: reading {scheme}:// needs a package that is not installed ({e}): "
+        raise PactError(f"{url}: {scheme}:// needs a package that is not installed ({e}): "
                         "pip install \"pact[remote]\"") from None
 
 
-def _read_small(fs, url: str, path: str, what: str) -> bytes:
-    try:
-        data = fs.cat_file(path, start=0, end=_META_MAX + 1)
-    except FileNotFoundError:
-        raise ArtifactError(f"{url}: {what} is missing on the server: not a pact artifact, or an incomplete "
-                            "upload (pact-push writes the manifest last)") from None
-    except PactError:
-        raise
-    except Exception as e:  # network errors come as the protocol library's own types
-        raise PactError(f"{url}: could not read {what} ({type(e).__name__}: {e}): check the URL and the "
-                        "network, then run again") from None
-    if len(data) > _META_MAX:
-        raise PactError(f"{url}: {what} is larger than {_META_MAX} bytes, not a metadata file: refusing it")
-    return data
+# --------------------------------------------------------------------------------------
+# where a manifest path may point
+
+
+def _check_rel(rel) -> str:
+    """``rel`` when it is a plain relative path inside the artifact, as written and percent-decoded
+    (repeatedly, as a lax server might); else one error."""
+    forms, p = [rel], rel
+    while isinstance(p, str) and (q := unquote(p)) != p:
+        forms.append(p := q)
+    for p in forms:
+        if (not isinstance(p, str) or not p or p.startswith("/") or "\\" in p or "\0" in p
+                or any(s in ("", ".", "..") for s in p.split("/"))):
+            raise ArtifactError(f"manifest names {rel!r}, outside the artifact or not a plain relative path "
+                                "(checked percent-decoded too): refusing it; the artifact is malformed or hostile")
+    return rel
+
+
+def _under(path: str, root: str, url: str, rel: str) -> str:
+    """``path`` when, normalized and percent-decoded, it still lies under ``root``; else one error."""
+    inside = posixpath.normpath(unquote(root) or "/").rstrip("/") + "/"
+    if not posixpath.normpath(unquote(path)).startswith(inside):
+        raise ArtifactError(f"{url}: {rel!r} resolves to {path}, outside the artifact's URL: refusing it")
+    return path
 
 
 def _plan(meta: dict) -> list[tuple[str, str | None, int | None]]:
-    """(relative path, sha256 or None, size or None) of every file of the artifact but the manifest."""
+    """(relative path, sha256 or None, size or None) of every file of the artifact but the manifest;
+    every path checked to lie inside the artifact, whatever the manifest says."""
     files = [("hf/zarr.json", None, None)]
-    files += [(f"hf/{rel}", digest, None) for rel, digest in meta["files"].items()]
-    for name, e in meta["tensors"].items():
-        files.append((f"tensors/{name}/zarr.json", None, None))
-        for spec in e["arrays"].values():
-            shape = spec["shape"]
-            files.append((f"{spec['path']}/zarr.json", None, None))
-            try:
-                nbytes = array_nbytes(spec)
-            except (KeyError, TypeError):
-                raise ArtifactError(f"manifest array {name} has dtype {spec.get('dtype')!r} or shape {shape!r}, which "
-                                    "pact does not store: not an artifact this version reads") from None
-            files.append(("/".join([spec["path"], "c", *(["0"] * len(shape))]), spec["sha256"], nbytes))
-    for rel, _, _ in files:  # nothing outside the folder, whatever the manifest says
-        parts = Path(rel).parts
-        if Path(rel).is_absolute() or ".." in parts or rel.startswith("/"):
-            raise ArtifactError(f"manifest names {rel!r}, outside the artifact: refusing it")
+    try:
+        files += [(f"hf/{_check_rel(rel)}", digest, None) for rel, digest in meta["files"].items()]
+        for name, e in meta["tensors"].items():
+            files.append((f"tensors/{_check_rel(name)}/zarr.json", None, None))
+            for spec in e["arrays"].values():
+                shape = spec["shape"]
+                files.append((f"{_check_rel(spec['path'])}/zarr.json", None, None))
+                try:
+                    nbytes = array_nbytes(spec)
+                except (KeyError, TypeError):
+                    raise ArtifactError(f"manifest array {name} has dtype {spec.get('dtype')!r} or shape {shape!r}, "
+                                        "which pact does not store: not an artifact this version reads") from None
+                files.append(("/".join([spec["path"], "c", *(["0"] * len(shape))]), spec["sha256"], nbytes))
+    except (KeyError, TypeError, AttributeError) as e:
+        raise ArtifactError(f"manifest is malformed ({type(e).__name__}: {e}): not an artifact this version "
+                            "reads") from None
+    for rel, _, _ in files:
+        _check_rel(rel)
     return files
+
+
+# --------------------------------------------------------------------------------------
+# reading: one source per URL, every body streamed through _pump's bounds
+
+
+def _origin(u) -> tuple[str, str, int]:
+    scheme = u.scheme.lower()
+    return scheme, (u.hostname or "").lower(), u.port or (443 if scheme == "https" else 80)
+
+
+class _Http:
+    """An http(s) artifact, read over one keep-alive connection to its origin (see the module doc)."""
+
+    def __init__(self, url: str):
+        u = urlsplit(url)
+        if not u.hostname:
+            raise PactError(f"{url}: no host in the URL: write it as http(s)://host[:port]/path/to/artifact")
+        self.url = url.rstrip("/")
+        self.origin = _origin(u)
+        self.base = u.path.rstrip("/") + "/"
+        self.query = f"?{u.query}" if u.query else ""
+        self.conn: http.client.HTTPConnection | None = None
+
+    def close(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
+            self.conn = None
+
+    def _abs(self, path: str) -> str:
+        s, h, p = self.origin
+        return f"{s}://{h}:{p}{path}"
+
+    def _send(self, path: str, headers: dict) -> http.client.HTTPResponse:
+        for attempt in (0, 1):
+            reused = self.conn is not None
+            if self.conn is None:
+                cls = http.client.HTTPSConnection if self.origin[0] == "https" else http.client.HTTPConnection
+                self.conn = cls(self.origin[1], self.origin[2], timeout=_limits()[0])
+            try:
+                self.conn.request("GET", path, headers={"User-Agent": "pact", **headers})
+                return self.conn.getresponse()
+            except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError):
+                self.close()  # a kept-alive connection the server had closed: one fresh try
+                if not reused or attempt:
+                    raise
+        raise AssertionError("unreachable")
+
+    def _get(self, rel: str, headers: dict) -> http.client.HTTPResponse:
+        path = _under(self.base + quote(rel, safe="/"), self.base, self.url, rel) + self.query
+        for _ in range(_REDIRECTS + 1):
+            r = self._send(path, headers)
+            if r.status not in (301, 302, 303, 307, 308):
+                return r
+            here, target = self._abs(path), urljoin(self._abs(path), r.getheader("Location") or "")
+            self.close()
+            t = urlsplit(target)
+            if _origin(t) != self.origin:
+                raise PactError(f"{self.url}: {rel}: the server redirects to {target}, another host or port: pact "
+                                f"follows redirects only within {self._abs('')}; if you trust that host, fetch the "
+                                "artifact from its URL directly")
+            path = (t.path or "/") + (f"?{t.query}" if t.query else "")
+        raise PactError(f"{self.url}: {rel}: more than {_REDIRECTS} redirects (last from {here}): check the URL")
+
+    @contextlib.contextmanager
+    def open(self, rel: str, start: int = 0) -> Iterator[tuple[Callable[[int], bytes], int, int | None]]:
+        """(read, first byte, the file's full size or None) of ``rel`` from byte ``start`` (a range
+        request; from 0 when the server sends the whole file)."""
+        r = self._get(rel, {"Range": f"bytes={start}-"} if start else {})
+        try:
+            if r.status in (404, 410):
+                raise FileNotFoundError(f"{self.url}/{rel}")
+            if r.status not in (200, 206):
+                raise OSError(f"HTTP {r.status} {r.reason}")
+            total = r.length
+            if r.status == 206:
+                first, _, size = (r.getheader("Content-Range") or "").removeprefix("bytes ").partition("/")
+                if not first.split("-")[0].isdigit() or int(first.split("-")[0]) != start:
+                    raise OSError(f"the server answered a request for bytes from {start} with {first or 'no range'}")
+                total = int(size) if size.isdigit() else None
+            else:
+                start = 0
+            yield r.read1, start, total
+        finally:
+            if not r.isclosed():  # not read to its end: this connection cannot carry the next request
+                r.close()
+                self.close()
+
+
+class _Fsspec:
+    """An artifact at an fsspec URL (s3://, hf://, file://, memory://)."""
+
+    def __init__(self, url: str):
+        self.url = url.rstrip("/")
+        self.fs, self.root = _fs(url)
+
+    def close(self) -> None:
+        pass
+
+    @contextlib.contextmanager
+    def open(self, rel: str, start: int = 0) -> Iterator[tuple[Callable[[int], bytes], int, int | None]]:
+        src = _under(f"{self.root}/{rel}", self.root, self.url, rel)
+        f, start = _open_at(self.fs, src, start)
+        with f:
+            yield f.read, start, None
+
+
+def _open_at(fs, src: str, have: int):
+    """The remote file positioned at byte ``have`` (a range request), or from its start when the
+    server does not honour ranges (then ``have`` is 0): (file, position)."""
+    if have:
+        try:
+            f = fs.open(src, "rb", block_size=_BLOCK)
+            f.seek(have)
+            return f, have
+        except (ValueError, OSError):
+            pass
+    return fs.open(src, "rb", block_size=0), 0
+
+
+def _source(url: str):
+    return _Http(url) if url.split("://", 1)[0].lower() in ("http", "https") else _Fsspec(url)
+
+
+class _TooLong(Exception):
+    pass
+
+
+class _TooSlow(Exception):
+    pass
+
+
+def _pump(read: Callable[[int], bytes], put: Callable[[bytes], object], have: int, limit: int) -> int:
+    """Stream blocks into ``put`` until the body ends; the bytes held then (``have`` before). Stops
+    with _TooLong the moment more than ``limit`` would be held, and with _TooSlow when, past
+    PACT_FETCH_TIMEOUT seconds, the average rate is under PACT_FETCH_MIN_RATE."""
+    timeout, min_rate = _limits()
+    t0, got = time.monotonic(), 0
+    while block := read(_BLOCK):
+        if have + got + len(block) > limit:
+            raise _TooLong(limit)
+        put(block)
+        got += len(block)
+        elapsed = time.monotonic() - t0
+        if elapsed > timeout and got < min_rate * elapsed:
+            raise _TooSlow(f"{got} bytes in {elapsed:.1f} s, under the {min_rate:g} bytes/s floor "
+                           "(PACT_FETCH_MIN_RATE)")
+    return have + got
+
+
+def _why(e: BaseException) -> str:
+    """A connection failure in a few words (a timeout named with the setting that bounds it)."""
+    if isinstance(e, TimeoutError):
+        return f"no data for {_limits()[0]:g} s (PACT_FETCH_TIMEOUT)"
+    if isinstance(e, _TooSlow):
+        return str(e)
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else 'no detail'}"
+
+
+def _read_small(src, url: str, rel: str, what: str) -> bytes:
+    out: list[bytes] = []
+    limit = _META_MAX
+    try:
+        with src.open(rel) as (read, _, _):
+            _pump(read, out.append, 0, limit)
+    except FileNotFoundError:
+        raise ArtifactError(f"{url}: {what} is missing on the server: not a pact artifact, or an incomplete "
+                            "upload (pact-push writes the manifest last)") from None
+    except _TooLong:
+        raise PactError(f"{url}: {what} is larger than {limit} bytes, not a metadata file: refusing it") from None
+    except PactError:
+        raise
+    except Exception as e:  # network errors come as the protocol library's own types
+        raise PactError(f"{url}: could not read {what} ({_why(e)}): check the URL and the network, then run "
+                        "again (a slow link: raise PACT_FETCH_TIMEOUT or lower PACT_FETCH_MIN_RATE)") from None
+    return b"".join(out)
 
 
 def _sha256(path: Path) -> str:
@@ -105,8 +335,15 @@ def _locked(lock: Path) -> Iterator[None]:
 
 def fetch_artifact(url: str, cache: Path | None = None) -> Path:
     """The local copy of the artifact at ``url`` (fetched, or already in the cache and complete)."""
-    fs, root = _fs(url)
-    raw = _read_small(fs, url, f"{root}/zarr.json", "zarr.json (the manifest)")
+    src = _source(url)
+    try:
+        return _fetch(src, url, cache)
+    finally:
+        src.close()
+
+
+def _fetch(src, url: str, cache: Path | None) -> Path:
+    raw = _read_small(src, url, "zarr.json", "zarr.json (the manifest)")
     try:
         meta = json.loads(raw)["attributes"]["pact"]
         fmt, version = meta.get("format"), meta.get("format_version")
@@ -130,68 +367,81 @@ def fetch_artifact(url: str, cache: Path | None = None) -> Path:
         part = base / f"{digest}.partial"
         part.mkdir(parents=True, exist_ok=True)
         for rel, sha, size in plan:
-            _fetch_file(fs, url, f"{root}/{rel}", part / rel, rel, sha, size)
-        (part / "zarr.json").write_bytes(raw)  # last: the folder is complete
+            _fetch_file(src, url, rel, part / rel, sha, size)
+        _write_local(part / "zarr.json", raw, url)  # last: the folder is complete
         os.replace(part, final)
     return final
 
 
-def _fetch_file(fs, url: str, src: str, dst: Path, rel: str, sha: str | None, size: int | None) -> None:
+def _write_local(dst: Path, data: bytes, url: str) -> None:
+    """``data`` into ``dst`` through a temp file, so a full disk never leaves a short file that a
+    resumed fetch would take as complete."""
+    tmp = dst.with_name(dst.name + ".part")
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, dst)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise write_error(e, dst, f"run again to resume {url}") from None
+
+
+def _fetch_file(src, url: str, rel: str, dst: Path, sha: str | None, size: int | None) -> None:
     if dst.is_file() and (sha is None or _sha256(dst) == sha):
         return  # from an interrupted fetch, and right
     dst.parent.mkdir(parents=True, exist_ok=True)
     if sha is None:
-        dst.write_bytes(_read_small(fs, url, src, rel))
+        _write_local(dst, _read_small(src, url, rel, rel), url)
         return
+    limit = size if size is not None else _SIDE_MAX
     tmp = dst.with_name(dst.name + ".part")
     have = tmp.stat().st_size if tmp.is_file() else 0
-    if size is not None and have > size:
+    if have > limit:
         tmp.unlink()
         have = 0
+    total = None
     fout = None
+
+    def put(block: bytes) -> None:
+        try:
+            fout.write(block)
+        except OSError as e:  # local: a full disk, not the connection
+            raise write_error(e, tmp, f"run again to resume {url}") from None
+
     try:
-        fin, have = _open_at(fs, src, have)
-        with fin:
+        with src.open(rel, have) as (read, have, total):
+            if size is not None and total is not None and total != size:
+                raise ArtifactError(f"{url}: {rel} is {total} bytes on the server, the manifest says {size}: the "
+                                    "artifact there is inconsistent; ask its publisher to push it again")
             try:
                 fout = open(tmp, "ab" if have else "wb")
             except OSError as e:
                 raise write_error(e, tmp, "nothing else was changed") from None
-            while block := fin.read(_BLOCK):
-                try:
-                    fout.write(block)
-                except OSError as e:  # local: a full disk, not the connection
-                    raise write_error(e, tmp, f"run again to resume {url}") from None
+            _pump(read, put, have, limit)
     except PactError:
         raise
     except FileNotFoundError:
         raise ArtifactError(f"{url}: {rel} is missing on the server: the artifact there is incomplete; "
                             "ask its publisher to push it again") from None
-    except Exception as e:  # aiohttp / botocore / OSError from the connection: it dropped
-        raise PactError(_broken(url, rel, tmp, size, f"{type(e).__name__}: {e}")) from None
+    except _TooLong:
+        fout.close()
+        tmp.unlink(missing_ok=True)
+        bound = (f"the {size} bytes the manifest gives it" if size is not None
+                 else f"{limit} bytes (no hf/ file is larger)")
+        raise ArtifactError(f"{url}: {rel}: the server sent more than {bound}: stopped there and discarded the copy; "
+                            "the server or the artifact there is broken") from None
+    except Exception as e:  # OSError, timeouts, aiohttp / botocore errors from the connection: it dropped
+        raise PactError(_broken(url, rel, tmp, size, _why(e))) from None
     finally:
         if fout is not None:
             fout.close()
     got = tmp.stat().st_size
-    if size is not None and got != size:
-        raise PactError(_broken(url, rel, tmp, size, f"{got} bytes arrived"))
+    if (size is not None and got != size) or (size is None and total is not None and got != total):
+        raise PactError(_broken(url, rel, tmp, size if size is not None else total, "the connection closed early"))
     if _sha256(tmp) != sha:
         tmp.unlink()
         raise ArtifactError(f"{url}: {rel}: sha256 differs from the manifest's (the server sent other bytes): "
                             "the copy was discarded; run again, or ask the publisher to push the artifact again")
     os.replace(tmp, dst)
-
-
-def _open_at(fs, src: str, have: int):
-    """The remote file positioned at byte ``have`` (a range request), or from its start when the
-    server does not honour ranges (then ``have`` is 0): (file, position)."""
-    if have:
-        try:
-            f = fs.open(src, "rb", block_size=_BLOCK)
-            f.seek(have)
-            return f, have
-        except (ValueError, OSError):
-            pass
-    return fs.open(src, "rb", block_size=0), 0
 
 
 def _broken(url: str, rel: str, tmp: Path, size: int | None, why) -> str:
@@ -200,21 +450,136 @@ def _broken(url: str, rel: str, tmp: Path, size: int | None, why) -> str:
             f"({why}); run again to resume")
 
 
+# --------------------------------------------------------------------------------------
+# pushing
+
+
 def push_artifact(path, dest: str, *, overwrite: bool = False) -> str:
-    """Upload the (verified) artifact at ``path`` to the fsspec destination ``dest``, the manifest
-    last, so a reader never sees a partial artifact."""
+    """Upload the (verified) artifact at ``path`` to ``dest``: a local folder (plain path or file://)
+    through a temp folder renamed into place, or s3:// / hf:// with the manifest last, so a reader
+    never sees a partial artifact. Refused before anything is written: an http(s) destination, the
+    source itself (or a folder inside it or holding it), a file, and a non-empty destination that
+    is not a pact artifact; an artifact already there only with ``overwrite``."""
     from .artifact import open_artifact
 
+    scheme = dest.split("://", 1)[0].lower() if "://" in dest else "file"
+    if scheme not in PUSH_SCHEMES:
+        serve = ", then serve that folder over HTTP" if scheme in ("http", "https") else ""
+        raise PactError(f"{dest}: pact-push writes to a local folder, {', '.join(s + '://' for s in PUSH_SCHEMES)}, "
+                        f"not {scheme}:// (http(s) is read-only): push to one of those{serve}")
     art = open_artifact(path)
-    art.verify()
+    if scheme == "file":
+        local = _local_dest(art.path, Path(dest.removeprefix("file://")), dest, overwrite)
+        art.verify()
+        _push_local(art, local, dest)
+        return dest
     fs, root = _fs(dest)
-    if fs.exists(f"{root}/zarr.json") and not overwrite:
-        raise PactError(f"{dest} already holds an artifact: choose another destination or pass --overwrite")
-    if fs.exists(f"{root}/zarr.json"):
-        fs.rm(f"{root}/zarr.json")  # readers see no artifact until the new manifest lands
-    for rel, _, _ in _plan(art.meta):
-        fs.makedirs(f"{root}/{Path(rel).parent}", exist_ok=True)
-        fs.put_file(str(art.path / rel), f"{root}/{rel}")
-    fs.put_file(str(art.path / "zarr.json"), f"{root}/zarr.json")
+    try:
+        _push_remote(art, fs, root, dest, overwrite)
+    except PactError:
+        raise
+    except Exception as e:  # hf / s3 / network libraries' own errors: one line at this boundary
+        raise PactError(_push_failed(dest, scheme, e)) from None
     return dest
 
+
+def _push_failed(dest: str, scheme: str, e: Exception) -> str:
+    fix = {"hf": "check the network, that the repo exists and that you are logged in with write access "
+                 "(huggingface-cli login, or HF_TOKEN; HF_HUB_OFFLINE must be unset)",
+           "s3": "check the network, the bucket and your AWS credentials (AWS_PROFILE, or AWS_ACCESS_KEY_ID and "
+                 "AWS_SECRET_ACCESS_KEY)"}.get(scheme, "check the destination and run again")
+    return f"{dest}: could not push ({_why(e)}): {fix}; no manifest was written there, so readers see no new artifact"
+
+
+def _local_dest(src: Path, dst: Path, dest: str, overwrite: bool) -> Path:
+    """The resolved folder a local push may write, or one error (checked before anything is written)."""
+    s, d = src.resolve(), dst.resolve()
+    if d == s or s in d.parents or d in s.parents:
+        raise PactError(f"{dest} is the artifact {src} itself, inside it or a folder holding it: pushing there would "
+                        "destroy it; choose a destination outside it")
+    if d.exists() and not d.is_dir():
+        raise PactError(f"{dest} is a file, not a folder: choose a new or empty folder as the destination")
+    if d.is_dir() and any(d.iterdir()):
+        if not _is_artifact(d):
+            raise PactError(f"{dest} is a folder holding other files, not a pact artifact: pact-push writes only to a "
+                            "new or empty folder, or with --overwrite over an artifact; choose another destination")
+        if not overwrite:
+            raise PactError(f"{dest} already holds an artifact: choose another destination or pass --overwrite")
+    return d
+
+
+def _push_local(art, d: Path, dest: str) -> None:
+    """Copy every file into a temp folder beside ``d`` (the manifest last), then rename it into place;
+    a failure removes the temp folder and leaves ``d`` as it was."""
+    sweep_leftovers(d)
+    tmp, old, emptied, rel = work_path(d, "tmp"), None, False, "zarr.json"
+    try:
+        for rel in [r for r, _, _ in _plan(art.meta)] + ["zarr.json"]:
+            (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(art.path / rel, tmp / rel)
+        if d.is_dir() and any(d.iterdir()):  # an artifact, checked by _local_dest
+            old = work_path(d, "old")
+            os.rename(d, old)
+        elif d.is_dir():
+            d.rmdir()
+            emptied = True
+        os.rename(tmp, d)
+    except OSError as e:
+        if old is not None and not d.exists():
+            os.rename(old, d)
+            old = None
+        if emptied and not d.exists():
+            d.mkdir()
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise write_error(e, d / rel, f"nothing at {dest} was changed") from None
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+_MARK = ".pact-push"  # written first by a remote push, removed last: what it left, a rerun may resume
+
+
+def _remote_state(fs, root: str) -> str:
+    """"artifact" (a pact manifest at ``root``), "empty" (nothing, or only dotfiles such as a new
+    Hub repo's .gitattributes, or what an interrupted pact-push left: its marker, no manifest) or
+    "other"."""
+    manifest = f"{root}/zarr.json"
+    if fs.exists(manifest):
+        try:
+            doc = json.loads(fs.cat_file(manifest, start=0, end=_META_MAX))
+            return "artifact" if doc["attributes"]["pact"]["format"] == FORMAT_NAME else "other"
+        except (ValueError, KeyError, TypeError):
+            return "other"
+    try:
+        names = [posixpath.basename(p.rstrip("/")) for p in fs.ls(root, detail=False)]
+    except FileNotFoundError:
+        return "empty"
+    return "other" if _MARK not in names and any(not n.startswith(".") for n in names) else "empty"
+
+
+def _push_remote(art, fs, root: str, dest: str, overwrite: bool) -> None:
+    state = _remote_state(fs, root)
+    if state == "other":
+        raise PactError(f"{dest} holds other files and is not a pact artifact: pact-push writes only to an empty "
+                        "destination, or with --overwrite over an artifact; choose another destination")
+    if state == "artifact" and not overwrite:
+        raise PactError(f"{dest} already holds an artifact: choose another destination or pass --overwrite")
+    art.verify()
+    manifest, rel = f"{root}/zarr.json", _MARK
+    try:
+        fs.pipe_file(f"{root}/{_MARK}", b"an interrupted pact-push; run it again to finish\n")
+        if state == "artifact":
+            fs.rm(manifest)  # readers see no artifact until the new manifest lands
+        for rel in [r for r, _, _ in _plan(art.meta)] + ["zarr.json"]:  # the manifest last
+            fs.makedirs(posixpath.dirname(f"{root}/{rel}"), exist_ok=True)
+            fs.put_file(str(art.path / rel), f"{root}/{rel}")
+    except Exception as e:
+        if rel == "zarr.json":  # never leave a half-written manifest that reads as an artifact
+            with contextlib.suppress(Exception):
+                fs.rm(manifest)
+        if not isinstance(e, OSError) or e.errno != errno.ENOSPC:
+            raise
+        raise write_error(e, f"{dest}/{rel}", "the manifest was not written, so readers see no artifact there; "
+                          "run again") from None
+    with contextlib.suppress(Exception):  # complete: the marker is only a leftover now
+        fs.rm(f"{root}/{_MARK}")

@@ -1,0 +1,377 @@
+"""Red-team findings on artifacts at URLs and pact-push, one test each: hostile loopback servers
+(redirects to another host or port, endless bodies, a drip, a stall) and destinations that a push
+must not destroy (the source itself, a user's folder, a file, a full disk). Every failure is one
+line naming the URL/destination and the fix; every test runs in a few seconds."""
+
+import contextlib
+import errno
+import hashlib
+import http.server
+import json
+import shutil
+import threading
+import time
+from pathlib import Path
+from urllib.parse import unquote
+
+import pytest
+from click.testing import CliRunner
+
+from conftest import make_model
+from pact.convert import convert
+from pact.formats import ArtifactError, PactError, open_artifact
+from pact.formats import remote
+from pact.pipelines.push import main as push_cli
+
+_CAP = 64 << 20  # an "endless" body stops here, so a broken client cannot fill the disk
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    """Files under ``root``, decoded and normalized like a lax server would (so ``%2e%2e`` climbs).
+    ``mode`` (chunks are paths with ``/c/``): "redirect-other" / "redirect-manifest" send a chunk /
+    the manifest to ``other`` (another origin); "redirect-same" sends chunks to the same path with
+    ``?hop=1``; "endless-chunk" / "endless-manifest" never end the body; "drip" sends a chunk one
+    byte per 0.2 s; "stall" sends a chunk's headers and then nothing."""
+
+    root, mode, other = ".", None, ""
+    seen: list = []
+    log_message = lambda *a: None  # noqa: E731
+
+    def do_GET(self):
+        self.seen.append(self.path)
+        path, _, query = self.path.partition("?")
+        chunk, manifest = "/c/" in path, path.endswith("/art/zarr.json")
+        if (self.mode == "redirect-other" and chunk) or (self.mode == "redirect-manifest" and manifest):
+            return self._redirect(self.other + self.path)
+        if self.mode == "redirect-same" and chunk and not query:
+            return self._redirect(path.rsplit("/", 1)[-1] + "?hop=1")  # relative, same origin
+        if (self.mode == "endless-chunk" and chunk) or (self.mode == "endless-manifest" and manifest):
+            return self._endless()
+        f = Path(self.root) / Path(unquote(path)).resolve().relative_to("/")
+        if not f.is_file():
+            return self.send_error(404)
+        data = f.read_bytes()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # the client gave up: so do we
+            if chunk and self.mode in ("drip", "stall"):
+                for i in range(len(data)):
+                    time.sleep(0.2 if self.mode == "drip" else 5)
+                    self.wfile.write(data[i : i + 1])
+                    self.wfile.flush()
+            else:
+                self.wfile.write(data)
+
+    def _redirect(self, location):
+        self.send_response(302)
+        self.send_header("Location", location)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def _endless(self):
+        self.send_response(200)  # no Content-Length: the body ends when the connection does
+        self.end_headers()
+        block = b"\x00" * (64 << 10)
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            for _ in range(_CAP // len(block)):
+                self.wfile.write(block)
+
+
+def _serve(root, host="127.0.0.1"):
+    handler = type("H", (_Handler,), {"root": str(root), "seen": []})
+    server = http.server.ThreadingHTTPServer((host, 0), handler)
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    return server, handler, f"http://{host}:{server.server_address[1]}"
+
+
+@pytest.fixture(scope="module")
+def www(tmp_path_factory):
+    d = tmp_path_factory.mktemp("srv")
+    make_model(d / "src", "llama")
+    convert(str(d / "src"), d / "www" / "art", progress=False)
+    (d / "www" / "ok").mkdir()
+    (d / "www" / "ok" / "secret.json").write_text('{"token": "hunter2"}')
+    return d / "www"
+
+
+@pytest.fixture
+def servers(www):
+    """The artifact's server, and two other origins: the same host on another port, another host."""
+    made = [_serve(www), _serve(www), _serve(www, "127.0.0.2")]
+    yield {"main": made[0], "port": made[1], "host": made[2]}
+    for server, _, _ in made:
+        server.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("PACT_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def _final_copies(cache):
+    return [p for p in (cache / "artifacts").glob("*") if p.is_dir() and not p.name.endswith(".partial")]
+
+
+# --------------------------------------------------------------------------------------
+# fetch
+
+
+@pytest.mark.parametrize("other", ["port", "host"])
+@pytest.mark.parametrize("what", ["chunk", "manifest"])
+def test_cross_origin_redirect_refused(servers, cache, other, what):
+    """Finding 1: a redirect to another host or port, for a chunk or for the manifest itself, is
+    refused in one line naming both URLs; the other origin never gets a request."""
+    _, handler, base = servers["main"]
+    _, other_handler, other_base = servers[other]
+    handler.mode, handler.other = f"redirect-{'other' if what == 'chunk' else 'manifest'}", other_base
+    match = rf"^{base}/art: .*redirects to {other_base}/art/.*another host or port: .*only within {base}; .*directly$"
+    with pytest.raises(PactError, match=match):
+        open_artifact(f"{base}/art")
+    assert other_handler.seen == [] and not _final_copies(cache)
+
+
+def test_same_origin_redirect_followed(servers, cache):
+    _, handler, base = servers["main"]
+    handler.mode = "redirect-same"
+    art = open_artifact(f"{base}/art")
+    art.verify()
+    assert any(p.endswith("?hop=1") for p in handler.seen)
+
+
+def test_percent_encoded_path_refused(www, servers, cache):
+    """Finding 2: a manifest naming ``%2e%2e/%2e%2e/%2e%2e/ok/secret.json`` (with the secret's true
+    sha256) is refused before any chunk is fetched; the secret is never requested nor cached."""
+    _, handler, base = servers["main"]
+    evil = www / "evil"
+    if not evil.exists():
+        shutil.copytree(www / "art", evil)
+        doc = json.loads((evil / "zarr.json").read_text())
+        sha = hashlib.sha256((www / "ok" / "secret.json").read_bytes()).hexdigest()
+        doc["attributes"]["pact"]["files"]["%2e%2e/%2e%2e/%2e%2e/ok/secret.json"] = sha
+        (evil / "zarr.json").write_text(json.dumps(doc))
+    with pytest.raises(ArtifactError, match=r"manifest names '%2e%2e/.*outside the artifact.*percent-decoded"):
+        open_artifact(f"{base}/evil")
+    assert handler.seen == ["/evil/zarr.json"]
+    assert not list(cache.rglob("secret.json"))
+
+
+@pytest.mark.parametrize("rel", ["a/../b", "/etc/passwd", "a\\..\\b", "a//b", "a/./b", "", "a/\0b", "%2fetc/passwd",
+                                 "%2e%2e/x", "%252e%252e/x", "a/%2e/b", 7])
+def test_manifest_paths_refused(rel):
+    with pytest.raises(ArtifactError, match="outside the artifact or not a plain relative path"):
+        remote._check_rel(rel)
+
+
+def test_manifest_paths_accepted_and_url_prefix():
+    for rel in ("tokenizer.json", "tensors/model.layers.0.mlp.down_proj/fwd_packed/c/0/0"):
+        assert remote._check_rel(rel) == rel
+    assert remote._under("/pub/art/hf/x.json", "/pub/art/", "http://h/pub/art", "hf/x.json")
+    with pytest.raises(ArtifactError, match=r"resolves to /pub/art/%2e%2e/x, outside the artifact's URL"):
+        remote._under("/pub/art/%2e%2e/x", "/pub/art/", "http://h/pub/art", "../x")
+
+
+def test_endless_chunk_stops_at_manifest_size(servers, cache):
+    """Finding 3: a chunk body that never ends stops as soon as it passes the manifest's size; the
+    partial copy is discarded."""
+    _, handler, base = servers["main"]
+    handler.mode = "endless-chunk"
+    t0 = time.monotonic()
+    with pytest.raises(ArtifactError, match=rf"^{base}/art: tensors/.*/c/0.*: the server sent more than the \d+ bytes "
+                                            "the manifest gives it: stopped there and discarded the copy"):
+        open_artifact(f"{base}/art")
+    assert time.monotonic() - t0 < 5
+    assert not list(cache.rglob("*.part")) and not _final_copies(cache)
+
+
+def test_endless_manifest_bounded(servers, cache):
+    """Finding 4: a manifest body that never ends is cut at 16 MiB with one line."""
+    _, handler, base = servers["main"]
+    handler.mode = "endless-manifest"
+    with pytest.raises(PactError, match=rf"^{base}/art: zarr.json \(the manifest\) is larger than {16 << 20} bytes, "
+                                        "not a metadata file: refusing it$"):
+        open_artifact(f"{base}/art")
+
+
+def test_drip_and_stall_fail_fast(servers, cache, monkeypatch):
+    """Finding 5: one byte per 0.2 s fails on the rate floor, a server that goes quiet on the stall
+    bound; both in about a second here (PACT_FETCH_TIMEOUT / PACT_FETCH_MIN_RATE set low); run
+    again resumes."""
+    _, handler, base = servers["main"]
+    monkeypatch.setenv("PACT_FETCH_TIMEOUT", "0.5")
+    monkeypatch.setenv("PACT_FETCH_MIN_RATE", "1000")
+    handler.mode = "drip"
+    t0 = time.monotonic()
+    with pytest.raises(PactError, match=r"broke off after \d+ of \d+ bytes \(\d+ bytes in [\d.]+ s, under the 1000 "
+                                        r"bytes/s floor \(PACT_FETCH_MIN_RATE\)\); run again to resume$"):
+        open_artifact(f"{base}/art")
+    assert time.monotonic() - t0 < 4
+    handler.mode = "stall"
+    t0 = time.monotonic()
+    with pytest.raises(PactError, match=r"broke off after \d+ of \d+ bytes \(no data for 0.5 s "
+                                        r"\(PACT_FETCH_TIMEOUT\)\); run again to resume$"):
+        open_artifact(f"{base}/art")
+    assert time.monotonic() - t0 < 4
+    monkeypatch.setenv("PACT_FETCH_TIMEOUT", "soon")
+    with pytest.raises(PactError, match=r"PACT_FETCH_TIMEOUT='soon' is not a number >= 0.001: set it like "
+                                        r"PACT_FETCH_TIMEOUT=60"):
+        open_artifact(f"{base}/art")
+    monkeypatch.delenv("PACT_FETCH_TIMEOUT")
+    handler.mode = None
+    open_artifact(f"{base}/art").verify()
+
+
+# --------------------------------------------------------------------------------------
+# push
+
+
+def _push(*args):
+    r = CliRunner().invoke(push_cli, [str(a) for a in args])
+    if r.exit_code:
+        assert r.output.startswith("Error: ") and r.output.strip().count("\n") == 0, r.output
+        assert r.exception is None or isinstance(r.exception, SystemExit), r.exception
+    return r
+
+
+@pytest.fixture
+def art(www, tmp_path):
+    shutil.copytree(www / "art", tmp_path / "art")
+    return tmp_path / "art"
+
+
+def test_push_onto_itself_refused(art, tmp_path, monkeypatch):
+    """Finding 6: the source itself (file:// or plain, by a relative path too), a folder inside it
+    or one holding it: refused before anything is touched, --overwrite or not."""
+    monkeypatch.chdir(tmp_path)
+    for dest in (f"file://{art}", str(art), "art", "./art/../art", f"{art}/hf", str(tmp_path)):
+        r = _push(art, dest, "--overwrite")
+        assert r.exit_code == 1 and "would destroy it; choose a destination outside it" in r.output, (dest, r.output)
+    open_artifact(art).verify()
+
+
+def test_push_into_users_folder_refused(art, tmp_path):
+    """Finding 7: a non-empty folder that is not an artifact is refused with or without --overwrite,
+    and left exactly as it was; an empty folder is fine; --overwrite replaces an artifact only."""
+    user = tmp_path / "dir"
+    (user / "hf").mkdir(parents=True)
+    (user / "hf" / "tokenizer.json").write_text("mine")
+    for flags in ([], ["--overwrite"]):
+        r = _push(art, f"file://{user}", *flags)
+        assert r.exit_code == 1 and "holding other files, not a pact artifact" in r.output, r.output
+    assert sorted(p.relative_to(user).as_posix() for p in user.rglob("*")) == ["hf", "hf/tokenizer.json"]
+    assert (user / "hf" / "tokenizer.json").read_text() == "mine"
+    (tmp_path / "empty").mkdir()
+    assert _push(art, tmp_path / "empty").exit_code == 0
+    assert _push(art, tmp_path / "empty").exit_code == 1
+    assert _push(art, tmp_path / "empty", "--overwrite").exit_code == 0
+    open_artifact(tmp_path / "empty").verify()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp folders left
+
+
+def test_push_plain_folder_http_and_file(art, tmp_path, monkeypatch):
+    """Finding 8: a plain local path is a destination like file://. Finding 9: http(s):// and an
+    existing file are refused, one line each."""
+    monkeypatch.chdir(tmp_path)
+    r = _push(art, "plain/folder")
+    assert r.exit_code == 0, r.output
+    open_artifact(tmp_path / "plain" / "folder").verify()
+    r = _push(art, "http://127.0.0.1:9/art")
+    assert r.exit_code == 1 and "http://127.0.0.1:9/art: pact-push writes to a local folder" in r.output
+    assert "http(s) is read-only" in r.output
+    (tmp_path / "a-file").write_text("x")
+    for dest in ("a-file", f"file://{tmp_path}/a-file"):
+        r = _push(art, dest)
+        assert r.exit_code == 1 and f"{dest} is a file, not a folder" in r.output, r.output
+    assert (tmp_path / "a-file").read_text() == "x"
+
+
+def test_push_hf_offline_and_s3_without_credentials(art, monkeypatch):
+    """Finding 10: the Hub offline, and S3 without credentials (its library's error, raised by a
+    stand-in filesystem as botocore would: s3fs is not needed), are one line naming the fix."""
+    hub = pytest.importorskip("huggingface_hub.constants")
+    monkeypatch.setattr(hub, "HF_HUB_OFFLINE", True)
+    r = _push(art, "hf://pact-no-such-org/no-such-repo")
+    assert r.exit_code == 1 and r.output.startswith("Error: hf://pact-no-such-org/no-such-repo: could not push (")
+    assert "logged in with write access" in r.output and "HF_HUB_OFFLINE must be unset" in r.output
+
+    class NoCredentialsError(Exception):  # botocore.exceptions.NoCredentialsError's name and text
+        pass
+
+    class NoCredentials:
+        def __getattr__(self, name):
+            def fail(*a, **k):
+                raise NoCredentialsError("Unable to locate credentials")
+            return fail
+
+    monkeypatch.setattr(remote, "_fs", lambda url: (NoCredentials(), "bucket/art"))
+    r = _push(art, "s3://bucket/art")
+    assert r.exit_code == 1 and r.output.strip() == (
+        "Error: s3://bucket/art: could not push (NoCredentialsError: Unable to locate credentials): check the "
+        "network, the bucket and your AWS credentials (AWS_PROFILE, or AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY); "
+        "no manifest was written there, so readers see no new artifact")
+
+
+def test_push_disk_full_local(art, tmp_path, monkeypatch):
+    """Finding 11, a local destination: the disk fills on the third file; one line, the temp folder
+    removed, the destination (absent, or an artifact under --overwrite) as it was."""
+    real, calls = shutil.copyfile, []
+
+    def full(src, dst, *a, **k):
+        calls.append(dst)
+        if len(calls) % 3 == 0:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(src, dst, *a, **k)
+
+    assert _push(art, tmp_path / "old").exit_code == 0
+    before = sorted(p.relative_to(tmp_path / "old") for p in (tmp_path / "old").rglob("*"))
+    monkeypatch.setattr(shutil, "copyfile", full)
+    for dest, flags in ((tmp_path / "new", []), (tmp_path / "old", ["--overwrite"])):
+        r = _push(art, dest, *flags)
+        assert r.exit_code == 1 and "could not write (the disk is full)" in r.output, r.output
+        assert f"nothing at {dest} was changed" in r.output
+    monkeypatch.setattr(shutil, "copyfile", real)
+    assert not (tmp_path / "new").exists()
+    assert sorted(p.relative_to(tmp_path / "old") for p in (tmp_path / "old").rglob("*")) == before
+    open_artifact(tmp_path / "old").verify()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+@pytest.mark.parametrize("failing", ["hf/zarr.json", "zarr.json"])
+def test_push_disk_full_remote(art, monkeypatch, failing):
+    """Finding 11, a remote destination (memory://): a metadata write, or the manifest's own, fails
+    with a full disk; one line, and no manifest there, so no reader takes it for an artifact."""
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    dest = f"memory://pact-red-team/full-{failing.replace('/', '-')}"
+    real = MemoryFileSystem.put_file
+
+    def full(self, lpath, rpath, *a, **k):
+        if rpath.endswith(f"full-{failing.replace('/', '-')}/{failing}"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, lpath, rpath, *a, **k)
+
+    monkeypatch.setattr(MemoryFileSystem, "put_file", full)
+    r = _push(art, dest)
+    assert r.exit_code == 1 and f"{dest}/{failing}: could not write (the disk is full)" in r.output, r.output
+    assert "the manifest was not written, so readers see no artifact there" in r.output
+    fs = MemoryFileSystem()
+    assert not fs.exists(f"/pact-red-team/full-{failing.replace('/', '-')}/zarr.json")
+    with pytest.raises(ArtifactError, match="is missing on the server"):
+        open_artifact(dest)
+    monkeypatch.setattr(MemoryFileSystem, "put_file", real)
+    assert _push(art, dest).exit_code == 0  # a rerun finishes what the failed push left (its marker)
+    open_artifact(dest).verify()
+    assert not fs.exists(f"/pact-red-team/full-{failing.replace('/', '-')}/{remote._MARK}")
+
+
+def test_push_remote_refuses_other_files(art):
+    """Finding 7 for a remote destination: files that are not an artifact are never overwritten."""
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    MemoryFileSystem().pipe_file("/pact-red-team/user/notes.txt", b"mine")
+    for flags in ([], ["--overwrite"]):
+        r = _push(art, "memory://pact-red-team/user", *flags)
+        assert r.exit_code == 1 and "holds other files and is not a pact artifact" in r.output, r.output
+    assert MemoryFileSystem().cat_file("/pact-red-team/user/notes.txt") == b"mine"
+    assert not MemoryFileSystem().exists("/pact-red-team/user/zarr.json")
