@@ -1,6 +1,11 @@
 """The one exception type pact raises for bad input: its message names the thing and the fix."""
 
 
+# The distribution's name on the package index ("pact" there is an unrelated library): what every
+# install hint names. The import name stays `pact`.
+DISTRIBUTION = "pact-nvfp4"
+
+
 class PactError(ValueError):
     """Bad input or a broken artifact. The message says which file/flag and how to fix it."""
 
@@ -16,7 +21,7 @@ def require(module: str, extra: str, purpose: str):
     try:
         return importlib.import_module(module)
     except ImportError:
-        raise PactError(f"{purpose} needs the {module.split('.')[0]} package: pip install \"pact[{extra}]\"") from None
+        raise PactError(f"{purpose} needs the {module.split('.')[0]} package: pip install \"{DISTRIBUTION}[{extra}]\"") from None
 
 
 def write_error(e: OSError, path, what: str) -> PactError:

@@ -46,7 +46,7 @@ from typing import Callable, Iterator
 from urllib.parse import quote, unquote, urljoin, urlsplit
 
 from .artifact import FORMAT_NAME, FORMAT_VERSION, _is_artifact, array_nbytes, default_cache, sweep_leftovers, work_path
-from .errors import ArtifactError, PactError, require, write_error
+from .errors import DISTRIBUTION, ArtifactError, PactError, require, write_error
 
 SCHEMES = ("http", "https", "s3", "hf", "file", "memory")
 PUSH_SCHEMES = ("s3", "hf", "file", "memory")  # http(s) servers take no uploads
@@ -84,7 +84,7 @@ def _fs(url: str):
         return fsspec.core.url_to_fs(url.rstrip("/"))
     except ImportError as e:  # the protocol's own package (s3fs, aiohttp) is missing
         raise PactError(f"{url}: {scheme}:// needs a package that is not installed ({e}): "
-                        "pip install \"pact[remote]\"") from None
+                        f"pip install \"{DISTRIBUTION}[remote]\"") from None
 
 
 # --------------------------------------------------------------------------------------
@@ -354,7 +354,7 @@ def _fetch(src, url: str, cache: Path | None) -> Path:
         raise ArtifactError(f"{url}/zarr.json: format is {fmt!r}, not {FORMAT_NAME!r}")
     if not isinstance(version, int) or version > FORMAT_VERSION:
         raise ArtifactError(f"{url}: artifact format version {version} is newer than this pact reads "
-                            f"({FORMAT_VERSION}): upgrade pact (pip install -U pact)")
+                            f"({FORMAT_VERSION}): upgrade pact (pip install -U {DISTRIBUTION})")
     digest = hashlib.sha256(raw).hexdigest()
     base = (cache or default_cache()) / "artifacts"
     final = base / digest
