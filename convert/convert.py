@@ -15,8 +15,8 @@ from tqdm.auto import tqdm
 
 from pact import __version__
 from pact.formats import ArtifactWriter, PactError, check_output, classify, family_of
-from pact.formats.families import VISION_FAMILIES, check_config
-from pact.formats.artifact import work_path
+from pact.formats.families import VISION_FAMILIES
+from pact.formats.artifact import check_config_shapes, work_path
 from pact.formats.errors import write_error
 from pact.formats.nvfp4 import (BLOCK, SCALE_RULES, SCALINGS, dequantize, global_scale_from_amax, quantize,
                                 quantize_weight)
@@ -107,9 +107,22 @@ def convert(
         remove_tree(workdir)
 
 
+def _check_names(config: dict, source: str) -> None:
+    """``architectures`` a list of names and ``model_type`` a name (family_of looks them up)."""
+    archs, model_type = config.get("architectures"), config.get("model_type")
+    if archs is not None and not (isinstance(archs, list) and all(isinstance(a, str) for a in archs)):
+        raise PactError(f"{source}: 'architectures' is {archs!r}, not a list of class names: restore the model's "
+                        "own config.json")
+    if model_type is not None and not isinstance(model_type, str):
+        raise PactError(f"{source}: 'model_type' is {model_type!r}, not a name: restore the model's own config.json")
+
+
 def _convert(source: Source, out: Path, *, scaling: str, block_scales: str, keep_bf16: float, overwrite: bool, progress: bool) -> Path:
-    family = family_of(source.config, str(source.folder / "config.json"))
-    check_config(source.config, source.names(), str(source.folder / "config.json"))
+    cfg_file = str(source.folder / "config.json")
+    _check_names(source.config, cfg_file)
+    family = family_of(source.config, cfg_file)
+    # sizes valid and fitting every tensor's header shape (an imported NVFP4 weight: its [N, K]), before any work
+    check_config_shapes(source.config, {name: source.shape(name) for name in source.names()}, cfg_file)
     if source.packed and scaling != "1d":
         raise PactError(f"{source.folder}: an NVFP4 checkpoint keeps its own 1x16 blocks (imported as they are): "
                         "drop --scaling 2d")

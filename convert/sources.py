@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import re
 import shutil
 import struct
@@ -19,7 +20,7 @@ from pathlib import Path
 import torch
 
 from pact.formats import PactError
-from pact.formats.artifact import sha256_file
+from pact.formats.artifact import SIDE_FILES, read_json, sha256_file
 from pact.formats.nvfp4 import NVFP4Tensor, dequantize
 
 log = logging.getLogger(__name__)
@@ -28,10 +29,6 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".ckpt")
 _SIDE_FILE_MAX = 64 << 20  # tokenizer/config/processor files; anything larger is not one
 # what an artifact's hf/ may hold: config, tokenizer, chat template and image processor files
-SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-              "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model",
-              "chat_template.jinja", "chat_template.json", "preprocessor_config.json", "processor_config.json",
-              "video_preprocessor_config.json")
 # compressed-tensors' NVFP4 layout (llm-compressor's output, what vLLM loads): per quantized Linear,
 # weight_packed uint8 [N, K/2] (E2M1 codes, low nibble first, bit 3 the sign: pact's own packing),
 # weight_scale e4m3 [N, K/16] and weight_global_scale fp32 [1] in the encode direction (1 / pact's g);
@@ -49,13 +46,25 @@ _ST_DTYPES = {
 }
 
 
+_ST_HEADER_MAX = 100_000_000  # safetensors' own bound on the JSON header
+
+
+def _unique_keys(pairs: list) -> dict:
+    keys = [k for k, _ in pairs]
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"key {next(k for k in keys if keys.count(k) > 1)!r} appears twice")
+    return dict(pairs)
+
+
 class SafetensorsFile:
     """Reads one tensor at a time with plain file reads into memory the tensor owns.
 
     safetensors' own loader memory-maps the file, and every page it touches then counts
     in the converter's resident memory until the file is closed; plain reads keep the
     peak at the tensors in flight. The format is an 8-byte little-endian header length,
-    a JSON header {name: {dtype, shape, data_offsets}}, then the data.
+    a JSON header {name: {dtype, shape, data_offsets}}, then the data. The header is checked
+    as safetensors checks it (``_validate``): a file ``safetensors.load_file`` refuses is refused
+    here too, never read as other tensors than it claims.
     """
 
     def __init__(self, path: Path):
@@ -64,24 +73,61 @@ class SafetensorsFile:
         try:
             with open(path, "rb") as f:
                 (n,) = struct.unpack("<Q", f.read(8))
-                if n > size - 8:
-                    raise ValueError(f"header length {n} exceeds the file")
+                if n > min(size - 8, _ST_HEADER_MAX):
+                    raise ValueError(f"header length {n} exceeds the file or safetensors' {_ST_HEADER_MAX} bytes")
                 self.header_bytes = f.read(n)
-            header = json.loads(self.header_bytes)
-        except (struct.error, ValueError, UnicodeDecodeError) as e:
+            header = json.loads(self.header_bytes.decode("utf-8"), object_pairs_hook=_unique_keys)
+        except RecursionError:
+            raise PactError(f"{path}: not a readable safetensors file (header nested too deeply): re-download it") from None
+        except (struct.error, ValueError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
             raise PactError(f"{path}: not a readable safetensors file ({e}): re-download it") from None
+        if not isinstance(header, dict):
+            raise PactError(f"{path}: not a readable safetensors file (header is not an object): re-download it")
         header.pop("__metadata__", None)
         self.base = 8 + n
         self.entries = header
-        for name, e in header.items():
-            start, end = e["data_offsets"]
-            if self.base + end > size:
-                raise PactError(f"{path}: {name} ends past the end of the file (truncated): re-download it")
-            if e["dtype"] not in _ST_DTYPES:
-                raise PactError(f"{path}: {name} has dtype {e['dtype']}, which pact does not read")
+        self._validate(size - self.base)
+
+    def _validate(self, data_bytes: int) -> None:
+        """safetensors' rules: each entry a known dtype, a shape of non-negative integers and
+        data_offsets [start, end] whose length is numel x itemsize; sorted by offset, the entries
+        tile the data from 0 to the end of the file, without gap or overlap."""
+        def bad(name: str, what: str) -> PactError:
+            return PactError(f"{self.path}: {name} {what}: not a valid safetensors file (safetensors refuses it "
+                             "too); re-download or re-save it")
+
+        for name, e in self.entries.items():
+            if not isinstance(e, dict) or e.get("dtype") not in _ST_DTYPES:
+                dtype = e.get("dtype") if isinstance(e, dict) else e
+                raise PactError(f"{self.path}: {name} has dtype {dtype!r}, which pact does not read")
+            shape, offsets = e.get("shape"), e.get("data_offsets")
+            if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                                                      for d in shape):
+                raise bad(name, f"has shape {shape!r}")
+            if not (isinstance(offsets, list) and len(offsets) == 2 and all(
+                    isinstance(o, int) and not isinstance(o, bool) and o >= 0 for o in offsets)
+                    and offsets[0] <= offsets[1]):
+                raise bad(name, f"has data_offsets {offsets!r}")
+        end = 0
+        for name, e in sorted(self.entries.items(), key=lambda kv: tuple(kv[1]["data_offsets"])):
+            start, stop = e["data_offsets"]
+            if start != end:
+                raise bad(name, f"starts at byte {start} of the data, where the tensor before it ends at {end} "
+                                "(overlapping or out of order)")
+            nbytes = math.prod(e["shape"]) * _ST_DTYPES[e["dtype"]].itemsize
+            if stop - start != nbytes:
+                raise bad(name, f"has {stop - start} bytes for {e['dtype']} {e['shape']} ({nbytes} bytes)")
+            end = stop
+        if end > data_bytes:
+            raise PactError(f"{self.path}: tensors end past the end of the file (truncated): re-download it")
+        if end != data_bytes:
+            raise bad("the header", f"covers {end} bytes of {data_bytes} after it (trailing data)")
 
     def shape(self, name: str) -> list[int]:
         return list(self.entries[name]["shape"])
+
+    def dtype(self, name: str) -> torch.dtype:
+        return _ST_DTYPES[self.entries[name]["dtype"]]
 
     def get(self, name: str) -> torch.Tensor:
         e = self.entries[name]
@@ -92,7 +138,9 @@ class SafetensorsFile:
         buf = bytearray(end - start)
         with open(self.path, "rb") as f:
             f.seek(self.base + start)
-            f.readinto(buf)
+            got = f.readinto(buf)
+        if got != len(buf):  # the file shrank since its header was read
+            raise PactError(f"{self.path}: {name} ends past the end of the file (truncated): re-download it")
         return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).reshape(shape)
 
 
@@ -110,17 +158,17 @@ class Source:
 
 
     def __post_init__(self) -> None:
+        self._roots = _own_roots(self.folder)
         cfg = self.folder / "config.json"
         if not cfg.is_file():
             raise PactError(
                 f"{self.folder} has no config.json: point pact-convert at a Hugging Face model "
                 "folder (config.json + *.safetensors), a .gguf file, or a hub id"
             )
-        try:
-            self.config = json.loads(cfg.read_text())
-        except json.JSONDecodeError as e:
-            raise PactError(f"{cfg} is not valid JSON ({e}): re-download the model") from None
-        files = sorted(self.folder.glob("*.safetensors"))
+        self.config = self._json(cfg)
+        if not isinstance(self.config, dict):
+            raise PactError(f"{cfg}: not a JSON object of the model's settings: re-download the model")
+        files = [self._own(f) for f in sorted(self.folder.glob("*.safetensors"))]
         if not files:
             found = sorted(p.name for p in self.folder.iterdir() if p.suffix in _WEIGHT_SUFFIXES)
             hint = f" (found {', '.join(found)})" if found else ""
@@ -132,14 +180,35 @@ class Source:
         for f in files:
             st = SafetensorsFile(f)
             for name in st.entries:
+                if name in self._index:  # which copy would be read is arbitrary
+                    raise PactError(f"{f}: {name} is also in {self._index[name].path.name}: a tensor stored twice; "
+                                    "remove the stray shard or re-download the model")
                 self._index[name] = st
         index_json = self.folder / "model.safetensors.index.json"
         if index_json.is_file():
-            wanted = json.loads(index_json.read_text()).get("weight_map", {})
+            wanted = self._json(index_json)
+            wanted = wanted.get("weight_map") if isinstance(wanted, dict) else None
+            if not isinstance(wanted, dict) or not all(isinstance(v, str) for v in wanted.values()):
+                raise PactError(f"{index_json}: no 'weight_map' of tensor name -> file: re-download it")
             missing = sorted({v for k, v in wanted.items() if k not in self._index})
             if missing:
                 raise PactError(f"{index_json} names shards that are missing or incomplete: {missing[:3]}: re-download them")
         self._read_quantization()
+
+    def _own(self, p: Path) -> Path:
+        """``p``, a file of the model's own: a link is followed only into the folder or, for a
+        hub-cache snapshot, its repo's blobs/ (_own_roots); anything else is refused, so no host file
+        (/etc/..., ~/.ssh/...) is copied into an artifact made to be shared."""
+        target = p.resolve()
+        if p.is_symlink() and not any(target.is_relative_to(r) for r in self._roots):
+            where = " or its hub cache's blobs/" if len(self._roots) > 1 else ""
+            raise PactError(f"{p}: a link to {target}, outside the model folder{where}: refusing it (pact-convert "
+                            "copies only the model's own files into an artifact made to be shared); replace the "
+                            "link with the file itself if you trust it")
+        return p
+
+    def _json(self, f: Path):
+        return read_json(self._own(f), "re-download the model or restore the file", PactError)
 
     @property
     def producer(self) -> str:
@@ -151,10 +220,14 @@ class Source:
         q = self.config.get("quantization_config")
         hq = self.folder / "hf_quant_config.json"  # ModelOpt exports describe themselves here too
         if not q and hq.is_file():
-            try:
-                q = {"quant_method": "modelopt", **json.loads(hq.read_text()).get("quantization", {})}
-            except (ValueError, AttributeError):
-                raise PactError(f"{hq}: not valid JSON: re-export the checkpoint") from None
+            doc = self._json(hq)
+            q = doc.get("quantization") if isinstance(doc, dict) else None
+            if not isinstance(q, dict):
+                raise PactError(f"{hq}: no 'quantization' object: re-export the checkpoint")
+            q = {"quant_method": "modelopt", **q}
+        if q is not None and not isinstance(q, dict):
+            raise PactError(f"{self.folder / 'config.json'}: quantization_config is {q!r}, not an object: "
+                            "re-download the model")
         return q
 
     def _read_quantization(self) -> None:
@@ -183,6 +256,22 @@ class Source:
                     raise PactError(f"{self.file_of(name)}: {name} comes without {lacking[0]}: the NVFP4 checkpoint "
                                     "is incomplete; re-download or re-export it")
                 self.packed[f"{base}.weight"] = parts
+                self._check_parts(f"{base}.weight")
+
+    def _check_parts(self, name: str) -> None:
+        """An imported weight's parts, from the headers (before anything is read or written), are one
+        NVFP4 layout: codes uint8 [N, K/2], E4M3 block scales [N, K/16] (K a multiple of 16) and one
+        fp32 global scale; the values are checked when read (``nvfp4``)."""
+        parts = self.packed[name]
+        (packed, scales, gs), dtypes = ([self._index[p].shape(p) for p in parts],
+                                        tuple(self._index[p].dtype(p) for p in parts))
+        k = 2 * packed[1] if len(packed) == 2 else 0
+        if dtypes != (torch.uint8, torch.float8_e4m3fn, torch.float32) or not k or k % 16 \
+                or scales != [packed[0], k // 16] or math.prod(gs) != 1:
+            raise PactError(f"{self.file_of(name)}: {name}'s NVFP4 parts are not {self.producer}'s NVFP4 layout "
+                            f"(packed {dtypes[0]} {packed}, scales {dtypes[1]} {scales}, global scale {dtypes[2]} "
+                            f"{gs}; it needs uint8 [N, K/2], float8_e4m3fn [N, K/16] with K % 16 == 0, one float32): "
+                            "re-export it")
 
     def names(self) -> list[str]:
         """Tensor names in file order; an imported NVFP4 weight appears once, as ``<module>.weight``."""
@@ -235,18 +324,15 @@ class Source:
 
     def side_files(self) -> list[Path]:
         """config, tokenizer, chat template and processor files to ship in the artifact: an
-        allow-list (SIDE_FILES), so nothing else in the source folder (.env, scripts, links to
-        host files) travels with a shared artifact."""
+        allow-list (SIDE_FILES), so nothing else in the source folder (.env, scripts) travels with a
+        shared artifact; a link out of the model's own files is refused (``_own``), and a JSON one
+        that does not parse is refused here rather than by whoever opens the artifact."""
         out = []
-        roots = [self.folder.resolve()]
-        if self.folder.parent.name == "snapshots":  # a Hugging Face cache snapshot links to its blobs/
-            roots.append((self.folder.parent.parent / "blobs").resolve())
         for name in SIDE_FILES:
             p = self.folder / name
-            if p.is_symlink() and not any(p.resolve().is_relative_to(r) for r in roots):
-                log.warning("%s: a link to outside the model folder, not copied into the artifact", p)
-                continue
-            if p.is_file() and p.stat().st_size <= _SIDE_FILE_MAX:
+            if (p.is_symlink() or p.is_file()) and self._own(p).is_file() and p.stat().st_size <= _SIDE_FILE_MAX:
+                if p.suffix == ".json":
+                    self._json(p)
                 out.append(p)
         return out
 
@@ -259,6 +345,18 @@ class Source:
             h.update(str(st.path.stat().st_size).encode())
             h.update(st.header_bytes)
         return h.hexdigest()
+
+
+def _own_roots(folder: Path) -> list[Path]:
+    """Where a model's files may really live: the folder itself and, for a Hugging Face cache snapshot
+    (<repo>/snapshots/<rev>/, whose files link to <repo>/blobs/), that blobs/ folder, if it is a real
+    folder inside the repo (a blobs/ that is itself a link could lead anywhere: it is not trusted)."""
+    real = folder.resolve()
+    roots = [real]
+    blobs = real.parent.parent / "blobs"
+    if real.parent.name == "snapshots" and blobs.is_dir() and not blobs.is_symlink():
+        roots.append(blobs)
+    return roots
 
 
 def _from_hub(repo_id: str, revision: str | None) -> tuple[Path, dict]:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -37,11 +38,18 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from .errors import ArtifactError
-from .nvfp4 import NVFP4Tensor, dequantize as _dequantize
+from .errors import ArtifactError, PactError
+from .families import PROJECTIONS, check_config, classify, text_config
+from .nvfp4 import BLOCK, SCALE_RULES, SCALINGS, NVFP4Tensor, dequantize as _dequantize
 
 FORMAT_NAME = "pact-nvfp4"
 FORMAT_VERSION = 1
+# The files an artifact's hf/ folder may hold beside the weights (config, tokenizer, chat template,
+# processor): what pact-convert copies from a source and pact-export ships, nothing else.
+SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+              "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model",
+              "chat_template.jinja", "chat_template.json", "preprocessor_config.json", "processor_config.json",
+              "video_preprocessor_config.json")
 HF_DIR = "hf"
 LAYOUTS = ("fwd", "bwd")
 
@@ -59,8 +67,17 @@ _TORCH_NAME = {v[1]: k for k, v in _STORAGE.items()}
 
 
 def array_nbytes(spec: dict) -> int:
-    """Bytes of a manifest array's one chunk (its shape and stored dtype)."""
-    return int(np.prod(spec["shape"])) * np.dtype(_STORAGE[spec["dtype"]][0]).itemsize
+    """Bytes of a manifest array's one chunk (its shape and stored dtype), in exact integers (numpy's
+    product wraps around at 2**63 and would let a crafted shape match a small file)."""
+    return math.prod(spec["shape"]) * np.dtype(_STORAGE[spec["dtype"]][0]).itemsize
+
+
+_NBYTES_MAX = 2**62  # an array larger than this is no model's (and would overflow int64 offsets)
+JSON_MAX = 64 << 20  # bytes: no manifest, config or tokenizer is larger (a 400B model's manifest is ~2 MB)
+# names what verify() checks: a stamp from a pact whose verify() checked less (before the scan for
+# non-finite values) does not let an artifact skip the current checks
+_VERIFY_CHECKS = "sha256+non-finite"
+JSON_DEPTH = 100  # nesting: configs and tokenizers stay under 10; the tokenizers library stops at 128
 _BYTES_CODEC_OK = ({"name": "bytes"}, {"name": "bytes", "configuration": {"endian": "little"}})
 
 
@@ -70,6 +87,43 @@ def sha256_file(path: Path, chunk: int = 1 << 24) -> str:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
+
+
+def _depth(doc: Any, limit: int) -> int:
+    """How deeply lists and objects nest in a parsed JSON document, counted up to ``limit`` + 1: level
+    by level, without recursion (a 150k-token tokenizer.json takes ~0.07 s)."""
+    deepest, level = 0, [doc] if isinstance(doc, (dict, list)) else []
+    while level and deepest <= limit:
+        deepest += 1
+        nxt: list = []
+        for obj in level:
+            nxt += [v for v in (obj.values() if type(obj) is dict else obj) if type(v) is list or type(v) is dict]
+        level = nxt
+    return deepest
+
+
+def read_json(path: Path, fix: str, error: type[PactError] = ArtifactError) -> Any:
+    """``path`` parsed as JSON, or one ``error`` naming the file and ``fix``: a file larger than
+    JSON_MAX, not UTF-8, not JSON (NUL bytes included) or nested deeper than JSON_DEPTH is refused
+    here, not left to a RecursionError or a parser's traceback in whoever reads it next."""
+    try:
+        size = path.stat().st_size
+        data = path.read_bytes() if size <= JSON_MAX else None
+    except OSError as e:
+        raise error(f"{path}: unreadable ({e.strerror or e}): {fix}") from None
+    if data is None:
+        raise error(f"{path}: {size} bytes, more than the {JSON_MAX} bytes a JSON metadata file may hold: {fix}")
+    try:
+        doc = json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise error(f"{path}: not UTF-8 text (byte {e.start} is {data[e.start]:#04x}): {fix}") from None
+    except RecursionError:
+        raise error(f"{path}: JSON nested too deeply to read: {fix}") from None
+    except ValueError as e:  # JSONDecodeError (NUL and other control bytes too), an over-long integer
+        raise error(f"{path}: not valid JSON ({e}): {fix}") from None
+    if _depth(doc, JSON_DEPTH) > JSON_DEPTH:
+        raise error(f"{path}: JSON nested deeper than {JSON_DEPTH} levels, which no config or tokenizer is: {fix}")
+    return doc
 
 
 def _to_storage(t: torch.Tensor) -> tuple[np.ndarray, str]:
@@ -280,6 +334,37 @@ def _stat_key(f: Path) -> str:
     return f"{f}:{st.st_size}:{st.st_mtime_ns}"
 
 
+def _get(doc: Any, *keys: str, default: Any = None) -> Any:
+    """doc[k1][k2]... where every level is an object, else ``default`` (a crafted zarr.json)."""
+    for k in keys:
+        if not isinstance(doc, dict) or k not in doc:
+            return default
+        doc = doc[k]
+    return doc
+
+
+def _non_finite(block: bytes, dtype: str) -> int:
+    """How many values in ``block`` (raw little-endian bytes of ``dtype``) are NaN (or Inf)."""
+    if dtype == "float8_e4m3fn":  # E4M3 (fn) has no Inf; NaN is S.1111.111
+        return int(np.count_nonzero((np.frombuffer(block, np.uint8) & 0x7F) == 0x7F))
+    if dtype == "bfloat16":  # exponent all ones: Inf or NaN
+        return int(np.count_nonzero((np.frombuffer(block, np.uint16) & 0x7F80) == 0x7F80))
+    if dtype == "float32":
+        return int(np.count_nonzero(~np.isfinite(np.frombuffer(block, np.float32))))
+    return 0
+
+
+def _scan(chunk: Path, dtype: str, block: int = 1 << 24) -> tuple[str, int]:
+    """A chunk file's sha256 and its count of non-finite values, in one read (blocks are a multiple
+    of every item size)."""
+    h, bad = hashlib.sha256(), 0
+    with open(chunk, "rb") as f:
+        while data := f.read(block):
+            h.update(data)
+            bad += _non_finite(data, dtype)
+    return h.hexdigest(), bad
+
+
 def _chunk_path(array_dir: Path, ndim: int) -> Path:
     # default chunk key encoding, "/" separator, a single chunk: c/0/0 (2-D), c/0 (1-D)
     return array_dir.joinpath("c", *(["0"] * ndim))
@@ -311,45 +396,145 @@ def _upgrade(meta: dict, path: Path) -> dict:
     return meta
 
 
-_ENTRY_KEYS = {"kind": str, "shape": list, "arrays": dict}
+_ENTRY_KEYS = {"kind": str, "role": str, "shape": list, "arrays": dict}
 _ARRAY_KEYS = {"path": str, "dtype": str, "shape": list, "sha256": str}
 _NVFP4_PARTS = {f"{layout}_{p}" for layout in LAYOUTS for p in ("packed", "scales")}
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+_FP32_MAX = float(np.finfo(np.float32).max)
+# dense tensors the runtime binds by role: their rank (a 3-D norm would fail deep in the forward)
+_DENSE_NDIM = {"norm": 1, "bias": 1, "embedding": 2, "lm_head": 2, **{p: 2 for p in PROJECTIONS}}
+_MAX_NDIM = 5  # the vision tower's Conv3d patch embedding is the largest rank a supported model stores
+
+
+def _nvfp4_arrays(n: int, k: int) -> dict[str, tuple[str, list[int]]]:
+    """What an NVFP4 projection W [N, K] stores: per layout, packed E2M1 codes (two a byte) and one
+    E4M3 scale per 16 values along the contraction dim; the backward layout is W^T [K, N]."""
+    return {"fwd_packed": ("uint8", [n, k // 2]), "fwd_scales": ("float8_e4m3fn", [n, k // BLOCK]),
+            "bwd_packed": ("uint8", [k, n // 2]), "bwd_scales": ("float8_e4m3fn", [k, n // BLOCK])}
+
+
+def _is_shape(shape: Any) -> bool:
+    return isinstance(shape, list) and len(shape) <= _MAX_NDIM and all(
+        isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape)
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 def _check_manifest(meta: dict, path: Path) -> None:
-    """Every key the reader relies on is there with the right type: a damaged or hand-edited
-    manifest fails here, in one line naming what is wrong, not as a KeyError deep in a run."""
+    """Every key the reader and the tools rely on is there with the right type, and every array is
+    what its tensor's role stores (dtype, shape, byte count): a damaged, hand-edited or crafted
+    manifest fails here, in one line naming what is wrong, not as a KeyError deep in a run or as
+    bytes silently read as another type."""
     def bad(what: str) -> ArtifactError:
         return ArtifactError(f"{path}/zarr.json: manifest {what}: the artifact is damaged or was not written by "
                              "pact; re-copy it or re-run pact-convert")
 
-    for key, typ in (("tensors", dict), ("files", dict), ("hf_config", dict)):
+    _check_top(meta, bad)
+    for name, e in meta["tensors"].items():
+        _check_entry(name, e, bad)
+
+
+def _check_top(meta: dict, bad: Callable[[str], ArtifactError]) -> None:
+    for key, typ in (("tensors", dict), ("files", dict), ("hf_config", dict), ("provenance", dict),
+                     ("family", str), ("vision", bool)):
         if not isinstance(meta.get(key), typ):
             raise bad(f"has no '{key}' {typ.__name__}")
+    if not isinstance(meta.get("architecture"), (str, type(None))):
+        raise bad(f"has 'architecture' {meta['architecture']!r}, not a name")
     if not meta["tensors"]:
         raise bad("lists no tensors")
-    def typed(obj: Any, keys: dict, what: str) -> None:
-        if not isinstance(obj, dict):
-            raise bad(f"{what} is not an object")
-        for key, typ in keys.items():
-            if not isinstance(obj.get(key), typ):
-                raise bad(f"{what} has no '{key}' {typ.__name__}")
+    for rel, digest in meta["files"].items():
+        if not isinstance(digest, str) or not _SHA256.match(digest):
+            raise bad(f"file {rel!r} has sha256 {digest!r}")
+    prov = meta["provenance"]
+    for key, ok, want in (("scaling", lambda v: v in SCALINGS, " or ".join(SCALINGS)),
+                          ("source", lambda v: isinstance(v, str), "a name")):
+        if not ok(prov.get(key)):
+            raise bad(f"provenance has '{key}' {prov.get(key)!r} ({want})")
+    for key, ok, want in (("block_scales", lambda v: v in SCALE_RULES, " or ".join(SCALE_RULES)),
+                          ("kept_bf16", lambda v: isinstance(v, list), "a list"),
+                          ("source_quantization", lambda v: isinstance(v, dict), "an object"),
+                          ("calibration", lambda v: isinstance(v, dict), "an object")):
+        if key in prov and not ok(prov[key]):
+            raise bad(f"provenance has '{key}' {prov[key]!r} ({want})")
 
-    for name, e in meta["tensors"].items():
-        typed(e, _ENTRY_KEYS, f"entry {name!r}")
-        if e["kind"] not in ("nvfp4", "dense"):
-            raise bad(f"entry {name!r} has kind {e['kind']!r} (nvfp4 or dense)")
-        need = _NVFP4_PARTS if e["kind"] == "nvfp4" else {"data"}
-        if not need <= set(e["arrays"]):
-            raise bad(f"entry {name!r} lacks arrays {sorted(need - set(e['arrays']))}")
-        if e["kind"] == "nvfp4" and not isinstance(e.get("global_scale"), (int, float)):
-            raise bad(f"entry {name!r} has no numeric 'global_scale'")
-        for part, spec in e["arrays"].items():
-            typed(spec, _ARRAY_KEYS, f"array {name}/{part}")
-            if spec["dtype"] not in _STORAGE:
-                raise bad(f"array {name}/{part} has dtype {spec['dtype']!r} (pact stores {', '.join(_STORAGE)})")
-            if not all(isinstance(d, int) and d > 0 for d in spec["shape"]):
-                raise bad(f"array {name}/{part} has shape {spec['shape']!r}")
+
+def _check_entry(name: str, e: Any, bad: Callable[[str], ArtifactError]) -> None:
+    what = f"entry {name!r}"
+    if not isinstance(e, dict):
+        raise bad(f"{what} is not an object")
+    for key, typ in _ENTRY_KEYS.items():
+        if not isinstance(e.get(key), typ):
+            raise bad(f"{what} has no '{key}' {typ.__name__}")
+    if e["kind"] not in ("nvfp4", "dense"):
+        raise bad(f"{what} has kind {e['kind']!r} (nvfp4 or dense)")
+    r = classify(name)
+    if e["role"] != r.role or e.get("layer") != r.layer or e.get("group", r.group) != r.group:
+        raise bad(f"{what} has role {e['role']!r}, layer {e.get('layer')!r}, group {e.get('group')!r}, but its "
+                  f"name makes it {r.role!r}, {r.layer!r}, {r.group!r}")
+    if not _is_shape(e["shape"]):
+        raise bad(f"{what} has shape {e['shape']!r} (at most {_MAX_NDIM} positive integers)")
+    for part, spec in e["arrays"].items():
+        _check_array(name, part, spec, bad)
+    if e["kind"] == "nvfp4":
+        _check_nvfp4_entry(name, e, bad)
+    else:
+        _check_dense_entry(name, e, bad)
+
+
+def _check_array(name: str, part: str, spec: Any, bad: Callable[[str], ArtifactError]) -> None:
+    what = f"array {name}/{part}"
+    if not isinstance(spec, dict):
+        raise bad(f"{what} is not an object")
+    for key, typ in _ARRAY_KEYS.items():
+        if not isinstance(spec.get(key), typ):
+            raise bad(f"{what} has no '{key}' {typ.__name__}")
+    if spec["dtype"] not in _STORAGE:
+        raise bad(f"{what} has dtype {spec['dtype']!r} (pact stores {', '.join(_STORAGE)})")
+    if not _is_shape(spec["shape"]):
+        raise bad(f"{what} has shape {spec['shape']!r}")
+    if array_nbytes(spec) > _NBYTES_MAX:
+        raise bad(f"{what} has shape {spec['shape']!r}: {array_nbytes(spec)} bytes, more than any model's "
+                  "array (the byte count overflows int64)")
+    if not _SHA256.match(spec["sha256"]):
+        raise bad(f"{what} has sha256 {spec['sha256']!r}")
+
+
+def _check_nvfp4_entry(name: str, e: dict, bad: Callable[[str], ArtifactError]) -> None:
+    what, shape = f"entry {name!r}", e["shape"]
+    if e["role"] not in PROJECTIONS:
+        raise bad(f"{what} is stored NVFP4 but is a {e['role']}, not a frozen projection")
+    if len(shape) != 2 or shape[0] % BLOCK or shape[1] % BLOCK:
+        raise bad(f"{what} is NVFP4 of shape {shape}: a projection is [N, K] with both divisible by {BLOCK}")
+    want = _nvfp4_arrays(*shape)
+    if set(e["arrays"]) != set(want):
+        raise bad(f"{what} has arrays {sorted(e['arrays'])}, not {sorted(want)}")
+    for part, (dtype, ashape) in want.items():
+        spec = e["arrays"][part]
+        if (spec["dtype"], spec["shape"]) != (dtype, ashape):
+            raise bad(f"array {name}/{part} is {spec['dtype']} {spec['shape']}, where an NVFP4 [N, K] = {shape} "
+                      f"stores {dtype} {ashape}")
+    g = e.get("global_scale")
+    if not _is_number(g) or not 0 < g <= _FP32_MAX:  # NaN fails both comparisons
+        raise bad(f"{what} has global_scale {g!r} (a finite float32 > 0)")
+    if e.get("block_size", BLOCK) != BLOCK or e.get("scaling", SCALINGS[0]) not in SCALINGS:
+        raise bad(f"{what} has block_size {e.get('block_size')!r} / scaling {e.get('scaling')!r} "
+                  f"({BLOCK}; {' or '.join(SCALINGS)})")
+
+
+def _check_dense_entry(name: str, e: dict, bad: Callable[[str], ArtifactError]) -> None:
+    what, shape = f"entry {name!r}", e["shape"]
+    ndim = _DENSE_NDIM.get(e["role"])
+    if ndim is not None and len(shape) != ndim:
+        raise bad(f"{what} is a {e['role']} of shape {shape}: a {e['role']} has {ndim} dimension(s)")
+    if set(e["arrays"]) != {"data"}:
+        raise bad(f"{what} has arrays {sorted(e['arrays'])}, not ['data']")
+    spec = e["arrays"]["data"]
+    if (e.get("dtype"), spec["dtype"], spec["shape"]) != ("bfloat16", "bfloat16", shape):
+        raise bad(f"array {name}/data is {spec['dtype']} {spec['shape']} (entry dtype {e.get('dtype')!r}), where a "
+                  f"dense tensor of shape {shape} stores bfloat16 {shape}")
 
 
 def _inside(rel: Any, what: str, path: Path) -> None:
@@ -367,6 +552,10 @@ def _check_contained(path: Path, meta: dict) -> None:
     for name, e in meta.get("tensors", {}).items():
         for part, spec in e.get("arrays", {}).items():
             _inside(spec.get("path") if isinstance(spec, dict) else None, f"array {name}/{part} path", path)
+            if spec["path"] != f"tensors/{name}/{part}":  # where the writer puts it: no array read as another's
+                raise ArtifactError(f"{path}/zarr.json: manifest array {name}/{part} has path {spec['path']!r}, not "
+                                    f"tensors/{name}/{part}: the artifact is damaged or was not written by pact; "
+                                    "re-copy it or re-run pact-convert")
     for dirpath, dirnames, filenames in os.walk(path):
         for n in dirnames + filenames:
             p = Path(dirpath) / n
@@ -379,13 +568,91 @@ def _check_contained(path: Path, meta: dict) -> None:
                                     "artifact); remove the file or re-run pact-convert on a trusted model")
     hf = path / HF_DIR
     for f in sorted(hf.glob("*.json")) if hf.is_dir() else []:
-        try:
-            doc = json.loads(f.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-            continue  # damaged files are reported by verify() / the reader that needs them
+        # parsed here once, so a damaged one is one line now, not a traceback in transformers later
+        doc = read_json(f, "the artifact is damaged or crafted; re-copy it or re-run pact-convert")
         if isinstance(doc, dict) and "auto_map" in doc:
             raise ArtifactError(f"{f}: asks for custom code (auto_map): refusing it (pact never runs code from "
                                 "an artifact); re-run pact-convert on a model that transformers supports natively")
+
+
+# --------------------------------------------------------------------------------------
+# the config the runtime builds the model from
+
+
+def _config_error(source: str, key: str, value: Any, why: str) -> PactError:
+    return PactError(f"{source}: '{key}' is {value!r}, {why}: the config does not describe this model; restore "
+                     "the model's own config.json")
+
+
+def _text_sizes(tc: dict, source: str) -> dict[str, int]:
+    """The sizes the forward is built from, each valid: optional sizes positive integers, epsilons and
+    RoPE bases finite and > 0, head counts that divide (check_config has checked the required ones)."""
+    for key in ("num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings"):
+        v = tc.get(key)
+        if v is not None and not (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
+            raise _config_error(source, key, v, "not a positive integer")
+    for key in ("rope_parameters", "rope_scaling"):
+        if tc.get(key) is not None and not isinstance(tc[key], dict):
+            raise _config_error(source, key, tc[key], "not an object")
+    rope = tc.get("rope_parameters") or {}
+    for key, v in (("rms_norm_eps", tc.get("rms_norm_eps")), ("rope_theta", tc.get("rope_theta")),
+                   ("rope_parameters.rope_theta", rope.get("rope_theta"))):
+        if v is not None and not (_is_number(v) and 0 < v < math.inf):
+            raise _config_error(source, key, v, "not a finite number > 0")
+    h, nh = tc["hidden_size"], tc["num_attention_heads"]
+    hd = tc.get("head_dim")
+    if hd is None and h % nh:
+        raise _config_error(source, "num_attention_heads", nh, f"which does not divide hidden_size {h} (no head_dim given)")
+    hd = hd or h // nh
+    if hd % 2:
+        raise _config_error(source, "head_dim", hd, "odd (RoPE rotates pairs of dimensions)")
+    nkv = tc.get("num_key_value_heads") or nh
+    if nh % nkv:
+        raise _config_error(source, "num_key_value_heads", nkv, f"which does not divide num_attention_heads {nh}")
+    return {"hidden_size": h, "heads": nh, "kv_heads": nkv, "head_dim": hd, "intermediate_size": tc["intermediate_size"]}
+
+
+def _expected_shape(name: str, shapes: dict, z: dict[str, int]) -> tuple[list[int], str] | None:
+    """The shape the config gives tensor ``name`` and the keys it comes from; None where it gives none."""
+    h, q, kv, i = z["hidden_size"], z["heads"] * z["head_dim"], z["kv_heads"] * z["head_dim"], z["intermediate_size"]
+    heads, kv_heads = "num_attention_heads x head_dim", "num_key_value_heads x head_dim"
+    projections = {"q_proj": ([q, h], f"{heads}, hidden_size"), "k_proj": ([kv, h], f"{kv_heads}, hidden_size"),
+                   "v_proj": ([kv, h], f"{kv_heads}, hidden_size"), "o_proj": ([h, q], f"hidden_size, {heads}"),
+                   "gate_proj": ([i, h], "intermediate_size, hidden_size"),
+                   "up_proj": ([i, h], "intermediate_size, hidden_size"),
+                   "down_proj": ([h, i], "hidden_size, intermediate_size")}
+    r = classify(name)
+    if r.role in projections:
+        return projections[r.role]
+    if r.role == "bias" and name.split(".")[-2] in projections:
+        (rows, _), keys = projections[name.split(".")[-2]]
+        return [rows], keys.split(", ")[0]
+    if r.role in ("embedding", "lm_head") and len(shapes[name]) == 2:
+        return [shapes[name][0], h], "hidden_size"  # rows: the vocabulary (the tokenizer is checked at load)
+    if r.role == "norm":
+        per_head = name.endswith(("q_norm.weight", "k_norm.weight"))  # Qwen3: RMSNorm over each head
+        return ([z["head_dim"]], "head_dim") if per_head else ([h], "hidden_size")
+    return None
+
+
+def check_config_shapes(config: Any, shapes: dict[str, list[int]], source: str) -> None:
+    """A (text) config the forward can be built from, fitting the weights: families.check_config
+    (required sizes, layer count), then every size valid and every decoder tensor the shape its
+    config keys give. ``shapes``: tensor name -> shape. Raises PactError naming the key."""
+    if not isinstance(config, dict) or not isinstance(text_config(config), dict):
+        raise PactError(f"{source}: not a JSON object of the model's sizes: restore the model's own config.json")
+    n = text_config(config).get("num_hidden_layers")
+    if isinstance(n, int) and n > len(shapes):  # before check_config builds range(n)
+        raise PactError(f"{source}: num_hidden_layers is {n} but the weights hold {len(shapes)} tensors: the config "
+                        "does not match the weights; restore the model's own config.json")
+    check_config(config, shapes, source)
+    sizes = _text_sizes(text_config(config), source)
+    for name, shape in shapes.items():
+        want = _expected_shape(name, shapes, sizes)
+        if want is not None and list(shape) != want[0]:
+            raise PactError(f"{source}: {name} is {list(shape)} but the config's {want[1]} give {want[0]} "
+                            f"({', '.join(f'{k} {v}' for k, v in sizes.items())}): the config does not match the "
+                            "weights; restore the model's own config.json")
 
 
 class Artifact:
@@ -400,17 +667,28 @@ class Artifact:
                 f"{self.path} is not a pact artifact (no zarr.json): create one with "
                 f"`pact-convert MODEL {self.path}`"
             )
-        try:
-            root = json.loads(root_json.read_text())
-            meta = root["attributes"]["pact"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise ArtifactError(f"{root_json}: no pact manifest ({e!r}): re-run pact-convert") from None
+        root = read_json(root_json, "the artifact is damaged; re-copy it or re-run pact-convert")
+        meta = root.get("attributes") if isinstance(root, dict) else None
+        meta = meta.get("pact") if isinstance(meta, dict) else None
+        if not isinstance(meta, dict):
+            raise ArtifactError(f"{root_json}: no pact manifest (attributes.pact): re-run pact-convert")
         if meta.get("format") != FORMAT_NAME:
             raise ArtifactError(f"{root_json}: format is {meta.get('format')!r}, not {FORMAT_NAME!r}")
         self.meta: dict[str, Any] = _upgrade(meta, self.path)
         _check_manifest(self.meta, self.path)
         _check_contained(self.path, self.meta)
+        self._check_config()
         self._maps: dict[tuple[str, str], torch.Tensor] = {}
+
+    def _check_config(self) -> None:
+        """hf/config.json (what the runtime builds the model from) states sizes that fit the stored
+        weights, before transformers or the forward sees it (check_config_shapes)."""
+        f = self.hf_dir / "config.json"
+        if not f.is_file():
+            return  # an artifact without one cannot train; load_text_config says so
+        cfg = read_json(f, "the artifact is damaged; re-copy it or re-run pact-convert")
+        shapes = {name: e["shape"] for name, e in self.meta["tensors"].items()}
+        check_config_shapes(cfg, shapes, str(f))
 
     # -- names and metadata
     def names(self, kind: str | None = None) -> list[str]:
@@ -439,19 +717,18 @@ class Artifact:
     def _map(self, name: str, part: str) -> torch.Tensor:
         spec = self.entry(name)["arrays"][part]
         array_dir = self.path / spec["path"]
-        try:
-            zjson = json.loads((array_dir / "zarr.json").read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise ArtifactError(f"{array_dir}/zarr.json unreadable ({e}): artifact is damaged; re-copy or re-convert") from None
+        zjson = read_json(array_dir / "zarr.json", "the artifact is damaged; re-copy it or re-run pact-convert")
+        if not isinstance(zjson, dict):
+            zjson = {}  # refused as not mappable below
         shape = list(spec["shape"])
         np_dtype, torch_dtype = _STORAGE[spec["dtype"]]
         mappable = (
             zjson.get("zarr_format") == 3
             and zjson.get("shape") == shape
             and zjson.get("data_type") == np.dtype(np_dtype).name
-            and zjson.get("chunk_grid", {}).get("configuration", {}).get("chunk_shape") == shape
-            and zjson.get("chunk_key_encoding", {}).get("configuration", {}).get("separator", "/") == "/"
-            and zjson.get("codecs") is not None
+            and _get(zjson, "chunk_grid", "configuration", "chunk_shape") == shape
+            and _get(zjson, "chunk_key_encoding", "configuration", "separator", default="/") == "/"
+            and isinstance(zjson.get("codecs"), list)
             and len(zjson["codecs"]) == 1
             and zjson["codecs"][0] in _BYTES_CODEC_OK
         )
@@ -495,16 +772,23 @@ class Artifact:
         return _dequantize(self.nvfp4(name, layout))
 
     def verify(self) -> int:
-        """Recompute every checksum; raise ArtifactError naming the first bad file. Returns bytes read."""
+        """Recompute every checksum and, in the same read, look for values no converter writes (NaN
+        block scales, NaN/Inf dense values: a model computing NaN would score or train as if fine);
+        raise ArtifactError naming the first bad file. Returns bytes read."""
         total = 0
         for name, e in self.meta["tensors"].items():
             for part, spec in e["arrays"].items():
                 chunk = _chunk_path(self.path / spec["path"], len(spec["shape"]))
                 self._map(name, part)  # shape/size/layout checks first
-                if sha256_file(chunk) != spec["sha256"]:
+                digest, bad = _scan(chunk, spec["dtype"])
+                if digest != spec["sha256"]:
                     raise ArtifactError(
                         f"{chunk}: checksum mismatch (corrupted): re-copy the artifact or re-run pact-convert"
                     )
+                if bad:
+                    what = "NaN block scales (E4M3 0x7f/0xff)" if part.endswith("scales") else "NaN/Inf values"
+                    raise ArtifactError(f"{chunk}: {name} ({part}) holds {bad} {what}, which no converter writes: "
+                                        "the model would compute NaN; re-run pact-convert on the source model")
                 total += chunk.stat().st_size
         for rel, digest in self.meta["files"].items():
             f = self.hf_dir / rel
@@ -520,8 +804,9 @@ class Artifact:
         return hashlib.sha256(doc.encode()).hexdigest()
 
     def _stamp(self) -> str:
-        """The fingerprint plus every data file's size and modification time."""
-        parts = [self.fingerprint()]
+        """What verify() checked (_VERIFY_CHECKS), the fingerprint and every data file's size and
+        modification time."""
+        parts = [_VERIFY_CHECKS, self.fingerprint()]
         for e in self.meta["tensors"].values():
             for spec in e["arrays"].values():
                 parts.append(_stat_key(_chunk_path(self.path / spec["path"], len(spec["shape"]))))

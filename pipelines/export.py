@@ -1,6 +1,6 @@
-"""`pact-export ARTIFACT --out DIR [--format compressed-tensors|bf16] [--adapter RUN [--merge]]`: the
-artifact (and a trained adapter) as a checkpoint vLLM / SGLang (compressed-tensors NVFP4) or
-transformers (bf16) load."""
+"""`pact-export ARTIFACT --out DIR [--format compressed-tensors|bf16] [--adapter RUN [--merge]] [--overwrite]`:
+the artifact (and a trained adapter) as a checkpoint vLLM / SGLang (compressed-tensors NVFP4) or
+transformers (bf16) load. Every export carries pact_export.json (what --overwrite may replace)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,9 @@ from .common import cli_errors
                    "quantized bases), or merged (bf16, or --merge).")
 @click.option("--merge", is_flag=True, help="Fold the adapter into the weights and re-quantize them to NVFP4 "
                                             "(the added error per projection is printed).")
-@click.option("--overwrite", is_flag=True, help="Replace --out if it exists.")
+@click.option("--overwrite", is_flag=True,
+              help="Replace --out if it is an earlier export (it carries pact_export.json, listing every file in "
+                   "it); any other folder is refused. Replaced by rename: the old export is removed last.")
 @cli_errors
 def main(artifact, out, fmt, adapter, merge, overwrite) -> None:
     """Export ARTIFACT (with --adapter) for inference."""

@@ -9,29 +9,48 @@
   re-quantized (the added error per projection is returned).
 - ``bf16``: a plain checkpoint of the dequantized weights (adapter merged) for transformers.
 
-Every file is written into a temp folder beside OUT and renamed when complete.
+What an export holds: the weights it computed, a config.json without code-loading keys (an artifact
+whose config asks for custom code is refused), the artifact's side files on an allow-list (config,
+tokenizer, chat template, processor: never weights or pickles) and ``pact_export.json``, the marker
+naming every file written. Every tensor is checked finite before it is written.
+
+Written into a temp folder beside OUT; with --overwrite only a folder carrying a valid marker (an
+earlier export, nothing added to it) is replaced, by rename, never by deleting first: the old export
+is renamed aside, the new one renamed in, the old one removed last. OUT may not be, hold or sit
+inside the artifact or the adapter run.
 """
 
 from __future__ import annotations
 
+import datetime as _dt
+import errno
 import json
+import logging
+import math
 import os
+import re
 import shutil
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from pact.formats import PactError, default_cache, open_artifact
-from pact.formats.artifact import sweep_leftovers, work_path
+from pact.formats.artifact import SIDE_FILES, pid_alive, sweep_leftovers, work_path
 from pact.formats.errors import write_error
 from pact.formats.families import classify
-from pact.formats.nvfp4 import NVFP4Tensor, dequantize, global_scale_from_amax, quantize
+from pact.formats.nvfp4 import SCALE_RULES, NVFP4Tensor, dequantize, global_scale_from_amax, quantize
 
-from .lora import load_peft_adapter, save_peft_adapter
+from .lora import load_peft_adapter, peft_key, save_peft_adapter
 
 FORMATS = ("compressed-tensors", "bf16")
 SHARD_BYTES = 2 << 30
+MARKER = "pact_export.json"  # written last into every export: what --overwrite may replace
+# config keys that make transformers / vLLM import code (with trust_remote_code): refused, never shipped
+CODE_KEYS = ("auto_map", "custom_pipelines")
+
+log = logging.getLogger(__name__)
 
 # compressed-tensors' weight-only NVFP4 scheme (its preset "NVFP4A16"), as its own config serializer
 # writes it; `ignore` lists the Linear modules left unquantized (lm_head at least)
@@ -56,13 +75,6 @@ def _ct_config(ignore: list[str]) -> dict:
     }
 
 
-def _merged(w: torch.Tensor, name: str, adapters: dict, scale: float) -> torch.Tensor:
-    if name not in adapters:
-        return w
-    A, B = adapters[name]
-    return w + scale * (B.float() @ A.float())
-
-
 def export(artifact: str, out: str | os.PathLike, *, fmt: str = "compressed-tensors", adapter: str | None = None,
            merge: bool = False, overwrite: bool = False) -> dict:
     """Export ``artifact`` (with a PEFT ``adapter``) to ``out`` in ``fmt``; returns a summary (for
@@ -71,45 +83,260 @@ def export(artifact: str, out: str | os.PathLike, *, fmt: str = "compressed-tens
         raise PactError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
     if merge and not adapter:
         raise PactError("--merge folds an adapter into the weights: give --adapter RUN")
-    art = open_artifact(artifact)
-    art.verify_cached(default_cache())
-    lora_cfg, adapters = load_peft_adapter(adapter) if adapter else (None, {})
-    if adapters:
-        missing = sorted(set(adapters) - set(art.names()))
-        if missing:
-            raise PactError(f"--adapter {adapter}: adapts {missing[0]}, which {art.path} does not have (an adapter "
-                            "trained on another model)")
     out = Path(out)
-    if out.exists() and not overwrite:
-        raise PactError(f"--out {out} exists: choose a new folder or pass --overwrite")
-    if out.exists() and not _is_export(out):  # --overwrite replaces an earlier export, never another folder
-        raise PactError(f"--out {out} is not a checkpoint folder pact-export wrote (no config.json beside "
-                        "model*.safetensors): refusing to replace it; choose another --out")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    sweep_leftovers(out)
-    tmp = work_path(out, "tmp")
+    if out.name in ("", ".", ".."):  # "." or "..": the folder by its name (temp folders go beside it)
+        out = out.resolve()
+    remote = isinstance(artifact, str) and "://" in artifact
+    sources = {} if remote else {"artifact": Path(artifact)}
+    if adapter:
+        sources["--adapter run"] = Path(adapter)
+    _check_out(out, overwrite, sources)  # before long work (verifying the artifact)
+    art = open_artifact(artifact)
+    sources["artifact"] = art.path  # a URL's cached copy
+    _check_apart(out, sources)
+    art.verify_cached(default_cache())
+    _check_config(art)
+    lora_cfg, adapters = load_peft_adapter(adapter) if adapter else (None, {})
+    _check_adapter(adapter, adapters, art)
     merged = merge or fmt == "bf16"  # bf16 folders take the adapter folded in
+    existed = out.exists()
+    tmp = work_path(out, "tmp")
     try:
+        out.parent.mkdir(parents=True, exist_ok=True)
         summary = _write(art, tmp, fmt, lora_cfg, adapters, merged)
         if adapters and not merged:  # served beside the quantized base (vLLM LoRA)
             save_peft_adapter(tmp / "adapter", adapters, lora_cfg, str(out.resolve()))
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
+        _write_marker(tmp, art, fmt, adapter, summary["adapter"])
+        _check_out(out, overwrite, sources)  # again: something may have appeared at out meanwhile
+        _place(tmp, out)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise write_error(e, getattr(e, "filename", None) or out, f"nothing was written to {out}") from None
+        kept = f"the earlier export in {out} is kept" if existed and out.exists() else f"nothing was written to {out}"
+        raise write_error(e, getattr(e, "filename", None) or out, kept) from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return {"out": str(out), "format": fmt, **summary}
 
 
-def _is_export(folder: Path) -> bool:
-    return folder.is_dir() and (folder / "config.json").is_file() and any(folder.glob("model*.safetensors"))
+# --------------------------------------------------------------------------------------
+# where an export may go
+
+
+def _check_out(out: Path, overwrite: bool, sources: dict[str, Path]) -> None:
+    """A new folder, or with ``overwrite`` an earlier export (a folder carrying a valid marker that
+    lists every file in it): never any other folder (a model, a home directory), which replacing
+    would delete. Puts back what an interrupted run left aside first."""
+    if out.is_symlink():
+        raise PactError(f"--out {out} is a symbolic link: give the folder it points to (an export is put in "
+                        "place by renaming folders)")
+    _check_apart(out, sources)
+    _recover(out)
+    if not out.exists():
+        return
+    if not overwrite:
+        raise PactError(f"--out {out} exists: choose a new folder or pass --overwrite")
+    doc = read_marker(out)
+    if doc is None:
+        raise PactError(f"--out {out} is not a checkpoint folder pact-export wrote (no valid {MARKER}): refusing "
+                        "to replace it, which would delete what is in it; choose another --out (an export from a "
+                        f"pact before {MARKER} existed: delete it yourself)")
+    extra = _unlisted(out, doc)
+    if extra:
+        raise PactError(f"--out {out} holds {extra}, which pact-export did not write: refusing to replace the "
+                        "folder, which would delete it; move it out or choose another --out")
+
+
+def _check_apart(out: Path, sources: dict[str, Path]) -> None:
+    """``out`` is not the artifact or the adapter run, nor inside one, nor holding one (resolved
+    paths: links and '..' do not hide it): replacing it would delete the export's own input."""
+    o = out.resolve()
+    for what, src in sources.items():
+        s = src.resolve()
+        if o == s or o.is_relative_to(s) or s.is_relative_to(o):
+            how = "is" if o == s else "is inside" if o.is_relative_to(s) else "holds"
+            raise PactError(f"--out {out} {how} the {what} {src}: an export never writes over or into what it "
+                            "reads; choose an --out outside it")
+
+
+def read_marker(folder: Path) -> dict | None:
+    """The marker of an export pact-export wrote into ``folder``, or None."""
+    f = folder / MARKER
+    if not folder.is_dir() or f.is_symlink() or not f.is_file() or f.stat().st_size > 64 << 20:
+        return None
+    try:
+        doc = json.loads(f.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    ok = isinstance(doc, dict) and doc.get("written_by") == "pact-export" and isinstance(doc.get("files"), list)
+    return doc if ok else None
+
+
+def _files(folder: Path) -> list[str]:
+    """Every file (and link) under ``folder``, relative, '/'-separated, sorted."""
+    out = []
+    for dirpath, dirnames, filenames in os.walk(folder):
+        d = Path(dirpath)
+        out += [(d / n).relative_to(folder).as_posix() for n in filenames]
+        out += [(d / n).relative_to(folder).as_posix() for n in dirnames if (d / n).is_symlink()]
+    return sorted(out)
+
+
+def _unlisted(folder: Path, doc: dict) -> str | None:
+    """The first file in ``folder`` its marker does not list (added after the export), or None."""
+    listed = set(doc["files"]) | {MARKER}
+    return next((rel for rel in _files(folder) if rel not in listed), None)
+
+
+def _recover(out: Path) -> None:
+    """A run killed between its two renames (_place) left no ``out`` and the earlier export aside as
+    ``.OUT.old-PID-xxxxxxxx``: rename it back. Then remove what killed runs left (temp folders of
+    unfinished exports, old exports already replaced)."""
+    if out.exists() or out.is_symlink() or not out.parent.is_dir():
+        sweep_leftovers(out)
+        return
+    pattern = re.compile(rf"^\.{re.escape(out.name)}\.old-(\d+)-[0-9a-f]{{8}}$")
+    aside = [p for p in out.parent.iterdir() if (m := pattern.match(p.name)) and not p.is_symlink()
+             and not pid_alive(int(m.group(1))) and read_marker(p) is not None]
+    for p in sorted(aside, key=lambda p: p.stat().st_mtime, reverse=True)[:1]:
+        log.warning("restoring %s from %s: an earlier pact-export was stopped while replacing it", out, p)
+        try:
+            os.rename(p, out)
+        except OSError as e:
+            raise PactError(f"{p}: the export an interrupted run set aside could not be renamed back to {out} "
+                            f"({e.strerror or e}): rename it yourself") from None
+    sweep_leftovers(out)
+
+
+def _place(tmp: Path, out: Path) -> None:
+    """``tmp`` becomes ``out`` by renames, never by deleting first: an earlier export is renamed
+    aside, the new one renamed in, the old one removed last. Stopped at any point, ``out`` is the
+    complete old export or the complete new one, or (between the renames) absent with the old one
+    aside, which the next run renames back (_recover)."""
+    if not out.exists():
+        os.rename(tmp, out)
+        return
+    old = work_path(out, "old")
+    os.rename(out, old)
+    try:
+        os.rename(tmp, out)
+    except BaseException:
+        os.rename(old, out)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _write_marker(tmp: Path, art, fmt: str, adapter: str | None, how: str | None) -> None:
+    """The marker, written last: its presence says the export is complete; it lists every file."""
+    doc = {
+        "written_by": "pact-export",
+        "format": fmt,
+        "artifact": art.url or str(art.path.resolve()),
+        "artifact_fingerprint": art.fingerprint(),
+        "adapter": str(Path(adapter).resolve()) if adapter else None,
+        "adapter_placement": how,
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "files": _files(tmp),
+    }
+    (tmp / MARKER).write_text(json.dumps(doc, indent=2) + "\n")
+
+
+# --------------------------------------------------------------------------------------
+# what an export may carry
+
+
+def _check_config(art) -> None:
+    """The artifact's config asks for no code: transformers / vLLM would import what ``auto_map``
+    names (from a hub repo, too) under trust_remote_code. Refused, not dropped: a model pact
+    converts needs no custom code, so an artifact that asks for it was edited."""
+    cfg = art.meta["hf_config"]
+    for part in [cfg] + [v for v in cfg.values() if isinstance(v, dict)]:  # text_config, vision_config
+        key = next((k for k in CODE_KEYS if k in part), None)
+        if key:
+            raise PactError(f"{art.path}/zarr.json: the manifest's hf_config asks for custom code ({key}): refusing "
+                            "to export it (pact never ships code-loading keys); re-run pact-convert on a trusted model")
+
+
+def _side_files(art) -> list[str]:
+    """The artifact's hf/ files an export carries: the allow-list (config, tokenizer, chat template,
+    processor files), never weights, pickles or anything else an artifact lists."""
+    keep = [rel for rel in art.meta["files"] if rel in SIDE_FILES and rel != "config.json"]
+    for rel in sorted(set(art.meta["files"]) - set(keep) - {"config.json"}):
+        log.warning("%s: not a config, tokenizer or processor file: not copied into the export", art.hf_dir / rel)
+    for rel in keep:
+        if rel.endswith(".json"):
+            try:
+                doc = json.loads((art.hf_dir / rel).read_text(encoding="utf-8"))
+            except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+                continue  # tokenizer.json and friends are read by their own loaders; verify() checked the bytes
+            key = next((k for k in CODE_KEYS if isinstance(doc, dict) and k in doc), None)
+            if key:
+                raise PactError(f"{art.hf_dir / rel}: asks for custom code ({key}): refusing to export it (pact "
+                                "never ships code-loading keys); re-run pact-convert on a trusted model")
+    return keep
+
+
+def _check_adapter(adapter: str | None, adapters: dict, art) -> None:
+    """Every adapted weight is one the artifact holds, of its shape, and every A/B value is finite."""
+    other = "an adapter trained on another model: export it with the artifact it was trained on"
+    for name, (A, B) in adapters.items():
+        if name not in art.meta["tensors"]:
+            raise PactError(f"--adapter {adapter}: adapts {name}, which {art.path} does not have ({other})")
+        want, got = list(art.entry(name)["shape"]), [B.shape[0], A.shape[1]]
+        if got != want:
+            raise PactError(f"--adapter {adapter}: {name} is adapted as {got} (lora_A {list(A.shape)}, lora_B "
+                            f"{list(B.shape)}) but {art.path} holds it as {want} ({other})")
+        for which, t in (("A", A), ("B", B)):
+            if not _finite(t):
+                raise PactError(f"--adapter {adapter}: {peft_key(name, which)} holds non-finite values (NaN or inf): "
+                                "the run diverged; retrain (a lower --lr) or export a checkpoint from before it")
+
+
+# --------------------------------------------------------------------------------------
+# the checkpoint
+
+
+def _finite(t: torch.Tensor) -> bool:
+    """No NaN or inf in ``t`` (checked in slices: no full-size temporary)."""
+    flat = t.reshape(-1)
+    if t.dtype == torch.float8_e4m3fn:  # e4m3fn has no inf; NaN is S.1111.111
+        return not bool(((flat.view(torch.uint8) & 0x7F) == 0x7F).any())
+    if not t.is_floating_point():
+        return True
+    return all(bool(torch.isfinite(part).all()) for part in flat.split(1 << 24))
+
+
+def _nvfp4(art, name: str) -> NVFP4Tensor:
+    """The artifact's forward-layout tensor, refused when its global scale is not a finite number
+    > 0 or a block scale is NaN or negative (written out, they load as NaN or sign-flipped weights)."""
+    fix = "the artifact is damaged: re-copy it or re-run pact-convert"
+    g = art.entry(name)["global_scale"]
+    if not (math.isfinite(g) and g > 0):
+        raise PactError(f"{art.path}: {name}: global scale {g} is not a finite number > 0: {fix}")
+    t = art.nvfp4(name, "fwd")
+    bits = t.scales.view(torch.uint8)
+    if bool((((bits & 0x7F) == 0x7F) | (bits > 0x80)).any()):
+        raise PactError(f"{art.path}: {name}: its block scales (fwd_scales) hold NaN or negative values: {fix}")
+    return t
+
+
+def _merged(w: torch.Tensor, name: str, adapters: dict, scale: float) -> torch.Tensor:
+    if name not in adapters:
+        return w
+    A, B = adapters[name]
+    w = w + scale * (B.float() @ A.float())
+    if not _finite(w):  # before re-quantizing, which would turn NaN into zero codes
+        raise PactError(f"{name}: merged with the adapter it holds non-finite values (NaN or inf): the adapter's "
+                        "values are out of range; retrain (a lower --lr) or export it beside, without --merge")
+    return w
 
 
 def _write(art, tmp: Path, fmt: str, lora_cfg, adapters: dict, merge: bool) -> dict:
+    side = _side_files(art)
+    rule = (art.meta.get("provenance") or {}).get("block_scales", "amax")
+    if rule not in SCALE_RULES:
+        raise PactError(f"{art.path}/zarr.json: provenance block_scales {rule!r} is not one of "
+                        f"{', '.join(SCALE_RULES)}: the artifact is damaged; re-run pact-convert")
     tmp.mkdir(parents=True)
     scale = lora_cfg.scale if lora_cfg else 0.0
     tensors: dict[str, torch.Tensor] = {}
@@ -133,31 +360,28 @@ def _write(art, tmp: Path, fmt: str, lora_cfg, adapters: dict, merge: bool) -> d
         members = groups[e.get("group") or name]
         if fmt == "bf16":
             for m in members:
-                w = art.dequantize(m)
+                w = dequantize(_nvfp4(art, m))
                 tensors[m] = (_merged(w, m, adapters, scale) if merge else w).to(torch.bfloat16)
         elif merge and any(m in adapters for m in members):
             # the group's members re-quantized together: one global scale (vLLM fuses q|k|v, gate|up)
-            ws = {m: _merged(art.dequantize(m), m, adapters, scale) for m in members}
+            ws = {m: _merged(dequantize(_nvfp4(art, m)), m, adapters, scale) for m in members}
             g = global_scale_from_amax(max(float(w.abs().amax()) for w in ws.values()))
-            rule = art.meta["provenance"].get("block_scales", "amax")
             for m, w in ws.items():
                 t = quantize(w, global_scale=g, scaling="1d", scale_rule=rule)
                 added[m] = float((dequantize(t) - w).norm() / w.norm()) if float(w.norm()) > 0 else 0.0
                 _put_ct(tensors, m, t)
         else:
             for m in members:
-                _put_ct(tensors, m, art.nvfp4(m, "fwd"))
+                _put_ct(tensors, m, _nvfp4(art, m))
         quantized += members
         done.update(members)
-    _save_sharded(tensors, tmp)
+    _save_sharded(tensors, tmp, art)
     config = dict(art.meta["hf_config"])
     if fmt == "compressed-tensors":
         config["quantization_config"] = _ct_config(ignore)
     (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    for rel in art.meta["files"]:
-        if rel != "config.json":
-            (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(art.hf_dir / rel, tmp / rel)
+    for rel in side:
+        shutil.copyfile(art.hf_dir / rel, tmp / rel)
     out = {"quantized_projections": len(quantized) if fmt == "compressed-tensors" else 0,
            "adapter": "merged" if merge and adapters else "beside" if adapters else None}
     if added:
@@ -184,8 +408,22 @@ def encode_global_scale(g: torch.Tensor) -> torch.Tensor:
     return gs
 
 
-def _save_sharded(tensors: dict[str, torch.Tensor], folder: Path) -> None:
-    """model.safetensors, or model-0000i-of-0000n.safetensors + index past SHARD_BYTES."""
+def _save(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    try:
+        save_file(tensors, path, metadata={"format": "pt"})
+    except SafetensorError as e:  # its I/O errors (a full disk: "os error 28") are not OSErrors
+        m = re.search(r"os error (\d+)", str(e))
+        code = int(m.group(1)) if m else errno.EIO
+        raise OSError(code, os.strerror(code), str(path)) from None
+
+
+def _save_sharded(tensors: dict[str, torch.Tensor], folder: Path, art) -> None:
+    """model.safetensors, or model-0000i-of-0000n.safetensors + index past SHARD_BYTES. Every
+    tensor is checked finite first (the last guard: a value out of range anywhere upstream)."""
+    for k, t in tensors.items():
+        if not _finite(t):
+            raise PactError(f"{k}: non-finite values (NaN or inf) in the export of {art.path}: refusing to write "
+                            "it; re-run pact-convert on a healthy model (or retrain the adapter merged into it)")
     shards, cur, size = [], {}, 0
     for k, t in tensors.items():
         nbytes = t.numel() * t.element_size()
@@ -195,12 +433,12 @@ def _save_sharded(tensors: dict[str, torch.Tensor], folder: Path) -> None:
         cur[k], size = t.contiguous(), size + nbytes
     shards.append(cur)
     if len(shards) == 1:
-        save_file(shards[0], folder / "model.safetensors", metadata={"format": "pt"})
+        _save(shards[0], folder / "model.safetensors")
         return
     weight_map = {}
     for i, sh in enumerate(shards, 1):
         fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file(sh, folder / fname, metadata={"format": "pt"})
+        _save(sh, folder / fname)
         weight_map.update({k: fname for k in sh})
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     (folder / "model.safetensors.index.json").write_text(

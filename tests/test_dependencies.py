@@ -91,7 +91,7 @@ def test_optional_dependency_error_names_the_extra(monkeypatch):
 
     monkeypatch.setitem(sys.modules, "PIL", None)  # as if Pillow were not installed
     monkeypatch.setitem(sys.modules, "PIL.Image", None)
-    with pytest.raises(PactError, match=r'pip install "pact\[vision\]"'):
+    with pytest.raises(PactError, match=r'pip install "pact-nvfp4\[vision\]"'):
         require("PIL.Image", "vision", "--prompts imgs/")
 
 
@@ -102,7 +102,7 @@ def test_image_prompts_without_pillow_one_line(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "PIL", None)
     monkeypatch.setitem(sys.modules, "PIL.Image", None)
     (tmp_path / "a.png").write_bytes(b"")
-    with pytest.raises(PactError, match=r"--prompts .* needs the PIL package: pip install \"pact\[vision\]\""):
+    with pytest.raises(PactError, match=r"--prompts .* needs the PIL package: pip install \"pact-nvfp4\[vision\]\""):
         _image_samples(tmp_path, tmp_path, None, max_samples=1, seq_len=64)
 
 
@@ -112,7 +112,7 @@ def test_triton_kernels_without_triton(monkeypatch):
     from pact.runtime.recipe import parse_recipe
 
     monkeypatch.setitem(sys.modules, "triton", None)
-    with pytest.raises(PactError, match=r'--kernels triton needs the triton package: pip install "pact\[kernels\]"'):
+    with pytest.raises(PactError, match=r'--kernels triton needs the triton package: pip install "pact-nvfp4\[kernels\]"'):
         get_ops(parse_recipe(None), "triton")
 
 

@@ -114,7 +114,8 @@ def test_demo_end_to_end_on_tiny_model(tmp_path):
     assert (run / "adapter_model.safetensors").is_file()
     assert (run / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     r = CliRunner().invoke(pact_cli, args)
-    assert r.exit_code == 0 and r.output.count("reusing") == 3
+    # the second run reuses every step: the artifact, the calibrated artifact, the run and the three scores
+    assert r.exit_code == 0 and r.output.count("reusing") == 6 and r.output.count("reusing scores") == 3
 
 
 def test_eval_cli(tmp_path):
@@ -126,7 +127,7 @@ def test_eval_cli(tmp_path):
     make_sentiment_jsonl(tmp_path / "test.jsonl", 16)
     r = CliRunner().invoke(eval_cli, [str(tmp_path / "art"), "--data", str(tmp_path / "test.jsonl"), "--max-len", "64"])
     assert r.exit_code == 0, r.output
-    out = json.loads(r.output)
+    out = json.loads(r.stdout)  # the progress bar goes to stderr
     assert out["adapter"] is None and 0 <= out["eval_accuracy"] <= 1 and out["eval_loss"] > 0
     r = CliRunner().invoke(eval_cli, [str(tmp_path / "art"), "--data", str(tmp_path / "test.jsonl"), "--adapter",
                                       str(tmp_path / "nope")])

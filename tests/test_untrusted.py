@@ -217,11 +217,9 @@ def test_non_finite_loss_stops_at_its_step(base, tmp_path):
     from pact.runtime.trainer import train
 
     art = _copy(base, tmp_path)
-    for name in open_artifact(art).names("nvfp4"):
-        for part in ("fwd_scales", "bwd_scales"):
-            chunk = art / "tensors" / name / part / "c" / "0" / "0"
-            chunk.write_bytes(b"\x7f" * chunk.stat().st_size)  # e4m3 NaN block scales
-    rehash_artifact(art)
+    # NaN block scales are refused by verification (test_red_team_artifact.py); finite global scales
+    # near fp32's largest make the weights overflow to Inf in the forward instead
+    _edit_manifest(art, lambda m: [e.update(global_scale=3e38) for e in m["tensors"].values() if e["kind"] == "nvfp4"])
     run = tmp_path / "run"
     with pytest.raises(PactError, match=r"step 1: loss nan.*not finite, training stopped and no adapter written"):
         train(_cfg(base, tmp_path, artifact=str(art)), progress=False)
@@ -442,8 +440,9 @@ def test_calibrate_checks_its_output_before_work(base, tmp_path):
 
 def test_hub_cache_snapshot_links_are_followed(base, tmp_path):
     """A Hugging Face cache snapshot holds links into its repo's blobs/: those are the model's own
-    files and are copied; a link elsewhere is not."""
+    files and are copied; a link elsewhere is refused."""
     from pact.convert.sources import open_source
+    from pact.formats import PactError
 
     repo = tmp_path / "models--org--tiny"
     snap = repo / "snapshots" / "abc123"
@@ -454,6 +453,8 @@ def test_hub_cache_snapshot_links_are_followed(base, tmp_path):
             blob = repo / "blobs" / f.name
             shutil.copyfile(f, blob)
             os.symlink(os.path.relpath(blob, snap), snap / f.name)
-    os.symlink("/etc/hostname", snap / "special_tokens_map.json")
     names = {p.name for p in open_source(str(snap)).side_files()}
-    assert {"config.json", "tokenizer.json"} <= names and "special_tokens_map.json" not in names
+    assert {"config.json", "tokenizer.json"} <= names
+    os.symlink("/etc/hostname", snap / "special_tokens_map.json")  # a link elsewhere is refused, naming it
+    with pytest.raises(PactError, match="special_tokens_map.json: a link to /etc/hostname, outside the model folder"):
+        open_source(str(snap)).side_files()
