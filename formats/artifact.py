@@ -321,6 +321,19 @@ class ArtifactWriter:
 # reading
 
 
+_UMASK = os.umask(0)
+os.umask(_UMASK)  # read once, at import (single-threaded): the mode ordinary files get
+
+
+def save_safetensors(tensors: dict, path: str | os.PathLike, metadata: dict | None = None) -> None:
+    """safetensors' save_file, with the file's mode as any other file pact writes (the library
+    creates 0600 files)."""
+    from safetensors.torch import save_file
+
+    save_file(tensors, path, metadata=metadata)
+    os.chmod(path, 0o666 & ~_UMASK)
+
+
 def default_cache() -> Path:
     """pact's cache folder: $PACT_CACHE, else ~/.cache/pact (downloads, verified-artifact stamps)."""
     return Path(os.environ.get("PACT_CACHE", Path.home() / ".cache" / "pact"))

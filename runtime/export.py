@@ -34,10 +34,9 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import save_file
 
 from pact.formats import PactError, default_cache, open_artifact
-from pact.formats.artifact import SIDE_FILES, pid_alive, sweep_leftovers, work_path
+from pact.formats.artifact import SIDE_FILES, pid_alive, save_safetensors, sweep_leftovers, work_path
 from pact.formats.errors import write_error
 from pact.formats.families import classify
 from pact.formats.nvfp4 import SCALE_RULES, NVFP4Tensor, dequantize, global_scale_from_amax, quantize
@@ -410,7 +409,7 @@ def encode_global_scale(g: torch.Tensor) -> torch.Tensor:
 
 def _save(tensors: dict[str, torch.Tensor], path: Path) -> None:
     try:
-        save_file(tensors, path, metadata={"format": "pt"})
+        save_safetensors(tensors, path, metadata={"format": "pt"})
     except SafetensorError as e:  # its I/O errors (a full disk: "os error 28") are not OSErrors
         m = re.search(r"os error (\d+)", str(e))
         code = int(m.group(1)) if m else errno.EIO

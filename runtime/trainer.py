@@ -25,12 +25,12 @@ from pathlib import Path
 from typing import Iterator
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from tqdm.auto import tqdm
 
 from pact.formats import PactError
 from pact.formats.errors import write_error
-from pact.formats.artifact import pid_alive, sha256_file
+from pact.formats.artifact import pid_alive, save_safetensors, sha256_file
 
 from .data import batches, collate, pad_id, read_records, tokenize
 from .distributed import Dist, from_env, leave
@@ -212,11 +212,11 @@ def _write_checkpoint(tmp: Path, model: PactModel, opt: torch.optim.Optimizer, s
     for i, p in enumerate(params):
         for k, v in opt.state.get(p, {}).items():
             tensors[f"{i}.{k}"] = v.detach().cpu().reshape(-1) if v.dim() == 0 else v.detach().cpu()
-    save_file(tensors, tmp / "optimizer.safetensors")
+    save_safetensors(tensors, tmp / "optimizer.safetensors")
     rng = {"cpu": torch.random.get_rng_state()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state()
-    save_file(rng, tmp / "rng.safetensors")
+    save_safetensors(rng, tmp / "rng.safetensors")
     (tmp / "state.json").write_text(json.dumps({**state, "config": cfg.as_json()}, indent=2))
 
 

@@ -91,3 +91,18 @@ def test_gpu_backend_on_the_cpu_says_so(caplog):
     with caplog.at_level(logging.WARNING):
         assert resolve_compute("fp8", torch.device("cpu")) == "fp8"
     assert "runs as its PyTorch twin" in caplog.text
+
+
+def test_safetensors_files_get_the_ordinary_mode(tmp_path):
+    import os
+
+    import torch
+
+    from pact.formats.artifact import save_safetensors
+
+    old = os.umask(0o022)
+    try:
+        save_safetensors({"a": torch.zeros(2)}, tmp_path / "x.safetensors")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "x.safetensors").stat().st_mode & 0o777 == 0o644

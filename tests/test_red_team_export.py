@@ -407,14 +407,14 @@ def test_full_disk_is_one_line_and_keeps_the_earlier_export(base, tmp_path, monk
         raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
 
     out = tmp_path / "out"
-    monkeypatch.setattr(E, "save_file", full)
+    monkeypatch.setattr(E, "save_safetensors", full)
     with pytest.raises(PactError, match=r"could not write \(the disk is full\).*nothing was written to"):
         export(str(base / "art"), out, fmt="bf16")
     assert list(tmp_path.iterdir()) == []
     monkeypatch.undo()
     export(str(base / "art"), out)
     before = _tree(out)
-    monkeypatch.setattr(E, "save_file", full)
+    monkeypatch.setattr(E, "save_safetensors", full)
     with pytest.raises(PactError, match=r"could not write \(the disk is full\).*the earlier export in .* is kept"):
         export(str(base / "art"), out, fmt="bf16", overwrite=True)
     assert _tree(out) == before and _siblings(out) == []
