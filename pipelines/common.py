@@ -14,12 +14,20 @@ import click
 from pact.formats import PactError
 
 
+def main_rank() -> bool:
+    """This process prints status lines and results: the only one, or rank 0 under torchrun."""
+    import os
+
+    return os.environ.get("RANK", "0") == "0"
+
+
 def cli_errors(fn: Callable) -> Callable:
-    """Run a command body; a PactError becomes `Error: <message>` and exit status 1."""
+    """Run a command body; a PactError becomes `Error: <message>` and exit status 1. Under
+    torchrun only rank 0 logs status lines (every rank still reports its own error)."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        logging.basicConfig(level=logging.INFO, format="%(message)s")
+        logging.basicConfig(level=logging.INFO if main_rank() else logging.ERROR, format="%(message)s")
         try:
             return fn(*args, **kwargs)
         except PactError as e:

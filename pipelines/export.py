@@ -27,10 +27,11 @@ from .common import cli_errors
 @click.option("--overwrite", is_flag=True,
               help="Replace --out if it is an earlier export (it carries pact_export.json, listing every file in "
                    "it); any other folder is refused. Replaced by rename: the old export is removed last.")
+@click.option("--quiet", is_flag=True, help="No progress bar.")
 @cli_errors
-def main(artifact, out, fmt, adapter, merge, overwrite) -> None:
+def main(artifact, out, fmt, adapter, merge, overwrite, quiet) -> None:
     """Export ARTIFACT (with --adapter) for inference."""
-    r = export(artifact, out, fmt=fmt, adapter=adapter, merge=merge, overwrite=overwrite)
+    r = export(artifact, out, fmt=fmt, adapter=adapter, merge=merge, overwrite=overwrite, progress=not quiet)
     if "requantization_error" in r:
         r["requantization_error"] = {k: v for k, v in r["requantization_error"].items() if k != "per_projection"}
     click.echo(json.dumps(r, indent=2))

@@ -9,7 +9,7 @@ import click
 
 from pact.runtime.trainer import TrainConfig, train
 
-from .common import cli_errors, config_from, config_options
+from .common import cli_errors, config_from, config_options, main_rank
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -20,7 +20,8 @@ from .common import cli_errors, config_from, config_options
 def main(resume: bool, quiet: bool, **params) -> None:
     """Train LoRA adapters on ARTIFACT; the adapter is saved in PEFT format in --out."""
     result = train(config_from(TrainConfig, params), resume=resume, progress=not quiet)
-    click.echo(json.dumps({k: v for k, v in result.items() if k != "eval_labels"}, indent=2))
+    if main_rank():  # under torchrun, one result
+        click.echo(json.dumps({k: v for k, v in result.items() if k != "eval_labels"}, indent=2))
 
 
 if __name__ == "__main__":

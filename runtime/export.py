@@ -75,7 +75,7 @@ def _ct_config(ignore: list[str]) -> dict:
 
 
 def export(artifact: str, out: str | os.PathLike, *, fmt: str = "compressed-tensors", adapter: str | None = None,
-           merge: bool = False, overwrite: bool = False) -> dict:
+           merge: bool = False, overwrite: bool = False, progress: bool = False) -> dict:
     """Export ``artifact`` (with a PEFT ``adapter``) to ``out`` in ``fmt``; returns a summary (for
     a merged NVFP4 export: each projection's added relative error from re-quantizing)."""
     if fmt not in FORMATS:
@@ -102,7 +102,7 @@ def export(artifact: str, out: str | os.PathLike, *, fmt: str = "compressed-tens
     tmp = work_path(out, "tmp")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        summary = _write(art, tmp, fmt, lora_cfg, adapters, merged)
+        summary = _write(art, tmp, fmt, lora_cfg, adapters, merged, progress)
         if adapters and not merged:  # served beside the quantized base (vLLM LoRA)
             save_peft_adapter(tmp / "adapter", adapters, lora_cfg, str(out.resolve()))
         _write_marker(tmp, art, fmt, adapter, summary["adapter"])
@@ -330,7 +330,9 @@ def _merged(w: torch.Tensor, name: str, adapters: dict, scale: float) -> torch.T
     return w
 
 
-def _write(art, tmp: Path, fmt: str, lora_cfg, adapters: dict, merge: bool) -> dict:
+def _write(art, tmp: Path, fmt: str, lora_cfg, adapters: dict, merge: bool, progress: bool = False) -> dict:
+    from tqdm.auto import tqdm
+
     side = _side_files(art)
     rule = (art.meta.get("provenance") or {}).get("block_scales", "amax")
     if rule not in SCALE_RULES:
@@ -345,7 +347,7 @@ def _write(art, tmp: Path, fmt: str, lora_cfg, adapters: dict, merge: bool) -> d
     for name in art.names("nvfp4"):
         groups.setdefault(art.entry(name).get("group") or name, []).append(name)
     done = set()
-    for name in art.names():
+    for name in tqdm(art.names(), desc="export", unit="tensor", disable=not progress):
         if name in done:
             continue
         e = art.entry(name)

@@ -66,6 +66,7 @@ def test_torchrun_two_ranks_match_one_process(setup, tmp_path):
            "--quiet"]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.count('"step": 4') == 1  # one result printed, by rank 0
     m1, m2 = _losses(tmp_path / "one"), _losses(tmp_path / "two")
     assert [m["step"] for m in m2] == [1, 2, 3, 4]  # one writer
     assert m2[0]["loss"] == pytest.approx(m1[0]["loss"], rel=1e-6)

@@ -88,7 +88,7 @@ def _cli(args):
 
     from pact.pipelines.export import main
 
-    r = CliRunner().invoke(main, [str(a) for a in args])
+    r = CliRunner().invoke(main, [str(a) for a in args] + ["--quiet"])
     assert r.exit_code == 1, r.output
     lines = r.output.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("Error: ") and "Traceback" not in r.output, r.output
