@@ -179,8 +179,11 @@ CHECKPOINT_FILES = ("adapter_config.json", "adapter_model.safetensors", "optimiz
 
 def base_model(art) -> str:
     """What an adapter's ``base_model_name_or_path`` names: the model the artifact was converted from
-    (a hub id or a folder transformers loads; PEFT's AutoPeftModel reads it), not the artifact."""
-    return str(art.meta["provenance"].get("source") or art.path)
+    (a hub id or a folder transformers loads; PEFT's AutoPeftModel reads it), not the artifact. For a
+    .gguf source, the file's folder: transformers loads it given ``gguf_file=<the file's name>``,
+    which AutoPeftModelForCausalLM.from_pretrained(run, gguf_file=...) passes through."""
+    source = str(art.meta["provenance"].get("source") or art.path)
+    return str(Path(source).parent) if source.endswith(".gguf") else source
 
 
 def _disk_error(e: OSError, what: Path) -> PactError:

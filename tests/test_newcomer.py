@@ -106,3 +106,24 @@ def test_safetensors_files_get_the_ordinary_mode(tmp_path):
     finally:
         os.umask(old)
     assert (tmp_path / "x.safetensors").stat().st_mode & 0o777 == 0o644
+
+
+def test_gguf_sourced_adapter_loads_with_autopeft(tmp_path):
+    """An adapter trained on an artifact converted from a .gguf names the file's folder as its base;
+    AutoPeftModelForCausalLM loads it given gguf_file (the README's line)."""
+    from peft import AutoPeftModelForCausalLM
+
+    from conftest import make_gguf, make_sentiment_jsonl
+    from pact.convert import convert
+
+    gguf = tmp_path / "src" / "tiny.gguf"
+    gguf.parent.mkdir()
+    make_gguf(gguf)
+    convert(str(gguf), tmp_path / "art", progress=False)
+    make_sentiment_jsonl(tmp_path / "train.jsonl", 8)
+    train(TrainConfig(artifact=str(tmp_path / "art"), data=str(tmp_path / "train.jsonl"), out=str(tmp_path / "run"),
+                      steps=1, batch_size=4, max_len=32, lora_r=4, lora_alpha=8), progress=False)
+    cfg = json.loads((tmp_path / "run" / "adapter_config.json").read_text())
+    assert cfg["base_model_name_or_path"] == str(gguf.parent)
+    model = AutoPeftModelForCausalLM.from_pretrained(str(tmp_path / "run"), gguf_file="tiny.gguf")
+    assert type(model).__name__ == "PeftModelForCausalLM"
