@@ -109,6 +109,11 @@ def calibrate(
         if source is None and not gguf and src.fingerprint() != prov.get("source_fingerprint"):
             raise PactError(f"{src_name}: not the model this artifact was converted from (fingerprint differs): "
                             "pass --source with the original model")
+        # the weights' own bytes (artifacts converted since it is recorded), with --source too: GPTQ on
+        # another model's weights would silently write a mix of two models
+        if not gguf and "source_sha256" in prov and src.content_sha256() != prov["source_sha256"]:
+            raise PactError(f"{src_name}: not the weights this artifact was converted from (sha256 of the "
+                            f"safetensors differs): pass {'--source with ' if source is None else ''}the original model")
         return _calibrate(ses, src, samples, out, prompts=Path(prompts), damp=damp, actorder=actorder,
                           static_scales=static_scales, blocksize=blocksize, scale_rule=rule, overwrite=overwrite,
                           progress=progress)

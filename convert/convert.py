@@ -174,6 +174,7 @@ def _convert(source: Source, out: Path, *, scaling: str, block_scales: str, keep
                 **source.provenance,
                 **({"source_quantization": source.quantization} if source.quantization else {}),
                 "source_fingerprint": source.fingerprint(),
+                "source_sha256": source.content_sha256(),  # the weights' bytes: calibration checks its source by it
                 "scaling": scaling,
                 "block_scales": block_scales,
                 "keep_bf16": keep_bf16,

@@ -346,6 +346,15 @@ class Source:
             h.update(st.header_bytes)
         return h.hexdigest()
 
+    def content_sha256(self) -> str:
+        """sha256 over config.json and every safetensors file's name and bytes: the weights
+        themselves (two sources with the same shapes and other values differ here, not in
+        ``fingerprint``). Reads every file once."""
+        h = hashlib.sha256((self.folder / "config.json").read_bytes())
+        for st in sorted(set(self._index.values()), key=lambda st: st.path.name):
+            h.update(f"{st.path.name}\0{sha256_file(st.path)}\n".encode())
+        return h.hexdigest()
+
 
 def _own_roots(folder: Path) -> list[Path]:
     """Where a model's files may really live: the folder itself and, for a Hugging Face cache snapshot

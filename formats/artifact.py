@@ -469,6 +469,7 @@ def _check_top(meta: dict, bad: Callable[[str], ArtifactError]) -> None:
     for key, ok, want in (("block_scales", lambda v: v in SCALE_RULES, " or ".join(SCALE_RULES)),
                           ("kept_bf16", lambda v: isinstance(v, list), "a list"),
                           ("source_quantization", lambda v: isinstance(v, dict), "an object"),
+                          ("source_sha256", lambda v: isinstance(v, str) and bool(_SHA256.match(v)), "a sha256"),
                           ("calibration", lambda v: isinstance(v, dict), "an object")):
         if key in prov and not ok(prov[key]):
             raise bad(f"provenance has '{key}' {prov[key]!r} ({want})")

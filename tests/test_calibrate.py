@@ -203,3 +203,22 @@ def test_cli_and_bad_input(setup, tmp_path):
         doc["attributes"]["pact"]["provenance"]["source"] = str(other)
         (art2 / "zarr.json").write_text(json.dumps(doc))
         calibrate(str(art2), setup / "prompts.jsonl", tmp_path / "c6")
+
+
+def test_source_with_other_weights_of_the_same_shapes_is_refused(setup, tmp_path):
+    """Same config and safetensors headers, other values: the header fingerprint cannot tell them
+    apart; the recorded sha256 of the weights can (with --source too)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    other = tmp_path / "src"
+    shutil.copytree(setup / "src", other)
+    f = next(other.glob("*.safetensors"))
+    sd = load_file(f)
+    k = next(k for k in sorted(sd) if "mlp" in k)
+    sd[k] = torch.flip(sd[k], dims=[0]).contiguous()  # same dtype, shape and offsets; other bytes
+    save_file(sd, f, metadata={"format": "pt"})
+    with pytest.raises(PactError, match="not the weights this artifact was converted from"):
+        calibrate(str(setup / "art"), setup / "prompts.jsonl", tmp_path / "c", source=str(other))
+    assert not (tmp_path / "c").exists()
