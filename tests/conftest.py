@@ -220,3 +220,11 @@ def rehash_artifact(art: Path) -> None:
         for spec in e["arrays"].values():
             spec["sha256"] = sha256_file(art.joinpath(spec["path"], "c", *["0"] * len(spec["shape"])))
     f.write_text(json.dumps(root))
+
+
+def edit_manifest(art: Path, edit) -> None:
+    """Apply ``edit`` to an artifact's manifest (the ``pact`` attributes of its zarr.json) in place."""
+    f = art / "zarr.json"
+    root = json.loads(f.read_text())
+    edit(root["attributes"]["pact"])
+    f.write_text(json.dumps(root))

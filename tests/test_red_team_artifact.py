@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import make_model, make_sentiment_jsonl, rehash_artifact
+from conftest import make_model, make_sentiment_jsonl, rehash_artifact, edit_manifest
 from pact.convert import convert
 from pact.formats import ArtifactError, PactError, open_artifact
 from pact.formats import nvfp4 as F
@@ -32,13 +32,6 @@ def _copy(base, tmp_path, what="art"):
     dst = tmp_path / what
     shutil.copytree(base / what, dst, symlinks=True)
     return dst
-
-
-def _edit_manifest(art, edit):
-    f = art / "zarr.json"
-    root = json.loads(f.read_text())
-    edit(root["attributes"]["pact"])
-    f.write_text(json.dumps(root))
 
 
 def _chunk_file(art, name, part):
@@ -124,7 +117,7 @@ def _array(name, part):
 ])
 def test_arrays_must_be_what_their_role_stores(base, tmp_path, edit, match):
     art = _copy(base, tmp_path)
-    _edit_manifest(art, edit)
+    edit_manifest(art, edit)
     with pytest.raises(ArtifactError, match=r"zarr.json: manifest .*" + match):
         open_artifact(art)
 
@@ -147,7 +140,7 @@ def test_array_metadata_that_disagrees_with_the_manifest(base, tmp_path):
 @pytest.mark.parametrize("g", [float("nan"), float("inf"), 0.0, -1.0, 1e39, "0.5", True])
 def test_bad_global_scale_is_refused_on_open(base, tmp_path, g):
     art = _copy(base, tmp_path)
-    _edit_manifest(art, lambda m: m["tensors"][Q].update(global_scale=g))
+    edit_manifest(art, lambda m: m["tensors"][Q].update(global_scale=g))
     with pytest.raises(ArtifactError, match=r"has global_scale .* \(a finite float32 > 0\)"):
         open_artifact(art)
 
@@ -313,7 +306,7 @@ def test_a_tensor_in_two_shards_is_refused(base, tmp_path):
 ])
 def test_manifest_fields_are_checked_on_open(base, tmp_path, edit, match):
     art = _copy(base, tmp_path)
-    _edit_manifest(art, edit)
+    edit_manifest(art, edit)
     with pytest.raises(ArtifactError, match=r"zarr.json: manifest (.*)?" + match + ".*re-run pact-convert"):
         open_artifact(art)
 
@@ -321,7 +314,7 @@ def test_manifest_fields_are_checked_on_open(base, tmp_path, edit, match):
 def test_array_path_must_be_its_own(base, tmp_path):
     """Two arrays naming one file (the scales read as another tensor's): refused."""
     art = _copy(base, tmp_path)
-    _edit_manifest(art, lambda m: _array(Q, "bwd_scales")(m).update(path=f"tensors/{Q}/fwd_scales"))
+    edit_manifest(art, lambda m: _array(Q, "bwd_scales")(m).update(path=f"tensors/{Q}/fwd_scales"))
     with pytest.raises(ArtifactError, match=r"bwd_scales has path .*fwd_scales', not tensors/.*/bwd_scales"):
         open_artifact(art)
 

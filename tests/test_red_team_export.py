@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import make_model, rehash_artifact
+from conftest import make_model, rehash_artifact, edit_manifest
 from pact.convert import convert
 from pact.formats import PactError, open_artifact
 from pact.runtime import export as E
@@ -36,13 +36,6 @@ def _copy(base, tmp_path):
     art = tmp_path / "art"
     shutil.copytree(base / "art", art)
     return art
-
-
-def _edit_manifest(art, edit):
-    f = art / "zarr.json"
-    root = json.loads(f.read_text())
-    edit(root["attributes"]["pact"])
-    f.write_text(json.dumps(root))
 
 
 def _adapter(run, shapes, r=2, edit=None):
@@ -272,7 +265,7 @@ def test_nan_global_scale_and_dense_values_are_refused(base, tmp_path, monkeypat
     from pact.formats.artifact import Artifact
 
     art = _copy(base, tmp_path)
-    _edit_manifest(art, lambda meta: meta["tensors"][Q].update(global_scale=float("nan")))
+    edit_manifest(art, lambda meta: meta["tensors"][Q].update(global_scale=float("nan")))
     with pytest.raises(PactError, match=rf"{Q}.*global.scale nan"):
         export(str(art), tmp_path / "out")
     emb = tmp_path / "emb"
@@ -337,10 +330,10 @@ def test_adapter_overflowing_when_merged_is_refused(base, tmp_path):
 
 def test_auto_map_is_refused(base, tmp_path):
     art = _copy(base, tmp_path)
-    _edit_manifest(art, lambda meta: meta["hf_config"].update(auto_map={"AutoModelForCausalLM": "evil/repo--m.M"}))
+    edit_manifest(art, lambda meta: meta["hf_config"].update(auto_map={"AutoModelForCausalLM": "evil/repo--m.M"}))
     with pytest.raises(PactError, match=r"hf_config asks for custom code \(auto_map\): refusing to export it"):
         export(str(art), tmp_path / "out")
-    _edit_manifest(art, lambda meta: (meta["hf_config"].pop("auto_map"),
+    edit_manifest(art, lambda meta: (meta["hf_config"].pop("auto_map"),
                                       meta["hf_config"].update(text_config={"auto_map": {"AutoConfig": "x.C"}})))
     with pytest.raises(PactError, match=r"custom code \(auto_map\)"):
         export(str(art), tmp_path / "out", fmt="bf16")
@@ -369,7 +362,7 @@ def test_only_side_files_ship(base, tmp_path):
     for rel in planted:
         (art / "hf" / rel).parent.mkdir(parents=True, exist_ok=True)
         save_file(other, art / "hf" / rel)
-    _edit_manifest(art, lambda meta: meta["files"].update({rel: "0" * 64 for rel in planted}))
+    edit_manifest(art, lambda meta: meta["files"].update({rel: "0" * 64 for rel in planted}))
     rehash_artifact(art)
     for fmt in ("bf16", "compressed-tensors"):
         out = tmp_path / fmt

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from conftest import make_model, rehash_artifact
+from conftest import make_model, rehash_artifact, edit_manifest
 from pact.convert import convert
 from pact.formats import ArtifactError, open_artifact
 
@@ -28,13 +28,6 @@ def _copy(base, tmp_path):
     art = tmp_path / "art"
     shutil.copytree(base / "art", art, symlinks=True)
     return art
-
-
-def _edit_manifest(art, edit):
-    f = art / "zarr.json"
-    root = json.loads(f.read_text())
-    edit(root["attributes"]["pact"])
-    f.write_text(json.dumps(root))
 
 
 def test_converter_ships_only_model_files(base):
@@ -75,7 +68,7 @@ def test_paths_outside_are_refused(base, tmp_path, where):
         else:
             first = next(iter(meta["tensors"].values()))
             next(iter(first["arrays"].values()))["path"] = bad
-    _edit_manifest(art, edit)
+    edit_manifest(art, edit)
     with pytest.raises(ArtifactError, match="points outside the artifact"):
         open_artifact(art)
 
@@ -219,7 +212,7 @@ def test_non_finite_loss_stops_at_its_step(base, tmp_path):
     art = _copy(base, tmp_path)
     # NaN block scales are refused by verification (test_red_team_artifact.py); finite global scales
     # near fp32's largest make the weights overflow to Inf in the forward instead
-    _edit_manifest(art, lambda m: [e.update(global_scale=3e38) for e in m["tensors"].values() if e["kind"] == "nvfp4"])
+    edit_manifest(art, lambda m: [e.update(global_scale=3e38) for e in m["tensors"].values() if e["kind"] == "nvfp4"])
     run = tmp_path / "run"
     with pytest.raises(PactError, match=r"step 1: loss nan.*not finite, training stopped and no adapter written"):
         train(_cfg(base, tmp_path, artifact=str(art)), progress=False)
@@ -236,14 +229,14 @@ def test_checkpoints_survive_a_full_disk_and_an_emptied_one(base, tmp_path, monk
     trainer.train(cfg, progress=False, stop_after=4)
     ck = tmp_path / "run" / "checkpoints"
     assert sorted(p.name for p in ck.iterdir()) == ["step-0000002", "step-0000004"]
-    real = trainer.save_file
+    real = trainer.save_safetensors
 
     def full(tensors, path, *a, **kw):
         if str(path).endswith("optimizer.safetensors"):
             raise OSError(errno.ENOSPC, "No space left on device")
         return real(tensors, path, *a, **kw)
 
-    monkeypatch.setattr(trainer, "save_file", full)
+    monkeypatch.setattr(trainer, "save_safetensors", full)
     with pytest.raises(PactError, match=r"step-0000006.tmp: could not write \(the disk is full\)"):
         trainer.train(cfg, resume=True, progress=False)
     monkeypatch.undo()
@@ -327,7 +320,7 @@ def test_bad_flags_on_the_cli_are_one_line(base, tmp_path):
 ])
 def test_damaged_manifest_is_one_error(base, tmp_path, damage, match):
     art = _copy(base, tmp_path)
-    _edit_manifest(art, damage)
+    edit_manifest(art, damage)
     with pytest.raises(ArtifactError, match=match):
         open_artifact(art)
 
