@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from pact.formats.errors import DISTRIBUTION
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE_DIRS = ("formats", "convert", "calibrate", "runtime", "assets", "pipelines")
 # what each of our packages may import of ours: imports go down the stack only (ARCHITECTURE.md)
@@ -66,7 +68,7 @@ def test_imports_go_down_the_stack():
 
 def _declared() -> set[str]:
     """Distributions pact's installed metadata declares, required and in every extra."""
-    reqs = requires("pact") or []
+    reqs = requires(DISTRIBUTION) or []
     return {_norm(re.match(r"[A-Za-z0-9_.-]+", r).group(0)) for r in reqs}
 
 
