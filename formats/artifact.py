@@ -475,13 +475,18 @@ def _check_top(meta: dict, bad: Callable[[str], ArtifactError]) -> None:
             raise bad(f"provenance has '{key}' {prov[key]!r} ({want})")
 
 
+def _check_keys(what: str, obj: Any, keys: dict, bad: Callable[[str], ArtifactError]) -> None:
+    """``obj`` is an object holding each of ``keys`` with its type."""
+    if not isinstance(obj, dict):
+        raise bad(f"{what} is not an object")
+    for key, typ in keys.items():
+        if not isinstance(obj.get(key), typ):
+            raise bad(f"{what} has no '{key}' {typ.__name__}")
+
+
 def _check_entry(name: str, e: Any, bad: Callable[[str], ArtifactError]) -> None:
     what = f"entry {name!r}"
-    if not isinstance(e, dict):
-        raise bad(f"{what} is not an object")
-    for key, typ in _ENTRY_KEYS.items():
-        if not isinstance(e.get(key), typ):
-            raise bad(f"{what} has no '{key}' {typ.__name__}")
+    _check_keys(what, e, _ENTRY_KEYS, bad)
     if e["kind"] not in ("nvfp4", "dense"):
         raise bad(f"{what} has kind {e['kind']!r} (nvfp4 or dense)")
     r = classify(name)
@@ -500,11 +505,7 @@ def _check_entry(name: str, e: Any, bad: Callable[[str], ArtifactError]) -> None
 
 def _check_array(name: str, part: str, spec: Any, bad: Callable[[str], ArtifactError]) -> None:
     what = f"array {name}/{part}"
-    if not isinstance(spec, dict):
-        raise bad(f"{what} is not an object")
-    for key, typ in _ARRAY_KEYS.items():
-        if not isinstance(spec.get(key), typ):
-            raise bad(f"{what} has no '{key}' {typ.__name__}")
+    _check_keys(what, spec, _ARRAY_KEYS, bad)
     if spec["dtype"] not in _STORAGE:
         raise bad(f"{what} has dtype {spec['dtype']!r} (pact stores {', '.join(_STORAGE)})")
     if not _is_shape(spec["shape"]):
