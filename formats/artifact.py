@@ -166,6 +166,25 @@ def work_path(out: Path, kind: str) -> Path:
     return out.parent / f".{out.name}.{kind}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
+def replace_by_rename(tmp: Path, out: Path) -> None:
+    """The complete folder ``tmp`` becomes ``out`` by renames, never by deleting first: an existing
+    ``out`` is renamed aside (``work_path(out, "old")``), ``tmp`` renamed in, the old one removed
+    last; if the second rename fails the old one is renamed back. Stopped at any point, ``out`` is
+    the complete old folder or the complete new one, or (between the renames) absent with the old
+    one aside under this process's name."""
+    if not out.exists():
+        os.rename(tmp, out)
+        return
+    old = work_path(out, "old")
+    os.rename(out, old)
+    try:
+        os.rename(tmp, out)
+    except BaseException:
+        os.rename(old, out)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
 def sweep_leftovers(out: Path) -> None:
     """Remove temp folders a killed run left beside ``out`` (their process is gone)."""
     pattern = re.compile(rf"^\.{re.escape(out.name)}\.(tmp|old|gguf|src)-(\d+)-[0-9a-f]{{8}}$")
@@ -305,15 +324,9 @@ class ArtifactWriter:
             "tensors": self.tensors,
         }
         self.root.attrs["pact"] = manifest
-        old = None
-        if self.out.exists():
-            if not self.overwrite:
-                raise ArtifactError(f"output {self.out} appeared while converting: pass --overwrite")
-            old = work_path(self.out, "old")
-            os.rename(self.out, old)
-        os.rename(self.tmp, self.out)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        if self.out.exists() and not self.overwrite:
+            raise ArtifactError(f"output {self.out} appeared while converting: pass --overwrite")
+        replace_by_rename(self.tmp, self.out)
         return self.out
 
 

@@ -45,7 +45,8 @@ from pathlib import Path
 from typing import Callable, Iterator
 from urllib.parse import quote, unquote, urljoin, urlsplit
 
-from .artifact import FORMAT_NAME, FORMAT_VERSION, _is_artifact, array_nbytes, default_cache, sweep_leftovers, work_path
+from .artifact import (FORMAT_NAME, FORMAT_VERSION, _is_artifact, array_nbytes, default_cache, replace_by_rename,
+                       sweep_leftovers, work_path)
 from .errors import DISTRIBUTION, ArtifactError, PactError, require, write_error
 
 SCHEMES = ("http", "https", "s3", "hf", "file", "memory")
@@ -512,28 +513,15 @@ def _push_local(art, d: Path, dest: str) -> None:
     """Copy every file into a temp folder beside ``d`` (the manifest last), then rename it into place;
     a failure removes the temp folder and leaves ``d`` as it was."""
     sweep_leftovers(d)
-    tmp, old, emptied, rel = work_path(d, "tmp"), None, False, "zarr.json"
+    tmp, rel = work_path(d, "tmp"), "zarr.json"
     try:
         for rel in [r for r, _, _ in _plan(art.meta)] + ["zarr.json"]:
             (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(art.path / rel, tmp / rel)
-        if d.is_dir() and any(d.iterdir()):  # an artifact, checked by _local_dest
-            old = work_path(d, "old")
-            os.rename(d, old)
-        elif d.is_dir():
-            d.rmdir()
-            emptied = True
-        os.rename(tmp, d)
+        replace_by_rename(tmp, d)  # d: absent, empty or an artifact (checked by _local_dest)
     except OSError as e:
-        if old is not None and not d.exists():
-            os.rename(old, d)
-            old = None
-        if emptied and not d.exists():
-            d.mkdir()
         shutil.rmtree(tmp, ignore_errors=True)
         raise write_error(e, d / rel, f"nothing at {dest} was changed") from None
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 _MARK = ".pact-push"  # written first by a remote push, removed last: what it left, a rerun may resume

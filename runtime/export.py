@@ -36,7 +36,7 @@ import torch
 from safetensors import SafetensorError
 
 from pact.formats import PactError, default_cache, open_artifact
-from pact.formats.artifact import SIDE_FILES, pid_alive, save_safetensors, sweep_leftovers, work_path
+from pact.formats.artifact import SIDE_FILES, pid_alive, replace_by_rename, save_safetensors, sweep_leftovers, work_path
 from pact.formats.errors import write_error
 from pact.formats.families import classify
 from pact.formats.nvfp4 import SCALE_RULES, NVFP4Tensor, dequantize, global_scale_from_amax, quantize
@@ -107,7 +107,7 @@ def export(artifact: str, out: str | os.PathLike, *, fmt: str = "compressed-tens
             save_peft_adapter(tmp / "adapter", adapters, lora_cfg, str(out.resolve()))
         _write_marker(tmp, art, fmt, adapter, summary["adapter"])
         _check_out(out, overwrite, sources)  # again: something may have appeared at out meanwhile
-        _place(tmp, out)
+        replace_by_rename(tmp, out)  # the earlier export renamed aside, removed last (_recover undoes a kill)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
         kept = f"the earlier export in {out} is kept" if existed and out.exists() else f"nothing was written to {out}"
@@ -188,7 +188,7 @@ def _unlisted(folder: Path, doc: dict) -> str | None:
 
 
 def _recover(out: Path) -> None:
-    """A run killed between its two renames (_place) left no ``out`` and the earlier export aside as
+    """A run killed between its two renames (replace_by_rename) left no ``out`` and the earlier export aside as
     ``.OUT.old-PID-xxxxxxxx``: rename it back. Then remove what killed runs left (temp folders of
     unfinished exports, old exports already replaced)."""
     if out.exists() or out.is_symlink() or not out.parent.is_dir():
@@ -205,24 +205,6 @@ def _recover(out: Path) -> None:
             raise PactError(f"{p}: the export an interrupted run set aside could not be renamed back to {out} "
                             f"({e.strerror or e}): rename it yourself") from None
     sweep_leftovers(out)
-
-
-def _place(tmp: Path, out: Path) -> None:
-    """``tmp`` becomes ``out`` by renames, never by deleting first: an earlier export is renamed
-    aside, the new one renamed in, the old one removed last. Stopped at any point, ``out`` is the
-    complete old export or the complete new one, or (between the renames) absent with the old one
-    aside, which the next run renames back (_recover)."""
-    if not out.exists():
-        os.rename(tmp, out)
-        return
-    old = work_path(out, "old")
-    os.rename(out, old)
-    try:
-        os.rename(tmp, out)
-    except BaseException:
-        os.rename(old, out)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
 
 
 def _write_marker(tmp: Path, art, fmt: str, adapter: str | None, how: str | None) -> None:
