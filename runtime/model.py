@@ -168,8 +168,8 @@ class PactModel(nn.Module):
     def layer(self, L: Layer, x: torch.Tensor, cos, sin, B: int, S: int) -> torch.Tensor:
         """Decoder layer L on rows x [B * S, H] (RoPE tables cos/sin): the public hook calibration runs."""
         x = x + self._attention(L, x, cos, sin, B, S)
-        return x + MlpFn.apply(x, L.mlp_norm, self.eps, L.gate_up, L.down, self.ops,
-                               (self._recipe().gate_up, self._recipe().down),
+        recipe = self._recipe()
+        return x + MlpFn.apply(x, L.mlp_norm, self.eps, L.gate_up, L.down, self.ops, (recipe.gate_up, recipe.down),
                                *L.gate_up.lora_params(), *L.down.lora_params())
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import make_model, make_sentiment_jsonl, rehash_artifact, edit_manifest
+from conftest import edit_manifest, make_converted_llama, make_sentiment_jsonl, rehash_artifact
 from pact.convert import convert
 from pact.formats import ArtifactError, PactError, open_artifact
 from pact.formats import nvfp4 as F
@@ -22,10 +22,7 @@ NORM = "model.norm.weight"
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
-    d = tmp_path_factory.mktemp("red_team")
-    make_model(d / "src", "llama")
-    convert(str(d / "src"), d / "art", progress=False)
-    return d
+    return make_converted_llama(tmp_path_factory.mktemp("red_team"), 8)
 
 
 def _copy(base, tmp_path, what="art"):

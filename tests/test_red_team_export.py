@@ -14,8 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import make_model, rehash_artifact, edit_manifest
-from pact.convert import convert
+from conftest import edit_manifest, make_converted_llama, rehash_artifact
 from pact.formats import PactError, open_artifact
 from pact.runtime import export as E
 from pact.runtime.export import MARKER, export, read_marker
@@ -26,10 +25,7 @@ V = "model.layers.0.self_attn.v_proj.weight"  # [32, 64]: 2 kv heads of 16
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
-    d = tmp_path_factory.mktemp("export")
-    make_model(d / "src", "llama")
-    convert(str(d / "src"), d / "art", progress=False)
-    return d
+    return make_converted_llama(tmp_path_factory.mktemp("export"), 8)
 
 
 def _copy(base, tmp_path):

@@ -8,8 +8,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from conftest import make_model, make_sentiment_jsonl
-from pact.convert import convert
+from conftest import make_converted_llama
 from pact.formats import PactError
 from pact.runtime import data as data_mod
 from pact.runtime.lora import load_peft_adapter
@@ -18,11 +17,7 @@ from pact.runtime.trainer import TrainConfig, train
 
 @pytest.fixture(scope="module")
 def task(tmp_path_factory):
-    d = tmp_path_factory.mktemp("task")
-    make_model(d / "src", "llama")
-    convert(str(d / "src"), d / "art", progress=False)
-    make_sentiment_jsonl(d / "train.jsonl", 32, seed=0)
-    return d
+    return make_converted_llama(tmp_path_factory.mktemp("task"), 32)
 
 
 def _cfg(task, out, **kw):

@@ -353,11 +353,11 @@ def dequant_rows(q: NVFP4Rows | E4M3Rows, dtype: torch.dtype = torch.bfloat16) -
     value * row scale, likewise."""
     T, K = q.shape
     if isinstance(q, E4M3Rows):
-        out = torch.empty(T, K, dtype=torch.bfloat16 if dtype == torch.bfloat16 else torch.float32, device=q.data.device)
-        if T and dtype == torch.bfloat16:
+        if dtype != torch.bfloat16:
+            return q.value(dtype)  # fp32 products: what the kernel computes before rounding
+        out = torch.empty(T, K, dtype=dtype, device=q.data.device)
+        if T:
             _dequant_e4m3_kernel[(T,)](q.data.view(torch.uint8), q.scale, out, K, **row_config(block_width(K)))
-        elif T:
-            out = q.value(dtype)
         return out
     if dtype == torch.bfloat16:
         out = torch.empty(T, K, dtype=dtype, device=q.packed.device)
