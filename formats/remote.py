@@ -46,7 +46,7 @@ from typing import Callable, Iterator
 from urllib.parse import quote, unquote, urljoin, urlsplit
 
 from .artifact import (FORMAT_NAME, FORMAT_VERSION, _is_artifact, array_nbytes, default_cache, replace_by_rename,
-                       sweep_leftovers, work_path)
+                       sha256_file, sweep_leftovers, work_path)
 from .errors import DISTRIBUTION, ArtifactError, PactError, require, write_error
 
 SCHEMES = ("http", "https", "s3", "hf", "file", "memory")
@@ -315,14 +315,6 @@ def _read_small(src, url: str, rel: str, what: str) -> bytes:
     return b"".join(out)
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(_BLOCK):
-            h.update(block)
-    return h.hexdigest()
-
-
 @contextlib.contextmanager
 def _locked(lock: Path) -> Iterator[None]:
     lock.parent.mkdir(parents=True, exist_ok=True)
@@ -387,7 +379,7 @@ def _write_local(dst: Path, data: bytes, url: str) -> None:
 
 
 def _fetch_file(src, url: str, rel: str, dst: Path, sha: str | None, size: int | None) -> None:
-    if dst.is_file() and (sha is None or _sha256(dst) == sha):
+    if dst.is_file() and (sha is None or sha256_file(dst) == sha):
         return  # from an interrupted fetch, and right
     dst.parent.mkdir(parents=True, exist_ok=True)
     if sha is None:
@@ -438,7 +430,7 @@ def _fetch_file(src, url: str, rel: str, dst: Path, sha: str | None, size: int |
     got = tmp.stat().st_size
     if (size is not None and got != size) or (size is None and total is not None and got != total):
         raise PactError(_broken(url, rel, tmp, size if size is not None else total, "the connection closed early"))
-    if _sha256(tmp) != sha:
+    if sha256_file(tmp) != sha:
         tmp.unlink()
         raise ArtifactError(f"{url}: {rel}: sha256 differs from the manifest's (the server sent other bytes): "
                             "the copy was discarded; run again, or ask the publisher to push the artifact again")
