@@ -16,9 +16,9 @@ from pact.formats import PactError
 
 def main_rank() -> bool:
     """This process prints status lines and results: the only one, or rank 0 under torchrun."""
-    import os
+    from pact.runtime.distributed import env_rank
 
-    return os.environ.get("RANK", "0") == "0"
+    return env_rank() == 0
 
 
 def cli_errors(fn: Callable) -> Callable:

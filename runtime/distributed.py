@@ -82,13 +82,18 @@ class Dist:
             torch.distributed.barrier()
 
 
+def env_rank() -> int:
+    """This process's rank as torchrun sets it (0 outside torchrun), read without joining anything."""
+    return int(os.environ.get("RANK", "0"))
+
+
 def from_env(device: str | None) -> tuple[Dist, str | None]:
     """The process group torchrun describes (WORLD_SIZE > 1), joined here, and the device this rank
     uses: cuda:LOCAL_RANK when ``device`` is None or "cuda", else ``device`` (cpu: gloo)."""
     world = int(os.environ.get("WORLD_SIZE", "1") or 1)
     if world <= 1:
         return Dist(), device
-    rank, local = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    rank, local = env_rank(), int(os.environ.get("LOCAL_RANK", "0"))
     use_cuda = device in (None, "cuda") and torch.cuda.is_available()
     if device not in (None, "cuda", "cpu"):
         raise PactError(f"--device {device}: under torchrun each rank takes cuda:LOCAL_RANK; pass --device cuda "
