@@ -397,21 +397,24 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True, stop
     for path, flag in ((cfg.data, "--data"), (cfg.eval_data, "--eval-data")):
         if path is not None:
             read_records(path, flag)  # a missing or malformed file fails now, before any model loads
-    lock, error, created = contextlib.ExitStack(), None, dist.main and not run.exists()
+    lock, error, created, owned = contextlib.ExitStack(), None, dist.main and not run.exists(), False
     try:
         try:
             if dist.main:
                 _prepare_run(run, resume)
                 lock.enter_context(run_lock(run))
+                owned = True
                 _prepare_run(run, resume)  # again under the lock: a run that finished meanwhile is not overwritten
         except PactError as e:
             error = e
         dist.check(error, device)  # every rank stops when rank 0 cannot own the folder
         return _train(cfg, run, resume, progress and dist.main, stop_after, dist, device)
     finally:
-        lock.close()
-        if created and run.is_dir() and not _trained(run):  # a run that failed before its first step leaves no folder
+        # a run that failed before its first step leaves no folder: only the lock holder removes it (a
+        # concurrent pact-train that made the same --out first keeps it), and before releasing the lock
+        if created and owned and run.is_dir() and not _trained(run):
             shutil.rmtree(run, ignore_errors=True)
+        lock.close()
         leave(dist)
 
 

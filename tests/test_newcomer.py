@@ -127,3 +127,20 @@ def test_gguf_sourced_adapter_loads_with_autopeft(tmp_path):
     assert cfg["base_model_name_or_path"] == str(gguf.parent)
     model = AutoPeftModelForCausalLM.from_pretrained(str(tmp_path / "run"), gguf_file="tiny.gguf")
     assert type(model).__name__ == "PeftModelForCausalLM"
+
+
+def test_a_failed_start_never_removes_a_folder_another_run_holds(task, tmp_path, monkeypatch):
+    """Two pact-trains on one new --out: the one that loses the lock removes nothing, although the
+    folder did not exist when it started."""
+    from pact.runtime import trainer
+
+    run = tmp_path / "run"
+
+    def taken(folder):  # the other process made the folder, took the lock and wrote its config first
+        (folder / "train_config.json").write_text("{}")
+        raise PactError(f"--out {folder} is in use by another pact-train")
+
+    monkeypatch.setattr(trainer, "run_lock", taken)
+    with pytest.raises(PactError, match="is in use by another pact-train"):
+        train(_cfg(task, run), progress=False)
+    assert (run / "train_config.json").is_file()
