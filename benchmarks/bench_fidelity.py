@@ -25,7 +25,8 @@ the gate_up site's saved copy to read the exact rows instead (`PROBES`: a diagno
 reader a saved copy bends, never a mode of pact-train). A method may end in `:WEIGHTS`, one of
 `WEIGHT_VARIANTS` (scaling, then `-mse` for searched block scales): the same on an artifact
 converted that way (`pact-convert --scaling 2d --block-scales amax` is `:2d`); without it, the
-converter's defaults (`:1d-mse`). A pact method's weights may end in `+CALIBRATION` (`CALIBRATIONS`):
+converter's defaults (`:1d-mse`); `-keepPCT` after it keeps PCT% of the projections in bf16
+(`--keep-bf16`, `:1d-mse-keep10`). A pact method's weights may end in `+CALIBRATION` (`CALIBRATIONS`):
 `:1d-mse+gptq` is that artifact after `pact-calibrate` on 128 of the task's own training texts
 (prompt + completion, <= 128 tokens) with the artifact's block-scale rule, `+gptq-amax` the same
 with amax block scales, `+gptq-actorder` with act-order (static scales), `+gptq-generic` calibrated on
@@ -54,6 +55,7 @@ BIGBENCH = ("hyperbaton", "winowhy", "logical_fallacy_detection", "navigate", "e
             "vitaminc_fact_verification", "sports_understanding", "strategyqa", "movie_dialog_same_or_different")
 KEY = ("task", "method", "lr", "seed", "steps")
 WEIGHT_VARIANTS = ("2d", "1d", "2d-mse", "1d-mse")  # -> pact-convert --scaling S --block-scales amax|mse
+# a variant may end in -keepPCT: pact-convert --keep-bf16 PCT/100 (that share of projections, largest error first)
 DEFAULT_VARIANT = "1d-mse"  # pact-convert's defaults
 # a weight variant may end in +CALIBRATION: pact-calibrate on CALIB_SAMPLES texts of <= CALIB_LEN tokens
 CALIBRATIONS = {  # -> (calibration texts, --block-scales, --act-order)
@@ -332,7 +334,9 @@ def nvfp4_bf16_folder(artifact: Path) -> Path:
 def split_variant(weights: str) -> tuple[str, str | None]:
     """'1d-mse+gptq' -> ('1d-mse', 'gptq'); '' -> (DEFAULT_VARIANT, None). Unknown parts: ValueError."""
     conv, _, calib = (weights or DEFAULT_VARIANT).partition("+")
-    if conv not in WEIGHT_VARIANTS or (calib and calib not in CALIBRATIONS):
+    base, _, keep = conv.partition("-keep")
+    if base not in WEIGHT_VARIANTS or (keep and not (keep.isdigit() and 0 < int(keep) < 100)) or (
+            calib and calib not in CALIBRATIONS):
         raise ValueError(weights)
     return conv, calib or None
 
@@ -375,13 +379,15 @@ def method_artifact(workdir: Path, gguf: Path, weights: str, task: str, bigbench
 
 
 def variant_artifact(workdir: Path, gguf: Path, variant: str) -> Path:
-    """The RTN artifact of one weight variant (``2d``, ``1d-mse``, ...), converted once."""
+    """The RTN artifact of one weight variant (``2d``, ``1d-mse``, ``1d-mse-keep10``, ...), converted once."""
     from pact.convert import convert
     from pact.assets.sentiment import cached_artifact
 
-    scaling, _, rule = variant.partition("-")
+    base, _, keep = variant.partition("-keep")
+    scaling, _, rule = base.partition("-")
     return Path(cached_artifact(workdir / f"smollm2-135m-nvfp4-{variant}", lambda p: convert(
-        str(gguf), p, scaling=scaling, block_scales=rule or "amax", overwrite=p.exists(), progress=False)))
+        str(gguf), p, scaling=scaling, block_scales=rule or "amax", keep_bf16=int(keep or 0) / 100,
+        overwrite=p.exists(), progress=False)))
 
 
 def _peft_run(folder: Path, train_ex, test_ex, pad, seed, lr, device, steps: int,

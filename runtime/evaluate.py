@@ -16,21 +16,25 @@ from .data import IGNORE, Example, collate
 from .model import rmsnorm
 
 
+def _target_logprobs(model, hs: torch.Tensor, targets: torch.Tensor, rows: torch.Tensor, n: int) -> torch.Tensor:
+    """hs [m, H] final-normed hidden states, each predicting targets[i] for sequence rows[i]:
+    sum of log p(target) per sequence [n] (the lm_head in chunks of ~16M logits)."""
+    out = torch.zeros(n, dtype=torch.float32, device=hs.device)
+    step = max(1, (1 << 24) // model.lm_head.shape[0])
+    for i in range(0, hs.shape[0], step):
+        logp = F.log_softmax((hs[i : i + step] @ model.lm_head.t()).float(), dim=-1)
+        out.index_add_(0, rows[i : i + step], logp.gather(1, targets[i : i + step, None]).squeeze(1))
+    return out
+
+
 @torch.no_grad()
 def sequence_logprobs(model, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Sum of log p(target) per sequence [B] (logits only at target positions)."""
     h = model.hidden_states(ids)
     targets = labels[:, 1:]
     sel = targets != IGNORE
-    rows = torch.nonzero(sel)[:, 0]
     hs = rmsnorm(h[:, :-1][sel], model.final_norm, model.eps)
-    out = torch.zeros(ids.shape[0], dtype=torch.float32, device=ids.device)
-    step = max(1, (1 << 24) // model.lm_head.shape[0])
-    t = targets[sel]
-    for i in range(0, hs.shape[0], step):
-        logp = F.log_softmax((hs[i : i + step] @ model.lm_head.t()).float(), dim=-1)
-        out.index_add_(0, rows[i : i + step], logp.gather(1, t[i : i + step, None]).squeeze(1))
-    return out
+    return _target_logprobs(model, hs, targets[sel], torch.nonzero(sel)[:, 0], ids.shape[0])
 
 
 def label_candidates(examples: list[Example], max_labels: int = 32, drop_eos: int | None = None
@@ -57,13 +61,70 @@ def candidate_batches(examples: list[Example], cands: dict[str, list[int]], batc
         yield (chunk, *collate(seqs, list(range(len(seqs))), pad_id, device))
 
 
+def shared_prefix_batches(examples: list[Example], cands: dict[str, list[int]], batch_size: int, pad_id: int,
+                          device):
+    """Per chunk of ``batch_size`` examples: (chunk, ids [B, S], positions [B, S], mask [B, 1, S, S],
+    src, tgt, seg). Row b holds example b's prompt once, then every candidate (in ``cands`` order),
+    each placed at the positions right after the prompt and attending to the prompt and to itself
+    only: each candidate scores as prompt + candidate alone, while the prompt runs once instead of
+    once per candidate. src [m]: the flat index (b * S + t) of the hidden state that predicts a
+    candidate token, tgt [m] that token, seg [m] its (example, candidate) index b * C + c."""
+    names = list(cands)
+    C = len(names)
+    for i in range(0, len(examples), batch_size):
+        chunk = examples[i : i + batch_size]
+        B = len(chunk)
+        S = max(len(e.prompt_ids) for e in chunk) + sum(len(t) for t in cands.values())
+        ids = torch.full((B, S), pad_id, dtype=torch.long)
+        pos = torch.zeros(B, S, dtype=torch.long)
+        mask = torch.zeros(B, S, S, dtype=torch.bool)
+        src: list[int] = []
+        tgt: list[int] = []
+        seg: list[int] = []
+        for b, e in enumerate(chunk):
+            P = len(e.prompt_ids)
+            ids[b, :P] = torch.tensor(e.prompt_ids, dtype=torch.long)
+            pos[b, :P] = torch.arange(P)
+            mask[b, :P, :P] = torch.ones(P, P, dtype=torch.bool).tril()
+            at = P
+            for c, name in enumerate(names):
+                t = cands[name]
+                n = len(t)
+                ids[b, at : at + n] = torch.tensor(t, dtype=torch.long)
+                pos[b, at : at + n] = torch.arange(P, P + n)
+                mask[b, at : at + n, :P] = True
+                mask[b, at : at + n, at : at + n] = torch.ones(n, n, dtype=torch.bool).tril()
+                for m in range(n):  # token m is predicted by the prompt's last token, then by token m - 1
+                    prev = P - 1 if m == 0 else at + m - 1
+                    if prev >= 0:
+                        src.append(b * S + prev)
+                        tgt.append(t[m])
+                        seg.append(b * C + c)
+                at += n
+            rest = torch.arange(at, S)
+            mask[b, rest, rest] = True  # padding sees itself (no empty attention rows)
+        yield (chunk, ids.to(device), pos.to(device), mask[:, None].to(device), torch.tensor(src, device=device),
+               torch.tensor(tgt, device=device), torch.tensor(seg, device=device))
+
+
+@torch.no_grad()
+def candidate_logprobs(model, examples: list[Example], cands: dict[str, list[int]], batch_size: int, pad_id: int):
+    """Per chunk: (chunk, log-likelihood [len(chunk), C] of every candidate after each prompt)."""
+    for chunk, ids, pos, mask, src, tgt, seg in shared_prefix_batches(examples, cands, batch_size, pad_id,
+                                                                      model.device):
+        h = model.hidden_states(ids, pos, mask).reshape(-1, model.hidden)[src]
+        hs = rmsnorm(h, model.final_norm, model.eps)
+        yield chunk, _target_logprobs(model, hs, tgt, seg, len(chunk) * len(cands)).view(len(chunk), len(cands))
+
+
 @torch.no_grad()
 def evaluate(model, examples: list[Example], *, batch_size: int, pad_id: int, progress: bool = False,
              drop_eos: int | None = None) -> dict:
     """{"eval_loss", "eval_tokens", and "eval_accuracy" + "eval_labels" for label-style data}.
 
-    Label-style data is scored in one pass: every (example, candidate) sequence of a chunk of
-    ``batch_size`` examples runs as one batch; the true candidate's log-likelihood gives the loss.
+    Label-style data is scored in one pass: each example's prompt runs once with every candidate
+    after it (`shared_prefix_batches`), ``batch_size`` examples per batch; the true candidate's
+    log-likelihood gives the loss.
     A candidate's likelihood includes the end-of-sequence token after it (as training targets
     it), unless ``drop_eos`` names that token's id. ``progress``: a bar over the batches.
     """
@@ -82,9 +143,8 @@ def evaluate(model, examples: list[Example], *, batch_size: int, pad_id: int, pr
         return {"eval_loss": total / max(count, 1), "eval_tokens": count}
     names = list(cands)
     correct = 0
-    for chunk, ids, labels in candidate_batches(examples, cands, batch_size, pad_id, device):
+    for chunk, logp in candidate_logprobs(model, examples, cands, batch_size, pad_id):
         bar.update(len(chunk))
-        logp = sequence_logprobs(model, ids, labels).view(len(chunk), len(names))
         for e, row in zip(chunk, logp):
             correct += names[int(row.argmax())] == e.completion
             total -= float(row[names.index(e.completion)])

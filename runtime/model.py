@@ -111,7 +111,7 @@ class PactModel(nn.Module):
     def _recipe(self):
         return self.recipe if torch.is_grad_enabled() else self._no_backward
 
-    def _attention(self, L: Layer, x: torch.Tensor, cos, sin, B: int, S: int) -> torch.Tensor:
+    def _attention(self, L: Layer, x: torch.Tensor, cos, sin, B: int, S: int, mask=None) -> torch.Tensor:
         nh, nkv, hd = self.n_heads, self.n_kv, self.head_dim
         qkv = NormProjectionFn.apply(x, L.attn_norm, self.eps, L.qkv, self.ops, self._recipe().qkv, *L.qkv.lora_params())
         q, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1)
@@ -120,7 +120,7 @@ class PactModel(nn.Module):
             k = rmsnorm(k.view(B * S, nkv, hd), L.k_norm, self.eps).view(B * S, nkv * hd)
         q, k = RopeFn.apply(q, cos, sin, self.ops), RopeFn.apply(k, cos, sin, self.ops)
         q, k, v = (t.view(B, S, -1, hd).transpose(1, 2) for t in (q, k, v))
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=nkv != nh)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=nkv != nh)
         o = o.transpose(1, 2).reshape(B * S, nh * hd)
         return ProjectionFn.apply(o, L.o, self.ops, self._recipe().o, *L.o.lora_params())
 
@@ -149,25 +149,33 @@ class PactModel(nn.Module):
         j = torch.arange(half, device=dev)
         return cos[comp, :, j].t().contiguous(), sin[comp, :, j].t().contiguous()
 
-    def hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Last decoder layer's output (before the final norm), [B, S, H] bf16."""
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
+                      mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Last decoder layer's output (before the final norm), [B, S, H] bf16. Default: causal
+        attention, positions 0..S-1 in every row. ``positions`` [B, S] and ``mask`` [B, 1, S, S]
+        (True: may attend) give each token its own position and what it sees instead."""
         B, S = input_ids.shape
         x = F.embedding(input_ids, self.embed).reshape(B * S, self.hidden)
-        return self.run_layers(x, *self.rope(x, S), B, S)
+        # per-token positions: a table row per token (RoPE reads row t at t % len(table))
+        tables = self.rope(x, S) if positions is None else self.rope_at(x, positions.reshape(-1))
+        return self.run_layers(x, *tables, B, S, mask=mask)
 
-    def run_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, B: int, S: int) -> torch.Tensor:
+    def run_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, B: int, S: int,
+                   mask: torch.Tensor | None = None) -> torch.Tensor:
         """The decoder layers over input embeddings x [B * S, H] -> [B, S, H] bf16."""
         for L in self.layers:
             if self.checkpoint and torch.is_grad_enabled():
                 # keep only the layer input; the layer runs again in backward (same RNG state)
-                x = torch.utils.checkpoint.checkpoint(self.layer, L, x, cos, sin, B, S, use_reentrant=False)
+                x = torch.utils.checkpoint.checkpoint(self.layer, L, x, cos, sin, B, S, mask, use_reentrant=False)
             else:
-                x = self.layer(L, x, cos, sin, B, S)
+                x = self.layer(L, x, cos, sin, B, S, mask)
         return x.view(B, S, self.hidden)
 
-    def layer(self, L: Layer, x: torch.Tensor, cos, sin, B: int, S: int) -> torch.Tensor:
-        """Decoder layer L on rows x [B * S, H] (RoPE tables cos/sin): the public hook calibration runs."""
-        x = x + self._attention(L, x, cos, sin, B, S)
+    def layer(self, L: Layer, x: torch.Tensor, cos, sin, B: int, S: int, mask: torch.Tensor | None = None
+              ) -> torch.Tensor:
+        """Decoder layer L on rows x [B * S, H] (RoPE tables cos/sin; ``mask`` None: causal): the
+        public hook calibration runs."""
+        x = x + self._attention(L, x, cos, sin, B, S, mask)
         recipe = self._recipe()
         return x + MlpFn.apply(x, L.mlp_norm, self.eps, L.gate_up, L.down, self.ops, (recipe.gate_up, recipe.down),
                                *L.gate_up.lora_params(), *L.down.lora_params())

@@ -74,6 +74,27 @@ def test_generation_metrics_and_greedy_decoding(task):
         assert int(logits[len(prompt) - 1 + i].argmax()) == t
 
 
+def test_shared_prefix_scoring_equals_each_candidate_alone(task):
+    """Label scoring runs each prompt once with every candidate after it (own positions, a mask
+    that shows a candidate only the prompt and itself): each candidate's log-likelihood equals that
+    of prompt + candidate run alone, for prompts of different lengths and candidates of 1-3 tokens."""
+    from pact.runtime.data import Example
+    from pact.runtime.evaluate import candidate_logprobs
+
+    model = PactModel(open_artifact(task / "art"), None)
+    cands = {"a": [5, 2], "b": [7], "c": [11, 3, 2]}
+    g = torch.Generator().manual_seed(0)
+    examples = [Example(list(p) + cands["a"], [], "a", list(p))
+                for p in (torch.randint(3, 200, (n,), generator=g).tolist() for n in (9, 4, 13))]
+    got = torch.cat([lp for _, lp in candidate_logprobs(model, examples, cands, 2, 0)])
+    for i, e in enumerate(examples):
+        for j, t in enumerate(cands.values()):
+            logits = model.logits(torch.tensor([e.prompt_ids + t]))[0]
+            logp = F.log_softmax(logits[len(e.prompt_ids) - 1 : -1], -1)
+            alone = float(logp.gather(1, torch.tensor(t)[:, None]).sum())
+            assert got[i, j].item() == pytest.approx(alone, abs=0.05), (i, j)
+
+
 def test_peft_loads_adapter_and_reproduces_logits(task, tmp_path):
     import peft
     import transformers as tf
