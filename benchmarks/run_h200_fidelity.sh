@@ -36,7 +36,7 @@ stash)  # wheels and the first half only (a cold machine before `tasks`)
   ;;
 speed)  # (carry .whl; .gg1 too, to stash it for `tasks`) 1B: bs 16 step time / memory and the 16 GiB capped
   # tokens/s of pact bf16-decode for each recipe in RECIPES (';'-separated; default: the default recipe) and
-  # fp8 (FP8=1), PEFT + Liger in the same call; GPU_TESTS=1 runs the GPU tests first; GRADS_1B=1 measures the
+  # fp8 (FP8=1), PEFT + Liger in the same call; PROFILE=1 a bs 6 step's CUDA time; GPU_TESTS=1 the GPU tests first; GRADS_1B=1 measures the
   # LoRA gradient of each recipe against the bf16 one on the 1B shapes (random weights, Rotten Tomatoes prompts)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
   [ -d .gg1 ] && cp .gg1/* /tmp/wd/
@@ -45,6 +45,11 @@ speed)  # (carry .whl; .gg1 too, to stash it for `tasks`) 1B: bs 16 step time / 
     timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels.py tests/test_model.py 2>&1 | tail -4 | tee $OUT/gpu_tests.txt
   fi
   cd benchmarks
+  if [ "${CALIB_1B:-0}" = 1 ]; then  # the synthetic 1B source with a tokenizer (SmolLM2's: ids < its vocab), so
+    # the artifact bench_train converts below can be calibrated on text
+    python3 -c "from pathlib import Path; from bench_convert import write_random_model as w; w(Path('/tmp/pact-bench/src-llama-1b'), 'llama-1b')" \
+      && cp ../.fid/tok/* /tmp/pact-bench/src-llama-1b/
+  fi
   IFS=';' read -ra recipes <<< "${RECIPES:-nvfp4-saved}"
   m=pact-bf16$([ "${FP8:-0}" = 1 ] && echo ,pact-fp8)
   for r in "${recipes[@]}"; do
@@ -59,6 +64,20 @@ speed)  # (carry .whl; .gg1 too, to stash it for `tasks`) 1B: bs 16 step time / 
       --csv-out /tmp/rows/bs16-liger.csv 2>&1 | grep "^{"
     timeout 150 python3 bench_train.py --model llama-1b --memory-cap-gib 16 --warmup 1 --iters 5 --methods liger \
       --cap-batches 6,8 --csv-out /tmp/rows/cap16-liger.csv 2>&1 | grep "^{"
+  fi
+  if [ "${PROFILE:-0}" = 1 ]; then  # where a small-batch step goes (CUDA time by kernel category)
+    timeout 120 python3 bench_train.py --model llama-1b --warmup 1 --iters 3 --batch 6 --methods pact-bf16 --profile \
+      2>&1 | sed -n '/CUDA time of one step/,$p' | head -40 | tee $OUT/profile_bs6.txt
+  fi
+  if [ "${CALIB_1B:-0}" = 1 ]; then  # GPTQ of the 1B shapes on 128 texts of 512 tokens (Rotten Tomatoes snippets joined)
+    python3 -c "
+import json; recs = [json.loads(l) for l in open('../.fid/rt-train.jsonl')]
+docs = [' '.join(r['prompt'] + r['completion'] for r in recs[i * 40:(i + 1) * 40]) for i in range(128)]
+open('/tmp/calib-1b.jsonl', 'w').write(''.join(json.dumps({'text': d}) + '\n' for d in docs))"
+    ( time timeout 240 python3 -m pact.pipelines.calibrate /tmp/pact-bench/art-llama-1b-2d /tmp/calib-1b.jsonl /tmp/cal-1b --max-samples 128 \
+      --seq-len 512 --overwrite ) 2>&1 | grep -v Warn | tail -6 | tee $OUT/calibrate_1b.txt
+    python3 -c "from pact.formats import open_artifact as o; print(o('/tmp/cal-1b').meta['provenance']['calibration'].get('seconds'))" \
+      2>&1 | tee -a $OUT/calibrate_1b.txt
   fi
   cat /tmp/rows/bs16-*.csv | awk 'NR == 1 || !/^model,/' > $OUT/speed_bs16.csv
   cat /tmp/rows/cap16-*.csv | awk 'NR == 1 || !/^model,/' > $OUT/speed_cap16.csv
@@ -76,6 +95,17 @@ tasks|tasks2)  # tasks: lr LRS (5e-4); tasks2: LRS (2e-4) on the machine `tasks`
     margs=(); for m in ${METHODS:-peft@nvfp4}; do margs+=(--methods "$m"); done
     python3 benchmarks/bench_fidelity.py prepare --workdir /tmp/wd --tasks $TASKS "${margs[@]}" --convert-only \
       2>&1 | grep -v Warn | tail -2
+    if [ "${SCORING:-1}" = 1 ]; then  # label scoring: prompt once + every candidate vs once per candidate
+      for d in epistemic_reasoning intent_recognition; do
+        timeout 120 python3 benchmarks/bench_scoring.py --artifact /tmp/wd/smollm2-135m-nvfp4-1d-mse \
+          --data /tmp/wd/fidelity-data/$d-test.jsonl --batch-size 64 2>&1 | grep "^{" | tee -a $OUT/scoring.jsonl
+      done
+    fi
+    first=$(echo "${METHODS:-}" | tr ' ' '\n' | grep -m1 "+gptq")  # one calibration alone: its time on an idle GPU
+    if [ -n "$first" ]; then
+      CUDA_VISIBLE_DEVICES=0 python3 benchmarks/bench_fidelity.py prepare --workdir /tmp/wd --tasks ${TASKS%%,*} \
+        --methods "$first" 2>&1 | grep -v Warn | tail -3 | tee $OUT/calibrate_alone.txt
+    fi
     n=$(( ${CALIB_WORKERS:-4} * NGPU ))  # calibrations (a +gptq method: one per task) in parallel
     for k in $(seq 0 $(( n - 1 ))); do
       CUDA_VISIBLE_DEVICES=$(( k % NGPU )) OMP_NUM_THREADS=2 python3 benchmarks/bench_fidelity.py prepare \
