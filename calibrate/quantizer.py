@@ -17,13 +17,11 @@ import torch
 
 from pact.formats.nvfp4 import (
     BLOCK,
-    E2M1_MAX,
     NVFP4Tensor,
     SCALE_RULES,
     block_scales,
-    decode_e2m1,
-    encode_e2m1,
     encode_with_scales,
+    round_e2m1,
     search_block_scales,
 )
 
@@ -36,43 +34,49 @@ class NVFP4Quantizer:
         self.g = torch.as_tensor(global_scale, dtype=torch.float32)
         self.scaling, self.static, self.scale_rule = scaling, static, scale_rule
         self.scales: torch.Tensor | None = None  # e4m3 [N, K/16], groups in the original column order
-        self.perm: torch.Tensor | None = None
+        self.order: list[int] | None = None  # perm on the host: no device sync per column
+        self._rs: torch.Tensor | None = None  # fp32 [K/16, N]: (1 / g) / s, a group's row contiguous
+        self._s: torch.Tensor | None = None  # fp32 [K/16, N]: s
 
-    def _group_scales(self, cols: torch.Tensor) -> torch.Tensor:
-        """cols [N, 16] -> e4m3 scales [N] (2d: the 16x16 block amax, repeated over its rows)."""
-        n, g = cols.shape[0], self.g.to(cols.device)
-        cols = cols.float()
+    def _block_scales(self, W: torch.Tensor) -> torch.Tensor:
+        """W [N, 16 m] -> e4m3 scales [N, m] (2d: each 16x16 block's, repeated over its rows)."""
+        n, k = W.shape
+        W = W.float().contiguous()  # a sweep's block is a transposed view
         if self.scaling == "1d":
-            amax = cols.abs().amax(1)
+            amax = W.reshape(n, k // BLOCK, BLOCK).abs().amax(-1)
         else:
-            amax = cols.reshape(n // BLOCK, BLOCK * BLOCK).abs().amax(1)
+            amax = W.reshape(n // BLOCK, BLOCK, k // BLOCK, BLOCK).abs().amax(dim=(1, 3))
         if self.scale_rule == "mse":
-            sc = search_block_scales(cols, amax[:, None], g, self.scaling)[:, 0]
+            sc = search_block_scales(W, amax, self.g, self.scaling)
         else:
-            sc = block_scales(amax, g)
-        return sc if self.scaling == "1d" else sc.repeat_interleave(BLOCK)
+            sc = block_scales(amax, self.g)
+        return sc if self.scaling == "1d" else sc.repeat_interleave(BLOCK, dim=0)
+
+    def _fix(self, grp: slice | int, sc: torch.Tensor) -> None:
+        """Store e4m3 scales [N, m] for group(s) ``grp`` and their fp32 factors (as formats.nvfp4 computes them)."""
+        self.scales[:, grp] = sc
+        s = sc.float().t()
+        self._s[grp] = s
+        self._rs[grp] = (1.0 / self.g) / s
 
     def begin(self, W: torch.Tensor, perm: torch.Tensor | None) -> None:
         n, k = W.shape
-        self.perm = perm
+        self.order = perm.tolist() if perm is not None else None
         self.g = self.g.to(W.device)
         self.scales = torch.empty(n, k // BLOCK, dtype=torch.float8_e4m3fn, device=W.device)
+        self._s = torch.empty(k // BLOCK, n, dtype=torch.float32, device=W.device)
+        self._rs = torch.empty_like(self._s)
         if self.static or perm is not None:  # act-order sweeps out of order: groups fixed up front
             orig = W[:, torch.argsort(perm)] if perm is not None else W
-            for grp in range(k // BLOCK):
-                self.scales[:, grp] = self._group_scales(orig[:, grp * BLOCK : (grp + 1) * BLOCK])
+            self._fix(slice(None), self._block_scales(orig))
 
     def quantize(self, block: torch.Tensor, i: int, col: int) -> torch.Tensor:
-        orig = int(self.perm[col]) if self.perm is not None else col
-        grp = orig // BLOCK
-        if not (self.static or self.perm is not None) and col % BLOCK == 0:
-            self.scales[:, grp] = self._group_scales(block[:, i : i + BLOCK])
-        s = self.scales[:, grp].float()
-        w = block[:, i]
-        code = encode_e2m1((w * ((1.0 / self.g) / s)).clamp(-E2M1_MAX, E2M1_MAX))
-        return (decode_e2m1(code) * s) * self.g
+        grp = (self.order[col] if self.order is not None else col) // BLOCK
+        if not (self.static or self.order is not None) and col % BLOCK == 0:
+            self._fix(grp, self._block_scales(block[:, i : i + BLOCK])[:, 0])
+        # (q * s) * g with q = rne_e2m1(w * ((1 / g) / s)): formats.nvfp4's numerics, op for op
+        return (round_e2m1(block[:, i] * self._rs[grp]) * self._s[grp]) * self.g
 
     def pack(self, Q: torch.Tensor) -> NVFP4Tensor:
         """The fake-quantized sweep result as stored NVFP4 (codes re-derived exactly)."""
-        t = NVFP4Tensor(encode_with_scales(Q, self.scales, self.g), self.scales, self.g)
-        return t
+        return NVFP4Tensor(encode_with_scales(Q, self.scales, self.g), self.scales, self.g)
