@@ -13,6 +13,7 @@ import datetime as _dt
 import hashlib
 import logging
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from pact.convert.sources import open_source, remove_tree
 from pact.formats import ArtifactWriter, PactError, check_output
 from pact.formats.artifact import sha256_file, work_path
 from pact.formats.errors import write_error
-from pact.formats.nvfp4 import SCALE_RULES, dequantize, quantize, transpose_2d
+from pact.formats.nvfp4 import SCALE_RULES, NVFP4Tensor, dequantize, quantize, transpose_2d
 from pact.runtime.model import PactModel
 from pact.runtime.session import Session, open_session
 from pact.runtime.vision import ImageSample, VisionTower, image_inputs
@@ -38,13 +39,36 @@ GROUPS = ("qkv", "o", "gate_up", "down")
 BATCH_TOKENS = 4096  # text prompts go through a layer in right-padded batches of about this many tokens
 
 
-def _output_error(W: torch.Tensor, Q: torch.Tensor, H: torch.Tensor) -> float:
+def _output_error(W: torch.Tensor, Q: torch.Tensor, H: torch.Tensor) -> torch.Tensor:
     """Relative layer-output error on the calibration inputs, from H = 2/n X^T X:
-    ||X (W - Q)^T||_F / ||X W^T||_F = sqrt(tr(D H D^T) / tr(W H W^T))."""
+    ||X (W - Q)^T||_F / ||X W^T||_F = sqrt(tr(D H D^T) / tr(W H W^T)); 0 where the denominator is 0.
+    A 0-dim tensor: the caller reads it once all layers are done (no device sync per weight)."""
     D = (W - Q).float()
     num = torch.einsum("nk,kl,nl->", D, H, D)
     den = torch.einsum("nk,kl,nl->", W.float(), H, W.float())
-    return float(torch.sqrt(num / den)) if den > 0 else 0.0
+    return torch.where(den > 0, torch.sqrt(num / den), torch.zeros_like(den))
+
+
+class _Clock:
+    """Seconds per stage: ``lap(stage)`` charges the time since the last lap to ``stage`` (after
+    waiting for the device, so that queued GPU work is charged to the stage that queued it)."""
+
+    def __init__(self, device: torch.device | str):
+        self.device = torch.device(device)
+        self.seconds: dict[str, float] = {}
+        self.t0 = self.t = time.perf_counter()
+
+    def lap(self, stage: str) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        self.seconds[stage] = self.seconds.get(stage, 0.0) + now - self.t
+        self.t = now
+
+    def report(self) -> dict[str, float]:
+        out = {k: round(v, 2) for k, v in self.seconds.items()}
+        out["total"] = round(self.t - self.t0, 2)
+        return out
 
 
 @dataclass
@@ -86,6 +110,7 @@ def calibrate(
     if block_scales not in ("auto", *SCALE_RULES):
         raise PactError(f"--block-scales must be auto, {' or '.join(SCALE_RULES)}, got {block_scales!r}")
     out = check_output(out, overwrite)
+    clock = _Clock("cpu")  # the device is known once the session is open
     ses = open_session(artifact, device=device, tool="pact-calibrate")  # a damaged artifact is never calibrated
     art = ses.artifact
     if "source_quantization" in art.meta["provenance"]:
@@ -114,7 +139,9 @@ def calibrate(
         if not gguf and "source_sha256" in prov and src.content_sha256() != prov["source_sha256"]:
             raise PactError(f"{src_name}: not the weights this artifact was converted from (sha256 of the "
                             f"safetensors differs): pass {'--source with ' if source is None else ''}the original model")
-        return _calibrate(ses, src, samples, out, prompts=Path(prompts), damp=damp, actorder=actorder,
+        clock.device = torch.device(ses.device)
+        clock.lap("read")
+        return _calibrate(ses, src, samples, out, clock, prompts=Path(prompts), damp=damp, actorder=actorder,
                           static_scales=static_scales, blocksize=blocksize, scale_rule=rule, overwrite=overwrite,
                           progress=progress)
     except OSError as e:  # the writer has removed its temp folder; OUT is untouched
@@ -123,14 +150,14 @@ def calibrate(
         remove_tree(workdir)
 
 
-def _calibrate(ses: Session, src, samples, out: Path, *, prompts: Path, damp, actorder, static_scales, blocksize,
-               scale_rule, overwrite, progress) -> Path:
+def _calibrate(ses: Session, src, samples, out: Path, clock: _Clock, *, prompts: Path, damp, actorder, static_scales,
+               blocksize, scale_rule, overwrite, progress) -> Path:
     art, dev = ses.artifact, ses.device
     scaling = art.meta["provenance"]["scaling"]
     model = ses.model(None)
     units = _units(model, art, samples)
     new: dict[str, tuple] = {}
-    errors: dict[str, dict[str, float]] = {}
+    errors: dict[str, dict[str, torch.Tensor]] = {}
     for li, L in enumerate(tqdm(model.layers, desc="calibrate", unit="layer", disable=not progress)):
         groups = {name: getattr(L, name) for name in GROUPS}
         hess = {id(g.weight): GPTQ(g.weight.shape[1], dev) for g in groups.values() if g.weight is not None}
@@ -142,33 +169,45 @@ def _calibrate(ses: Session, src, samples, out: Path, *, prompts: Path, damp, ac
 
                 with model.observing(add):
                     model.layer(L, u.x, u.cos, u.sin, u.B, u.S)
+        clock.lap("activations")
         for gname, g in groups.items():
             if g.weight is None:  # a member kept in bf16: the group runs dense, nothing to calibrate
                 log.info("layer %d %s: kept in bf16, not calibrated", li, gname)
                 continue
             H = hess[id(g.weight)]
-            fwd_parts, bwd_parts = [], []
-            for name in g.names:
-                W = src.load(name).float().to(dev)
-                q = NVFP4Quantizer(g.weight.global_scale, scaling=scaling, static=static_scales, scale_rule=scale_rule)
-                Q, _ = H.quantize(W, q, blocksize=blocksize, percdamp=damp, actorder=actorder)
-                fwd = q.pack(Q)
-                bwd = transpose_2d(fwd) if scaling == "2d" else quantize(Q.t().contiguous(), global_scale=fwd.global_scale,
-                                                                                   scale_rule=scale_rule)
+            Ws = [src.load(name).float().to(dev) for name in g.names]
+            clock.lap("read")
+            # the members share H and the global scale, and GPTQ's rows are independent: one sweep
+            # over their stacked rows gives each member's codes (row counts are multiples of 16)
+            q = NVFP4Quantizer(g.weight.global_scale, scaling=scaling, static=static_scales, scale_rule=scale_rule)
+            Q, _ = H.quantize(torch.cat(Ws), q, blocksize=blocksize, percdamp=damp, actorder=actorder)
+            fwd_all = q.pack(Q)
+            fwd_parts, bwd_parts, r0 = [], [], 0
+            for name, W in zip(g.names, Ws):
+                r1 = r0 + W.shape[0]
+                Qn = Q[r0:r1]
+                fwd = NVFP4Tensor(fwd_all.packed[r0:r1], fwd_all.scales[r0:r1], fwd_all.global_scale)
+                bwd = (transpose_2d(fwd) if scaling == "2d" else
+                       quantize(Qn.t().contiguous(), global_scale=fwd.global_scale, scale_rule=scale_rule))
                 rtn = dequantize(art.nvfp4(name, "fwd")).to(dev)
-                errors[name] = {"rtn": _output_error(W, rtn, H.H), "gptq": _output_error(W, Q, H.H)}
-                new[name] = (fwd, bwd, float(((W - Q).norm() / W.norm()).item()))
+                errors[name] = {"rtn": _output_error(W, rtn, H.H), "gptq": _output_error(W, Qn, H.H)}
+                new[name] = (fwd, bwd, (W - Qn).norm() / W.norm())  # a tensor: read after the sweep, no sync here
                 fwd_parts.append(fwd)
                 bwd_parts.append(bwd)
+                r0 = r1
             # the layer now runs on the calibrated weights
-            g.weight = type(g.weight)(torch.cat([t.packed for t in fwd_parts]), torch.cat([t.scales for t in fwd_parts]),
-                                      g.weight.global_scale)
+            g.weight = type(g.weight)(fwd_all.packed, fwd_all.scales, g.weight.global_scale)
             g.weight_t = type(g.weight)(torch.cat([t.packed for t in bwd_parts], 1),
                                         torch.cat([t.scales for t in bwd_parts], 1), g.weight.global_scale)
+            clock.lap("solve")
         with torch.no_grad():
             for u in units:
                 u.x = model.layer(L, u.x, u.cos, u.sin, u.B, u.S)
-    return _write(art, out, new, errors, overwrite=overwrite, prompts=prompts, samples=samples, damp=damp,
+        clock.lap("activations")
+    new = {k: (f, b, float(rel)) for k, (f, b, rel) in new.items()}
+    errors = {k: {m: float(v) for m, v in e.items()} for k, e in errors.items()}
+    clock.lap("solve")
+    return _write(art, out, new, errors, clock, overwrite=overwrite, prompts=prompts, samples=samples, damp=damp,
                   actorder=actorder, static_scales=static_scales, blocksize=blocksize, block_scales=scale_rule)
 
 
@@ -209,7 +248,8 @@ def _folder_digest(samples) -> str:
     return h.hexdigest()
 
 
-def _write(art, out: Path, new: dict, errors: dict, *, overwrite, prompts: Path, samples, **settings) -> Path:
+def _write(art, out: Path, new: dict, errors: dict, clock: _Clock, *, overwrite, prompts: Path, samples,
+           **settings) -> Path:
     skip = {"kind", "shape", "arrays", "global_scale", "block_size", "dtype"}
     with ArtifactWriter(out, overwrite=overwrite) as w:
         for name in art.names():
@@ -226,6 +266,9 @@ def _write(art, out: Path, new: dict, errors: dict, *, overwrite, prompts: Path,
         for rel in art.meta["files"]:
             w.add_file(art.hf_dir / rel, rel)
         digest = sha256_file(prompts) if prompts.is_file() else _folder_digest(samples)
+        clock.lap("write")  # what commit does after this (the manifest, a rename) is left out of the record
+        seconds = clock.report()
+        log.info("calibration: %s s", ", ".join(f"{k} {v:.1f}" for k, v in seconds.items()))
         meta = {k: art.meta[k] for k in ("architecture", "family", "vision", "hf_config")}
         meta["provenance"] = {
             **art.meta["provenance"],
@@ -240,6 +283,7 @@ def _write(art, out: Path, new: dict, errors: dict, *, overwrite, prompts: Path,
                 "seq_len_max": int(max(s.numel() for s in samples)),
                 **settings,
                 "layer_output_error": errors,
+                "seconds": seconds,
                 "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
                 "pact_version": __version__,
             },

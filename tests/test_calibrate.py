@@ -103,6 +103,46 @@ def test_gptq_core_beats_rtn():
         assert out_err(Q) < 0.5 * rtn  # measured ~0.13x on these low-rank inputs
 
 
+@pytest.mark.parametrize("scaling,rule", [("1d", "mse"), ("2d", "amax")])
+def test_fused_sweep_matches_separate_sweeps(scaling, rule):
+    """Members sharing one Hessian (q|k|v) swept as one stacked W give each member the codes and
+    scales of its own sweep: GPTQ's rows are independent (awkward row counts, a dead column)."""
+    torch.manual_seed(2)
+    X = torch.randn(512, 8) @ torch.randn(8, 64) + 0.2 * torch.randn(512, 64)
+    X[:, 7] = 0
+    gp = GPTQ(64)
+    gp.add_batch(X)
+    Ws = [torch.randn(n, 64) * 0.05 * (1 + 3 * torch.rand(n, 1) ** 4) for n in (48, 16, 112)]
+    g = F.global_scale_from_amax(torch.cat(Ws).abs().amax())
+    q = NVFP4Quantizer(g, scaling=scaling, scale_rule=rule)
+    fused = q.pack(gp.quantize(torch.cat(Ws), q, blocksize=32)[0])
+    r0 = 0
+    for W in Ws:
+        qi = NVFP4Quantizer(g, scaling=scaling, scale_rule=rule)
+        alone = qi.pack(gp.quantize(W, qi, blocksize=32)[0])
+        r1 = r0 + W.shape[0]
+        assert torch.equal(fused.packed[r0:r1], alone.packed)
+        assert torch.equal(fused.scales[r0:r1].view(torch.uint8), alone.scales.view(torch.uint8))
+        r0 = r1
+
+
+def test_round_e2m1_is_encode_then_decode():
+    """The one-pass rounding GPTQ uses per column equals encode_e2m1 + decode_e2m1, bit for bit:
+    every midpoint and its float neighbours (ties to even), both signs, zeros, beyond 6."""
+    mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0])
+    near = [mids]
+    for d in (torch.inf, -torch.inf):
+        t = mids
+        for _ in range(3):
+            t = torch.nextafter(t, torch.full_like(t, d))
+            near.append(t)
+    x = torch.cat([*near, torch.tensor([0.0, 1e-40, 7.0, torch.inf]), torch.rand(4096) * 7])
+    x = torch.cat([x, -x])
+    ref = F.decode_e2m1(F.encode_e2m1(x.clamp(-F.E2M1_MAX, F.E2M1_MAX)))
+    assert torch.equal(F.round_e2m1(x).view(torch.int32), ref.view(torch.int32))
+    assert F.round_e2m1(torch.tensor([-0.1])).signbit().item()  # negative zero, as code 0b1000 decodes
+
+
 def test_calibrate_end_to_end(setup, tmp_path):
     out = calibrate(str(setup / "art"), setup / "prompts.jsonl", tmp_path / "cal", progress=False)
     art = open_artifact(out)
@@ -110,6 +150,7 @@ def test_calibrate_end_to_end(setup, tmp_path):
     cal = art.meta["provenance"]["calibration"]
     errs = cal["layer_output_error"]
     assert len(errs) == 14 and cal["samples"] == 40 and len(cal["prompts_sha256"]) == 64
+    assert set(cal["seconds"]) == {"read", "activations", "solve", "write", "total"}
     for name, e in errs.items():
         assert e["gptq"] <= e["rtn"], name  # on every projection (measured ratios ~0.5-0.7)
         assert art.entry(name)["calibrated"] == "gptq"
