@@ -6,6 +6,25 @@
 DISTRIBUTION = "pact-nvfp4"
 
 
+def install_hint(extra: str | None = None, upgrade: bool = False) -> str:
+    """The pip command that installs ``extra`` (or upgrades pact) where this pact came from: the
+    index's distribution, or the local source folder it was installed from (a clone: the
+    distribution may not be on the index), as pip recorded it (direct_url.json)."""
+    import json
+    from importlib import metadata
+    from urllib.parse import unquote, urlparse
+
+    target, editable = DISTRIBUTION, False
+    try:
+        info = json.loads(metadata.distribution(DISTRIBUTION).read_text("direct_url.json") or "{}")
+        if info.get("url", "").startswith("file://"):
+            target, editable = unquote(urlparse(info["url"]).path), bool(info.get("dir_info", {}).get("editable"))
+    except (metadata.PackageNotFoundError, ValueError, AttributeError):
+        pass
+    spec = f"{target}[{extra}]" if extra else target
+    return f'pip install {"-U " if upgrade else ""}{"-e " if editable else ""}"{spec}"'
+
+
 class PactError(ValueError):
     """Bad input or a broken artifact. The message says which file/flag and how to fix it."""
 
@@ -21,7 +40,7 @@ def require(module: str, extra: str, purpose: str):
     try:
         return importlib.import_module(module)
     except ImportError:
-        raise PactError(f"{purpose} needs the {module.split('.')[0]} package: pip install \"{DISTRIBUTION}[{extra}]\"") from None
+        raise PactError(f"{purpose} needs the {module.split('.')[0]} package: {install_hint(extra)}") from None
 
 
 def write_error(e: OSError, path, what: str) -> PactError:

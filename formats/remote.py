@@ -47,7 +47,7 @@ from urllib.parse import quote, unquote, urljoin, urlsplit
 
 from .artifact import (FORMAT_NAME, FORMAT_VERSION, _is_artifact, array_nbytes, default_cache, replace_by_rename,
                        sha256_file, sweep_leftovers, work_path)
-from .errors import DISTRIBUTION, ArtifactError, PactError, require, write_error
+from .errors import ArtifactError, PactError, install_hint, require, write_error
 
 SCHEMES = ("http", "https", "s3", "hf", "file", "memory")
 PUSH_SCHEMES = ("s3", "hf", "file", "memory")  # http(s) servers take no uploads
@@ -85,7 +85,7 @@ def _fs(url: str):
         return fsspec.core.url_to_fs(url.rstrip("/"))
     except ImportError as e:  # the protocol's own package (s3fs, aiohttp) is missing
         raise PactError(f"{url}: {scheme}:// needs a package that is not installed ({e}): "
-                        f"pip install \"{DISTRIBUTION}[remote]\"") from None
+                        f"{install_hint('remote')}") from None
 
 
 # --------------------------------------------------------------------------------------
@@ -347,7 +347,7 @@ def _fetch(src, url: str, cache: Path | None) -> Path:
         raise ArtifactError(f"{url}/zarr.json: format is {fmt!r}, not {FORMAT_NAME!r}")
     if not isinstance(version, int) or version > FORMAT_VERSION:
         raise ArtifactError(f"{url}: artifact format version {version} is newer than this pact reads "
-                            f"({FORMAT_VERSION}): upgrade pact (pip install -U {DISTRIBUTION})")
+                            f"({FORMAT_VERSION}): upgrade pact ({install_hint(upgrade=True)})")
     digest = hashlib.sha256(raw).hexdigest()
     base = (cache or default_cache()) / "artifacts"
     final = base / digest

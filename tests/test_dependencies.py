@@ -88,7 +88,19 @@ def test_every_third_party_import_is_declared():
     assert not missing, "undeclared imports:\n" + "\n".join(missing)
 
 
-def test_optional_dependency_error_names_the_extra(monkeypatch):
+@pytest.fixture
+def from_index(monkeypatch):
+    """pact as if installed from the package index (no local source recorded by pip)."""
+    from importlib import metadata
+
+    class Dist:
+        def read_text(self, name):
+            return None
+
+    monkeypatch.setattr(metadata, "distribution", lambda name: Dist())
+
+
+def test_optional_dependency_error_names_the_extra(monkeypatch, from_index):
     from pact.formats import PactError, require
 
     monkeypatch.setitem(sys.modules, "PIL", None)  # as if Pillow were not installed
@@ -97,7 +109,28 @@ def test_optional_dependency_error_names_the_extra(monkeypatch):
         require("PIL.Image", "vision", "--prompts imgs/")
 
 
-def test_image_prompts_without_pillow_one_line(tmp_path, monkeypatch):
+@pytest.mark.parametrize("recorded, hint", [
+    (None, 'pip install "pact-nvfp4[remote]"'),  # from the index
+    ('{"url": "file:///src/my%20pact", "dir_info": {"editable": true}}', 'pip install -e "/src/my pact[remote]"'),
+    ('{"url": "file:///src/pact", "dir_info": {}}', 'pip install "/src/pact[remote]"'),
+    ('{"url": "https://example.org/pact_nvfp4-0.1.0.whl", "archive_info": {}}', 'pip install "pact-nvfp4[remote]"'),
+])
+def test_install_hint_names_where_pact_came_from(monkeypatch, recorded, hint):
+    """A clone's install gets the hint that works there (the distribution may not be on the index)."""
+    from importlib import metadata
+
+    from pact.formats.errors import install_hint
+
+    class Dist:
+        def read_text(self, name):
+            return recorded if name == "direct_url.json" else None
+
+    monkeypatch.setattr(metadata, "distribution", lambda name: Dist())
+    assert install_hint("remote") == hint
+    assert install_hint(upgrade=True).startswith("pip install -U ")
+
+
+def test_image_prompts_without_pillow_one_line(tmp_path, monkeypatch, from_index):
     from pact.calibrate.prompts import _image_samples
     from pact.formats import PactError
 
@@ -108,7 +141,7 @@ def test_image_prompts_without_pillow_one_line(tmp_path, monkeypatch):
         _image_samples(tmp_path, tmp_path, None, max_samples=1, seq_len=64)
 
 
-def test_triton_kernels_without_triton(monkeypatch):
+def test_triton_kernels_without_triton(monkeypatch, from_index):
     from pact.formats import PactError
     from pact.runtime.ops import get_ops
     from pact.runtime.recipe import parse_recipe
