@@ -39,8 +39,9 @@ def cli_errors(fn: Callable) -> Callable:
 def config_options(cls, only: tuple[str, ...] | None = None) -> Callable:
     """Click options (and arguments) made from the fields of the config dataclass ``cls``: one
     place for each setting's name, type, default, help and choices (their ``_opt`` metadata).
-    ``only``: those fields, in that order. ``--snake-case`` names; bools are flags; tuples are
-    comma-separated strings (config_from splits them)."""
+    ``only``: those fields, in that order. ``--snake-case`` names (plus any ``aliases`` in the
+    metadata: TRL/transformers spellings); bools are flags; tuples are comma-separated strings
+    (config_from splits them)."""
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     chosen = [fields[n] for n in only] if only else list(fields.values())
@@ -62,8 +63,9 @@ def _option(f: dataclasses.Field, hint) -> Callable:
     kind = typing.get_origin(hint) or hint
     default = meta.get("cli_default", None if f.default is dataclasses.MISSING else f.default)
     kw: dict = {"help": meta.get("help"), "metavar": meta.get("metavar")}
+    names = (f"--{f.name.replace('_', '-')}", *meta.get("aliases", ()), f.name)  # the field's name, then aliases
     if kind is bool:
-        return click.option(f"--{f.name.replace('_', '-')}", f.name, is_flag=True, **kw)
+        return click.option(*names, is_flag=True, **kw)
     if kind is tuple:
         default = ",".join(default)
     if "choices" in meta:
@@ -73,7 +75,7 @@ def _option(f: dataclasses.Field, hint) -> Callable:
     elif kind in (int, float):
         kw["type"] = kind
     required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-    return click.option(f"--{f.name.replace('_', '-')}", f.name, default=default, required=required,
+    return click.option(*names, default=default, required=required,
                         show_default=default is not None, **kw)
 
 

@@ -49,7 +49,8 @@ KEEP_CHECKPOINTS = 3
 def _opt(default=MISSING, help: str | None = None, **cli):
     """A TrainConfig field: its default, its help, and how pact-train spells it (pipelines/common.py
     makes the options from these): ``choices``, ``metavar``, ``argument`` (positional),
-    ``cli_default`` (the CLI's default where it differs, e.g. "auto"), ``show_default``."""
+    ``cli_default`` (the CLI's default where it differs, e.g. "auto"), ``show_default``, ``aliases``
+    (other spellings, e.g. transformers' TrainingArguments names: ``("--learning-rate",)``)."""
     kw = {"default_factory": default} if callable(default) else {"default": default}
     return field(**kw, metadata={"help": help, **cli})
 
@@ -62,13 +63,13 @@ class TrainConfig:
     data: str = _opt(help="Train .jsonl ({prompt, completion} or {messages}) or datasets folder.")
     out: str = _opt(help="Run folder (adapter, metrics, checkpoints).", path=True)
     eval_data: str | None = _opt(None, "Held-out .jsonl: loss, and accuracy when completions are labels.")
-    max_len: int = _opt(1024)
+    max_len: int = _opt(1024, aliases=("--max-seq-length",))
     overlong: str = _opt("truncate", "What to do with sequences over --max-len.", choices=("truncate", "refuse"))
-    batch_size: int = _opt(8)
-    grad_accum: int = _opt(1)
-    steps: int | None = _opt(None, "Optimizer steps (default: --epochs).")
-    epochs: float = _opt(1.0)
-    lr: float = _opt(2e-4)
+    batch_size: int = _opt(8, aliases=("--per-device-train-batch-size",))
+    grad_accum: int = _opt(1, aliases=("--gradient-accumulation-steps",))
+    steps: int | None = _opt(None, "Optimizer steps (default: --epochs).", aliases=("--max-steps",))
+    epochs: float = _opt(1.0, aliases=("--num-train-epochs",))
+    lr: float = _opt(2e-4, aliases=("--learning-rate",))
     weight_decay: float = _opt(0.0)
     warmup_ratio: float = _opt(0.03)
     max_grad_norm: float = _opt(1.0)
@@ -88,7 +89,8 @@ class TrainConfig:
                     "parameter) instead of re-encoding them from NVFP4 at every GEMM; same numbers, faster steps.",
         choices=FP8_WEIGHTS)
     activations: str | None = _opt(None, RECIPE_HELP, metavar="RECIPE")
-    checkpoint: bool = _opt(False, "Recompute each decoder layer in backward (less memory, ~1/3 more compute).")
+    checkpoint: bool = _opt(False, "Recompute each decoder layer in backward (less memory, ~1/3 more compute).",
+                            aliases=("--gradient-checkpointing",))
     device: str | None = _opt(None, "cuda, cuda:1, cpu (default: cuda if available).")
 
     def __post_init__(self) -> None:
