@@ -24,17 +24,53 @@ from .common import cli_errors
                    "quantized bases), or merged (bf16, or --merge).")
 @click.option("--merge", is_flag=True, help="Fold the adapter into the weights and re-quantize them to NVFP4 "
                                             "(the added error per projection is printed).")
+@click.option("--merge-method", type=click.Choice(["gptq", "rtn"]), default="gptq", show_default=True,
+              help="gptq: re-quantize W + BA by GPTQ on the layer inputs the trained model produces on "
+                   "--merge-data, which keeps what the adapter learned; rtn: round to nearest (faster; a delta "
+                   "below half an NVFP4 step is lost).")
+@click.option("--merge-data", default=None, type=click.Path(dir_okay=True),
+              help="Texts like the training data for --merge-method gptq (JSONL as pact-train reads it). "
+                   "Default: the run's --data, as its train_config.json records it.")
+@click.option("--merge-samples", default=128, show_default=True, help="Examples of --merge-data used (max-len 512).")
 @click.option("--overwrite", is_flag=True,
               help="Replace --out if it is an earlier export (it carries pact_export.json, listing every file in "
                    "it); any other folder is refused. Replaced by rename: the old export is removed last.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @cli_errors
-def main(artifact, out, fmt, adapter, merge, overwrite, quiet) -> None:
+def main(artifact, out, fmt, adapter, merge, merge_method, merge_data, merge_samples, overwrite, quiet) -> None:
     """Export ARTIFACT (with --adapter) for inference."""
-    r = export(artifact, out, fmt=fmt, adapter=adapter, merge=merge, overwrite=overwrite, progress=not quiet)
+    merged, how = None, None
+    if merge and adapter and fmt != "bf16" and merge_method == "gptq":
+        from pact.calibrate.merge import gptq_merge
+
+        data = merge_data or _run_data(adapter)
+        merged, how = gptq_merge(artifact, adapter, data, max_samples=merge_samples, progress=not quiet)
+    r = export(artifact, out, fmt=fmt, adapter=adapter, merge=merge, overwrite=overwrite, progress=not quiet,
+               merged_weights=merged)
+    if merge and adapter and fmt != "bf16":
+        r["merge"] = {k: v for k, v in (how or {"method": "rtn"}).items() if k != "output_error"}
+        if how:
+            errs = how["output_error"].values()
+            r["merge"]["layer_output_error_median"] = {
+                k: sorted(e[k] for e in errs)[len(errs) // 2] for k in ("plain", "gptq")}
     if "requantization_error" in r:
         r["requantization_error"] = {k: v for k, v in r["requantization_error"].items() if k != "per_projection"}
     click.echo(json.dumps(r, indent=2))
+
+
+def _run_data(adapter: str) -> str:
+    """The training data a pact-train run recorded (its train_config.json), checked to exist."""
+    from pathlib import Path
+
+    from pact.formats import PactError
+
+    cfg = Path(adapter) / "train_config.json"
+    data = json.loads(cfg.read_text()).get("data") if cfg.is_file() else None
+    if not data or not Path(data).exists():
+        where = f"the run's --data ({data}) is not there" if data else f"{cfg} does not name the training data"
+        raise PactError(f"--merge-method gptq needs texts like the training data and {where}: pass --merge-data FILE, "
+                        "or --merge-method rtn")
+    return data
 
 
 if __name__ == "__main__":

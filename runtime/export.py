@@ -75,9 +75,12 @@ def _ct_config(ignore: list[str]) -> dict:
 
 
 def export(artifact: str, out: str | os.PathLike, *, fmt: str = "compressed-tensors", adapter: str | None = None,
-           merge: bool = False, overwrite: bool = False, progress: bool = False) -> dict:
+           merge: bool = False, overwrite: bool = False, progress: bool = False,
+           merged_weights: dict[str, NVFP4Tensor] | None = None) -> dict:
     """Export ``artifact`` (with a PEFT ``adapter``) to ``out`` in ``fmt``; returns a summary (for
-    a merged NVFP4 export: each projection's added relative error from re-quantizing)."""
+    a merged NVFP4 export: each projection's added relative error from re-quantizing).
+    ``merged_weights``: the merged NVFP4 tensors of the adapted projections, made by another
+    solver (calibrate.merge's error-compensating one); without it a merge rounds to nearest."""
     if fmt not in FORMATS:
         raise PactError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
     if merge and not adapter:
@@ -102,7 +105,7 @@ def export(artifact: str, out: str | os.PathLike, *, fmt: str = "compressed-tens
     tmp = work_path(out, "tmp")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        summary = _write(art, tmp, fmt, lora_cfg, adapters, merged, progress)
+        summary = _write(art, tmp, fmt, lora_cfg, adapters, merged, progress, merged_weights)
         if adapters and not merged:  # served beside the quantized base (vLLM LoRA)
             save_peft_adapter(tmp / "adapter", adapters, lora_cfg, str(out.resolve()))
         _write_marker(tmp, art, fmt, adapter, summary["adapter"])
@@ -312,7 +315,8 @@ def _merged(w: torch.Tensor, name: str, adapters: dict, scale: float) -> torch.T
     return w
 
 
-def _write(art, tmp: Path, fmt: str, lora_cfg, adapters: dict, merge: bool, progress: bool = False) -> dict:
+def _write(art, tmp: Path, fmt: str, lora_cfg, adapters: dict, merge: bool, progress: bool = False,
+           merged_weights: dict[str, NVFP4Tensor] | None = None) -> dict:
     from tqdm.auto import tqdm
 
     side = _side_files(art)
@@ -350,7 +354,7 @@ def _write(art, tmp: Path, fmt: str, lora_cfg, adapters: dict, merge: bool, prog
             ws = {m: _merged(dequantize(_nvfp4(art, m)), m, adapters, scale) for m in members}
             g = global_scale_from_amax(max(float(w.abs().amax()) for w in ws.values()))
             for m, w in ws.items():
-                t = quantize(w, global_scale=g, scaling="1d", scale_rule=rule)
+                t = merged_weights[m] if merged_weights else quantize(w, global_scale=g, scaling="1d", scale_rule=rule)
                 added[m] = float((dequantize(t) - w).norm() / w.norm()) if float(w.norm()) > 0 else 0.0
                 _put_ct(tensors, m, t)
         else:

@@ -280,6 +280,46 @@ def test_export_with_adapter(trained, tmp_path):
     assert _rel(merged, ref) < 0.5 * _rel(base, ref)
 
 
+def test_gptq_merge_keeps_more_of_the_adapter(trained, tmp_path):
+    """pact-export --merge (default: the error-compensating GPTQ merge on the run's training texts)
+    reproduces the adapted model's logits on those texts more closely than the plain re-quantizing
+    merge (--merge-method rtn); both load in transformers. A run whose data is gone is refused
+    unless --merge-data or --merge-method rtn is given."""
+    import shutil
+
+    from click.testing import CliRunner
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pact.pipelines.export import main as export_cli
+    from pact.runtime.data import read_records, tokenize
+
+    art, run = str(trained / "art"), str(trained / "run")
+    tok = AutoTokenizer.from_pretrained(open_artifact(art).hf_dir)
+    texts = [torch.tensor([e.ids]) for e in tokenize(read_records(trained / "train.jsonl"), tok, max_len=64)[:8]]
+    ref = torch.cat([_pact_logits(art, ids, run)[0] for ids in texts])
+    got = {}
+    for how in ("gptq", "rtn"):
+        r = CliRunner().invoke(export_cli, [art, "--out", str(tmp_path / how), "--adapter", run, "--merge",
+                                            "--merge-method", how, "--quiet"])
+        assert r.exit_code == 0, r.output
+        summary = json.loads(r.output)
+        assert summary["merge"]["method"] == how and summary["adapter"] == "merged"
+        hf = AutoModelForCausalLM.from_pretrained(tmp_path / how, dtype=torch.bfloat16)
+        got[how] = _rel(torch.cat([hf(input_ids=ids).logits.detach()[0] for ids in texts]), ref)
+    assert summary["merge"] == {"method": "rtn"} and got["gptq"] < 0.8 * got["rtn"], got
+    # the run's data is gone: a clear refusal; --merge-data takes other texts
+    run2 = tmp_path / "run2"
+    shutil.copytree(run, run2)
+    cfg = json.loads((run2 / "train_config.json").read_text())
+    (run2 / "train_config.json").write_text(json.dumps({**cfg, "data": str(tmp_path / "gone.jsonl")}))
+    args = [art, "--out", str(tmp_path / "x"), "--adapter", str(run2), "--merge", "--quiet"]
+    r = CliRunner().invoke(export_cli, args)
+    assert r.exit_code != 0 and "pass --merge-data FILE, or --merge-method rtn" in r.output, r.output
+    assert not (tmp_path / "x").exists()
+    r = CliRunner().invoke(export_cli, args + ["--merge-data", str(trained / "train.jsonl"), "--merge-samples", "4"])
+    assert r.exit_code == 0 and json.loads(r.output)["merge"]["samples"] == 4, r.output
+
+
 def test_export_refusals(trained, tmp_path):
     from pact.runtime.export import export
 
