@@ -1,0 +1,113 @@
+"""What a merged NVFP4 export keeps of what the adapter learned: held-out accuracy of zero-shot,
+the NVFP4 base + adapter unmerged (pact, the reference: 100% of the gain), the plain
+re-quantizing merge (`pact-export --merge --merge-method rtn`), the GPTQ merge (`--merge`, its
+default) and the bf16 merge (`--format bf16`, scored by PEFT-free transformers).
+
+    python benchmarks/bench_merge.py --artifact ART --train train.jsonl --test test.jsonl --seeds 0 \\
+        [--steps 250 --lr 5e-4 --limit 200]
+
+Gain kept = (merged - zero-shot) / (unmerged - zero-shot). The merged NVFP4 exports are imported
+back with pact-convert (compressed-tensors, as stored) and scored by the same pact-eval code as the
+unmerged run; the bf16 export is scored the same way after pact-convert (RTN of the merged bf16
+weights would be one more rounding, so it is scored as bf16 with transformers instead).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import statistics
+import time
+from pathlib import Path
+
+import click
+
+
+def _score_hf(folder: Path, test: Path, max_len: int, limit: int) -> float:
+    """Label accuracy of a bf16 transformers folder, by the same candidate scoring as pact-eval."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pact.runtime.data import pad_id, read_records, tokenize
+    from pact.runtime.evaluate import candidate_batches, label_candidates
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ex = tokenize(read_records(test), tok, max_len=max_len)
+    cands = label_candidates(ex)
+    ex = ex[:limit] if limit else ex
+    names, correct = list(cands), 0
+
+    with torch.no_grad():
+        for chunk, ids, labels in candidate_batches(ex, cands, 16, pad_id(tok), "cpu"):
+            logits = model(input_ids=ids).logits[:, :-1].float()
+            t = labels[:, 1:]
+            lp = torch.log_softmax(logits, -1).gather(2, t.clamp_min(0)[..., None])[..., 0] * (t != -100)
+            scores = lp.sum(1).view(len(chunk), len(names))
+            correct += sum(names[int(r.argmax())] == e.completion for e, r in zip(chunk, scores))
+    return correct / len(ex)
+
+
+@click.command()
+@click.option("--artifact", required=True, type=click.Path(exists=True, file_okay=False))
+@click.option("--train", "train_f", required=True, type=click.Path(exists=True, dir_okay=False))
+@click.option("--test", "test_f", required=True, type=click.Path(exists=True, dir_okay=False))
+@click.option("--workdir", required=True, type=click.Path(file_okay=False, path_type=Path))
+@click.option("--seeds", default="0", show_default=True)
+@click.option("--steps", default=250, show_default=True)
+@click.option("--lr", default=5e-4, show_default=True)
+@click.option("--max-len", default=128, show_default=True)
+@click.option("--limit", default=0, show_default=True, help="Score the first N held-out examples (0: all).")
+@click.option("--json-out", type=click.Path(dir_okay=False, path_type=Path), default=None)
+def main(artifact, train_f, test_f, workdir, seeds, steps, lr, max_len, limit, json_out) -> None:
+    from pact.calibrate.merge import gptq_merge
+    from pact.convert import convert
+    from pact.runtime.evaluate import evaluate_artifact
+    from pact.runtime.export import export
+    from pact.runtime.trainer import TrainConfig, train
+
+    test = Path(test_f)
+    if limit:  # pact-eval scores a file: the first N examples
+        workdir.mkdir(parents=True, exist_ok=True)
+        lines = test.read_text().splitlines()[:limit]
+        test = workdir / f"test-{limit}.jsonl"
+        test.write_text("\n".join(lines) + "\n")
+
+    def acc(art, adapter=None) -> float:
+        return evaluate_artifact(str(art), str(test), adapter=adapter, max_len=max_len, batch_size=16)["eval_accuracy"]
+
+    rows = []
+    zero = acc(artifact)
+    for seed in (int(s) for s in seeds.split(",")):
+        d = workdir / f"seed{seed}"
+        run = d / "run"
+        shutil.rmtree(run, ignore_errors=True)
+        t = time.perf_counter()
+        train(TrainConfig(artifact=str(artifact), data=str(train_f), out=str(run), steps=steps, batch_size=8,
+                          max_len=max_len, lr=lr, lora_r=16, lora_alpha=32, warmup_ratio=0.1, seed=seed),
+              progress=False)
+        row = {"seed": seed, "zero_shot": zero, "train_s": round(time.perf_counter() - t, 1), "unmerged": acc(artifact, str(run))}
+        for how in ("rtn", "gptq"):
+            t = time.perf_counter()
+            merged, summary = (None, {}) if how == "rtn" else gptq_merge(artifact, run, train_f)
+            export(str(artifact), d / f"ct-{how}", adapter=str(run), merge=True, overwrite=True, merged_weights=merged)
+            row[f"{how}_merge_s"] = round(time.perf_counter() - t, 1)
+            back = convert(str(d / f"ct-{how}"), d / f"art-{how}", overwrite=True, progress=False)
+            row[f"merged_{how}"] = acc(back)
+            if summary:
+                errs = summary["output_error"].values()
+                row["layer_error_plain_vs_gptq"] = [statistics.median(e["plain"] for e in errs),
+                                                    statistics.median(e["gptq"] for e in errs)]
+        export(str(artifact), d / "bf16", fmt="bf16", adapter=str(run), overwrite=True)
+        row["merged_bf16"] = _score_hf(d / "bf16", test, max_len, 0)
+        gain = row["unmerged"] - zero
+        for k in ("merged_rtn", "merged_gptq", "merged_bf16"):
+            row[k.replace("merged", "kept")] = round((row[k] - zero) / gain, 3) if gain else None
+        rows.append(row)
+        click.echo(json.dumps(row))
+    if json_out:
+        json_out.write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
