@@ -1,8 +1,9 @@
 """Training data: JSONL / HF datasets folder -> token ids with completion-only targets.
 
 Accepted records: ``{"prompt", "completion"}`` or ``{"messages": [...]}`` (the chat
-template of the artifact's tokenizer; the last message must be the assistant's and is
-the target). Loss is only on completion tokens (and the end-of-sequence token after them).
+template of the artifact's tokenizer; the last message must be the assistant's). Loss is only
+on completion tokens (and the end-of-sequence token after them); in a conversation on every
+assistant turn (and the end-of-turn token the template writes after it).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import random
+import re
 import signal
 import threading
 from contextlib import contextmanager
@@ -24,6 +26,8 @@ log = logging.getLogger(__name__)
 IGNORE = -100
 TEMPLATE_SECONDS = 10  # one conversation's chat-template rendering; a template from an artifact may loop
 TEMPLATE_CHARS = 1 << 20  # and the rendered text's bound
+TEMPLATE_FIX = ("the artifact's chat template (hf/tokenizer_config.json or chat_template.jinja) is faulty or hostile; "
+                "use prompt/completion records or fix the template")
 RECORD_BYTES = 4 << 20  # one JSONL line (a record of 40 MB took 75 s and 6 GB of memory to tokenize)
 
 
@@ -112,8 +116,7 @@ def _time_limit(seconds: float):
 def render_chat(tokenizer, messages: list[dict], where: str, **kw) -> str:
     """The tokenizer's chat template applied to ``messages``, bounded in time and size: the
     template comes from the artifact (someone else's file), and a loop in it must not hang a run."""
-    fix = "the artifact's chat template (hf/tokenizer_config.json or chat_template.jinja) is faulty or hostile; " \
-          "use prompt/completion records or fix the template"
+    fix = TEMPLATE_FIX
     try:
         with _time_limit(TEMPLATE_SECONDS):
             text = tokenizer.apply_chat_template(messages, tokenize=False, **kw)
@@ -139,26 +142,102 @@ def _text(value, where: str, what: str) -> str:
     return value
 
 
-def _split(tokenizer, rec: dict) -> tuple[str, str]:
+def _check_messages(msgs, w: str) -> None:
+    if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) and "role" in m and "content" in m for m in msgs):
+        raise PactError(f"{w}: 'messages' must be a non-empty list of {{role, content}} objects")
+    if msgs[-1]["role"] != "assistant":
+        raise PactError(f"{w}: the last message must be the assistant's (it is the training target)")
+    for i, m in enumerate(msgs):  # text, or a list of content parts (multimodal templates); never null
+        if not isinstance(m["content"], list) or m["role"] == "assistant":
+            _text(m["content"], w, f"message {i + 1}'s content")
+    if not msgs[-1]["content"]:
+        raise PactError(f"{w}: the assistant's message is empty: nothing to train on")
+
+
+GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+
+def _tagged_mask(tokenizer, msgs: list[dict], w: str) -> tuple[list[int], list[int]]:
+    """Token ids of the whole conversation and transformers' assistant mask: 1 on the tokens the
+    template's ``{% generation %}`` blocks wrote."""
+    render_chat(tokenizer, msgs, w)  # bounds time and size (and names a template that fails) first
+    try:
+        with _time_limit(TEMPLATE_SECONDS):
+            out = tokenizer.apply_chat_template(msgs, tokenize=True, return_dict=True,
+                                                return_assistant_tokens_mask=True)
+    except _TemplateTimeout:
+        raise PactError(f"{w}: rendering the chat template took over {TEMPLATE_SECONDS} s: {TEMPLATE_FIX}") from None
+    except Exception as e:  # jinja errors, a tokenizer without offsets
+        raise PactError(f"{w}: the chat template's assistant mask failed ({type(e).__name__}: {e}): "
+                        f"{TEMPLATE_FIX}") from None
+    return list(out["input_ids"]), list(out["assistant_masks"])
+
+
+def _diffed_mask(tokenizer, msgs: list[dict], w: str) -> tuple[list[int], list[int]]:
+    """The same without generation tags, by prefix differences: each assistant turn's text is what
+    rendering the conversation through it adds to the conversation before it plus the generation
+    prompt. Whitespace the template writes after a turn (after its end-of-turn token) stays
+    unlabelled. Each piece is tokenized on its own, so no token straddles a label boundary."""
+    full = render_chat(tokenizer, msgs, w)
+    spans = []
+    for i, m in enumerate(msgs):
+        if m["role"] != "assistant" or i == 0:  # an opening assistant message has no prompt: context
+            continue
+        prefix = render_chat(tokenizer, msgs[:i], w, add_generation_prompt=True)
+        through = full if i == len(msgs) - 1 else render_chat(tokenizer, msgs[: i + 1], w)
+        if not (through.startswith(prefix) and full.startswith(through)) or (spans and len(prefix) < spans[-1][1]):
+            raise PactError(f"{w}: the chat template renders earlier turns differently once later ones follow "
+                            f"(e.g. it drops past reasoning), so message {i + 1} (the assistant's) cannot be located: "
+                            "split the conversation into one record per assistant turn, or give the template "
+                            "{% generation %} tags")
+        end = len(prefix) + len(through[len(prefix):].rstrip())
+        if isinstance(m["content"], str) and (at := through.find(m["content"], len(prefix))) >= 0:
+            end = max(end, at + len(m["content"]))  # never cut into the reply's own trailing whitespace
+        spans.append((len(prefix), end))
+    ids, mask, pos = [], [], 0
+    for a, b in spans:
+        for text, label in ((full[pos:a], 0), (full[a:b], 1)):
+            piece = tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+            ids += piece
+            mask += [label] * len(piece)
+        pos = b
+    return ids, mask
+
+
+def _chat(tokenizer, rec: dict) -> tuple[list[int], list[int], int, str]:
+    """A conversation's ids and labels: every assistant turn's tokens (and the end-of-turn token the
+    template writes after it) are targets, everything else is IGNORE; and where the last assistant
+    turn starts (its prompt, for evaluation). Templates with ``{% generation %}`` tags mark the
+    turns themselves (transformers' assistant mask); others by prefix differences."""
+    w, msgs = rec["_where"], rec["messages"]
+    _check_messages(msgs, w)
+    if tokenizer.chat_template is None:
+        raise PactError(f"{w}: the artifact's tokenizer has no chat template: use prompt/completion records")
+    try:
+        template = tokenizer.get_chat_template()
+    except Exception:  # several named templates and none the default: rendering names the problem
+        template = ""
+    tagged = bool(GENERATION_TAG.search(template or "")) and tokenizer.is_fast  # the mask needs offsets
+    ids, mask = (_tagged_mask if tagged else _diffed_mask)(tokenizer, msgs, w)
+    if 1 not in mask:
+        raise PactError(f"{w}: the chat template marks no assistant tokens in this conversation: nothing to train "
+                        "on; put the assistant's reply inside a {% generation %} block, or use prompt/completion")
+    last = len(mask) - mask[::-1].index(1)  # after the last target; what follows is never learned
+    ids, mask = ids[:last], mask[:last]
+    start = last
+    while start > 0 and mask[start - 1]:
+        start -= 1
+    eos = tokenizer.eos_token_id
+    if eos is not None and ids[-1] not in set(tokenizer.all_special_ids):  # the template writes no end of turn
+        ids, mask = ids + [eos], mask + [1]
+    labels = [t if m else IGNORE for t, m in zip(ids, mask)]
+    content = msgs[-1]["content"]
+    return ids, labels, start, content if isinstance(content, str) else ""
+
+
+def _pair(tokenizer, rec: dict) -> tuple[list[int], list[int], int, str]:
+    """A prompt/completion record: the completion (and end-of-sequence) tokens are the targets."""
     w = rec["_where"]
-    if "messages" in rec:
-        msgs = rec["messages"]
-        if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) and "role" in m and "content" in m for m in msgs):
-            raise PactError(f"{w}: 'messages' must be a non-empty list of {{role, content}} objects")
-        if msgs[-1]["role"] != "assistant":
-            raise PactError(f"{w}: the last message must be the assistant's (it is the training target)")
-        for i, m in enumerate(msgs):  # text, or a list of content parts (multimodal templates); never null
-            if not isinstance(m["content"], list) or i == len(msgs) - 1:
-                _text(m["content"], w, f"message {i + 1}'s content")
-        if not msgs[-1]["content"]:
-            raise PactError(f"{w}: the assistant's message is empty: nothing to train on")
-        if tokenizer.chat_template is None:
-            raise PactError(f"{w}: the artifact's tokenizer has no chat template: use prompt/completion records")
-        full = render_chat(tokenizer, msgs, w)
-        prompt = render_chat(tokenizer, msgs[:-1], w, add_generation_prompt=True)
-        if not full.startswith(prompt):
-            raise PactError(f"{w}: the chat template renders the conversation inconsistently; use prompt/completion")
-        return prompt, full[len(prompt):]
     if "prompt" not in rec or "completion" not in rec:
         found = ", ".join(repr(k) for k in rec if k != "_where") or "none"
         raise PactError(f"{w}: expected 'prompt' and 'completion', or 'messages'; the record has {found}: "
@@ -166,35 +245,37 @@ def _split(tokenizer, rec: dict) -> tuple[str, str]:
     prompt, completion = _text(rec["prompt"], w, "prompt"), _text(rec["completion"], w, "completion")
     if not completion:
         raise PactError(f"{w}: the completion is empty: nothing to train on")
-    return prompt, completion
+    p = tokenizer(prompt, add_special_tokens=True)["input_ids"]
+    c = tokenizer(completion, add_special_tokens=False)["input_ids"]
+    eos = tokenizer.eos_token_id
+    if eos is not None and (not c or c[-1] != eos):
+        c = c + [eos]
+    return p + c, [IGNORE] * len(p) + c, len(p), completion
 
 
 def tokenize(records: list[dict], tokenizer, *, max_len: int, overlong: str = "truncate",
              vocab_size: int | None = None) -> list[Example]:
-    """Token ids with prompt tokens masked. ``overlong``: "truncate" (prompt from the left,
-    then the completion's tail; one warning with the count) or "refuse" (error naming it)."""
+    """Token ids with everything but the targets masked. ``overlong``: "truncate" (the last target
+    turn's tail, then the context from the left; one warning with the count) or "refuse" (error
+    naming it)."""
     if overlong not in ("truncate", "refuse"):
         raise PactError(f"--overlong must be truncate or refuse, got {overlong!r}")
-    eos = tokenizer.eos_token_id
     out, cut = [], 0
     for rec in records:
-        prompt, completion = _split(tokenizer, rec)
-        p = tokenizer(prompt, add_special_tokens="messages" not in rec)["input_ids"]
-        c = tokenizer(completion, add_special_tokens=False)["input_ids"]
-        if eos is not None and (not c or c[-1] != eos):
-            c = c + [eos]
-        if len(p) + len(c) > max_len:
+        ids, labels, start, completion = (_chat if "messages" in rec else _pair)(tokenizer, rec)
+        if len(ids) > max_len:
             if overlong == "refuse":
-                raise PactError(f"{rec['_where']}: {len(p) + len(c)} tokens > --max-len {max_len} "
+                raise PactError(f"{rec['_where']}: {len(ids)} tokens > --max-len {max_len} "
                                 "(raise --max-len or pass --overlong truncate)")
             cut += 1
-            c = c[: max(1, max_len - 1)]
-            p = p[len(p) - (max_len - len(c)):] if max_len - len(c) > 0 else []
-        ids = p + c
+            n = min(len(ids) - start, max(1, max_len - 1))  # the last target turn's head
+            keep = max_len - n  # then as much of what comes before it as fits, from the left
+            lo = max(0, start - keep)
+            ids, labels, start = ids[lo : start + n], labels[lo : start + n], start - lo
         if vocab_size is not None and max(ids) >= vocab_size:
             raise PactError(f"{rec['_where']}: token id {max(ids)} >= the model's vocabulary {vocab_size}: "
                             "the artifact's tokenizer does not match its weights")
-        out.append(Example(ids, [IGNORE] * len(p) + c, completion, p))
+        out.append(Example(ids, labels, completion, ids[:start]))
     if cut:
         log.warning("truncated %d of %d examples to --max-len %d", cut, len(out), max_len)
     return out
