@@ -1,8 +1,9 @@
 """Calibration prompts -> model inputs with the artifact's tokenizer and image processor.
 
-.jsonl: one object per line with "text", or "messages" (rendered with the chat template), or
-"prompt" + "completion" (joined). .txt: documents separated by blank lines. A folder: images
-(png/jpg/jpeg/webp) for vision-language artifacts, one prompt each: the image and a request to
+.jsonl: one object per line with "text", or any record pact-train reads (runtime/data.py
+parse_record): "messages" or ShareGPT "conversations" (rendered with the chat template), or
+"prompt" + "completion" and Alpaca instruction/input/output (joined). .txt: documents separated
+by blank lines. A folder: images (png/jpg/jpeg/webp) for vision-language artifacts, one prompt each: the image and a request to
 describe it (or the text of a ``<image stem>.txt`` beside it), rendered with the chat template;
 each image is resized so its tokens fit ``seq_len``.
 """
@@ -14,7 +15,7 @@ from pathlib import Path
 import torch
 
 from pact.formats import PactError, require
-from pact.runtime.data import read_records, render_chat
+from pact.runtime.data import parse_record, read_records, render_chat
 from pact.runtime.vision import ImageSample
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
@@ -29,14 +30,13 @@ def _texts(path: Path, tokenizer) -> list[str]:
         raise PactError(f"--prompts {path}: expected a .jsonl or .txt file, or a folder of images")
     out = []
     for rec in read_records(path, flag="--prompts"):
-        if isinstance(rec.get("text"), str):
+        rec = parse_record(rec, text=True)  # the forms pact-train reads, and {"text"}
+        if "text" in rec:
             out.append(rec["text"])
-        elif isinstance(rec.get("messages"), list):
+        elif "messages" in rec:
             out.append(render_chat(tokenizer, rec["messages"], rec["_where"]))
-        elif "prompt" in rec and "completion" in rec:
-            out.append(str(rec["prompt"]) + str(rec["completion"]))
         else:
-            raise PactError(f"{rec['_where']}: expected an object with 'text', 'messages' or prompt/completion")
+            out.append(str(rec["prompt"]) + str(rec["completion"]))
     return out
 
 

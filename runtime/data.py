@@ -1,7 +1,9 @@
 """Training data: JSONL / HF datasets folder -> token ids with completion-only targets.
 
-Accepted records: ``{"prompt", "completion"}`` or ``{"messages": [...]}`` (the chat
-template of the artifact's tokenizer; the last message must be the assistant's). Loss is only
+Accepted records (parse_record): ``{"prompt", "completion"}``, ``{"messages": [...]}`` (the chat
+template of the artifact's tokenizer; the last message must be the assistant's), Alpaca
+``{"instruction", "input", "output"}`` (the Alpaca prompt) and ShareGPT ``{"conversations":
+[{"from", "value"}]}`` (as messages). Loss is only
 on completion tokens (and the end-of-sequence token after them); in a conversation on every
 assistant turn (and the end-of-turn token the template writes after it).
 """
@@ -142,6 +144,54 @@ def _text(value, where: str, what: str) -> str:
     return value
 
 
+OTHER_FORMS = "Alpaca {instruction, input, output} or ShareGPT {conversations: [{from, value}]} records"
+# the Stanford Alpaca prompt (tatsu-lab/stanford_alpaca, train.py), with and without an input
+ALPACA_INPUT = ("Below is an instruction that describes a task, paired with an input that provides further context. "
+                "Write a response that appropriately completes the request.\n\n"
+                "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n")
+ALPACA = ("Below is an instruction that describes a task. Write a response that appropriately completes the request."
+          "\n\n### Instruction:\n{instruction}\n\n### Response:\n")
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+
+
+def parse_record(rec: dict, *, text: bool = False) -> dict:
+    """A record in any accepted form as ``{"prompt", "completion"}`` or ``{"messages"}`` (with
+    ``text``, calibration's plain ``{"text"}`` too), "_where" kept: the one parser of train, eval
+    and calibrate. Other fields are ignored; a record in none of the forms is an error naming its
+    fields and the forms."""
+    w = rec["_where"]
+    if text and isinstance(rec.get("text"), str):
+        return {"text": rec["text"], "_where": w}
+    if "messages" in rec:
+        return {"messages": rec["messages"], "_where": w}
+    if "conversations" in rec:  # ShareGPT
+        turns = rec["conversations"]
+        if not isinstance(turns, list) or not turns or not all(isinstance(t, dict) and "from" in t and "value" in t
+                                                               for t in turns):
+            raise PactError(f"{w}: the record has 'conversations' (ShareGPT): it must be a non-empty list of "
+                            "{from, value} objects")
+        unknown = sorted({str(t["from"]) for t in turns if t["from"] not in SHAREGPT_ROLES})
+        if unknown:
+            raise PactError(f"{w}: the record has 'conversations' (ShareGPT) with 'from' {', '.join(map(repr, unknown))}: "
+                            f"expected {', '.join(map(repr, SHAREGPT_ROLES))}")
+        msgs = [{"role": SHAREGPT_ROLES[t["from"]], "content": t["value"]} for t in turns]
+        if msgs[-1]["role"] != "assistant" and not text:
+            raise PactError(f"{w}: the record has 'conversations' (ShareGPT): its last turn must be from 'gpt' "
+                            "(the training target)")
+        return {"messages": msgs, "_where": w}
+    if "prompt" in rec and "completion" in rec:
+        return {"prompt": rec["prompt"], "completion": rec["completion"], "_where": w}
+    if "instruction" in rec and "output" in rec:  # Alpaca
+        instruction = _text(rec["instruction"], w, "instruction")
+        extra = _text(rec.get("input") or "", w, "input")  # absent, null or "": no input section
+        prompt = (ALPACA_INPUT if extra else ALPACA).format(instruction=instruction, input=extra)
+        return {"prompt": prompt, "completion": rec["output"], "_where": w}
+    found = ", ".join(repr(k) for k in rec if k != "_where") or "none"
+    raise PactError(f"{w}: expected {'an object with ' + repr('text') + ', ' if text else ''}'prompt' and 'completion', "
+                    f"or 'messages'; the record has {found}: rename the fields (e.g. question/answer -> "
+                    f"prompt/completion), or use {OTHER_FORMS}")
+
+
 def _check_messages(msgs, w: str) -> None:
     if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) and "role" in m and "content" in m for m in msgs):
         raise PactError(f"{w}: 'messages' must be a non-empty list of {{role, content}} objects")
@@ -238,10 +288,6 @@ def _chat(tokenizer, rec: dict) -> tuple[list[int], list[int], int, str]:
 def _pair(tokenizer, rec: dict) -> tuple[list[int], list[int], int, str]:
     """A prompt/completion record: the completion (and end-of-sequence) tokens are the targets."""
     w = rec["_where"]
-    if "prompt" not in rec or "completion" not in rec:
-        found = ", ".join(repr(k) for k in rec if k != "_where") or "none"
-        raise PactError(f"{w}: expected 'prompt' and 'completion', or 'messages'; the record has {found}: "
-                        "rename the fields (e.g. input/output -> prompt/completion)")
     prompt, completion = _text(rec["prompt"], w, "prompt"), _text(rec["completion"], w, "completion")
     if not completion:
         raise PactError(f"{w}: the completion is empty: nothing to train on")
@@ -262,6 +308,7 @@ def tokenize(records: list[dict], tokenizer, *, max_len: int, overlong: str = "t
         raise PactError(f"--overlong must be truncate or refuse, got {overlong!r}")
     out, cut = [], 0
     for rec in records:
+        rec = parse_record(rec)
         ids, labels, start, completion = (_chat if "messages" in rec else _pair)(tokenizer, rec)
         if len(ids) > max_len:
             if overlong == "refuse":

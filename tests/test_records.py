@@ -97,3 +97,64 @@ def test_inconsistent_template_is_named(tok, tmp_path, monkeypatch):
                                         r"message 3 \(the assistant's\)"):
         tokenize(_records(tmp_path, [{"messages": CHAT}]), tok, max_len=256)
 
+
+# ---- record forms: one parser for train, eval and calibrate
+
+
+def test_alpaca_records_use_the_alpaca_prompt(tok, tmp_path):
+    from pact.runtime.data import ALPACA, ALPACA_INPUT
+
+    recs = _records(tmp_path, [{"instruction": "rate the movie", "input": "fresh and bright", "output": " fresh"},
+                               {"instruction": "rate the movie", "input": "", "output": " fresh"},
+                               {"instruction": "rate the movie", "output": " fresh"}])
+    with_input, empty, absent = tokenize(recs, tok, max_len=512)
+    enc = lambda s: tok(s)["input_ids"]  # noqa: E731
+    assert with_input.prompt_ids == enc(
+        "Below is an instruction that describes a task, paired with an input that provides further context. Write a "
+        "response that appropriately completes the request.\n\n### Instruction:\nrate the movie\n\n### Input:\n"
+        "fresh and bright\n\n### Response:\n")
+    assert empty.prompt_ids == absent.prompt_ids == enc(ALPACA.format(instruction="rate the movie"))
+    assert "{input}" in ALPACA_INPUT and "### Input" not in ALPACA
+    assert with_input.completion == " fresh" and _targets(with_input) == [enc(" fresh") + [tok.eos_token_id]]
+
+
+def test_sharegpt_is_the_same_as_messages(tok, tmp_path):
+    role = {"system": "system", "user": "human", "assistant": "gpt"}
+    share = {"conversations": [{"from": role[m["role"]], "value": m["content"]} for m in CHAT], "id": "x1"}
+    a, b = tokenize(_records(tmp_path, [share, {"messages": CHAT}]), tok, max_len=256)
+    assert a.ids == b.ids and a.labels == b.labels and a.prompt_ids == b.prompt_ids
+
+
+@pytest.mark.parametrize("rec,match", [
+    ({"question": "a", "answer": "b"}, r"data.jsonl:1: expected 'prompt' and 'completion', or 'messages'; the record "
+                                       r"has 'question', 'answer': rename the fields .* or use Alpaca \{instruction, "
+                                       r"input, output\} or ShareGPT \{conversations"),
+    ({"instruction": "a"}, r"the record has 'instruction'"),
+    ({"conversations": [{"from": "human", "value": "hi"}]}, r"'conversations' \(ShareGPT\): its last turn must be "
+                                                            r"from 'gpt'"),
+    ({"conversations": [{"from": "bot", "value": "hi"}]}, r"'conversations' \(ShareGPT\) with 'from' 'bot': expected "
+                                                          r"'human', 'user', 'gpt'"),
+    ({"conversations": "hi"}, r"a non-empty list of \{from, value\} objects"),
+    ({"instruction": 3, "output": "b"}, r"instruction must be a string, got int"),
+])
+def test_bad_records_name_the_fields_and_the_forms(tok, tmp_path, rec, match):
+    with pytest.raises(PactError, match=match) as e:
+        tokenize(_records(tmp_path, [rec]), tok, max_len=64)
+    assert "\n" not in str(e.value)
+
+
+def test_calibration_prompts_read_every_form(tok, tmp_path):
+    """calibrate/prompts.py reads records through the same parser (plus {"text"})."""
+    from pact.calibrate.prompts import _texts
+
+    f = tmp_path / "prompts.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in [
+        {"text": "plain"}, {"prompt": "a", "completion": "b"}, {"instruction": "rate", "output": " fresh"},
+        {"conversations": [{"from": "human", "value": "hi"}]}, {"messages": CHAT[1:3]}]))
+    texts = _texts(f, tok)
+    assert texts[:2] == ["plain", "ab"] and texts[2].endswith("### Instruction:\nrate\n\n### Response:\n fresh")
+    assert texts[3] == "<|im_start|>user\nhi<|im_end|>\n" and texts[4].endswith("fresh and bright<|im_end|>\n")
+    f.write_text('{"nope": 1}\n')
+    with pytest.raises(PactError, match=r"prompts.jsonl:1: expected an object with 'text', 'prompt' and "
+                                        r"'completion', or 'messages'; the record has 'nope'"):
+        _texts(f, tok)
