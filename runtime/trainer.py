@@ -1,5 +1,5 @@
-"""The training loop: AdamW on fp32 adapters, warmup + cosine, accumulation, clipping,
-checkpoints that resume the same run bit for bit, PEFT-format output.
+"""The training loop: AdamW on fp32 adapters, warmup + cosine (or --lr-scheduler), accumulation,
+clipping, checkpoints that resume the same run bit for bit, PEFT-format output.
 
 Run folder: adapter_config.json + adapter_model.safetensors (PEFT names), metrics.jsonl
 (one object per optimizer step), train_config.json (with the artifact's and data's
@@ -46,6 +46,36 @@ log = logging.getLogger(__name__)
 KEEP_CHECKPOINTS = 3
 
 
+SCHEDULERS = ("cosine", "linear", "constant", "constant_with_warmup", "polynomial", "inverse_sqrt")
+POLYNOMIAL_END, POLYNOMIAL_POWER, INVERSE_SQRT_TIMESCALE = 1e-7, 1.0, 10_000  # transformers' get_scheduler defaults
+
+
+def lr_at(step: int, total: int, base: float, warmup_ratio: float, schedule: str = "cosine") -> float:
+    """The learning rate of the step after ``step`` completed optimizer steps: a linear warmup over
+    int(total * warmup_ratio) steps, then ``schedule`` (transformers' get_scheduler names and
+    formulas; ``constant`` has no warmup). One difference, on purpose: warmup step s uses
+    base * (s + 1) / warm where transformers' uses base * s / warm, so the first step learns."""
+    if schedule == "constant":
+        return base
+    warm = int(total * warmup_ratio)
+    if step < warm:
+        return base * (step + 1) / warm
+    progress = (step - warm) / max(1, total - warm)
+    if schedule == "cosine":
+        return base * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+    if schedule == "linear":
+        return base * max(0.0, 1.0 - progress)
+    if schedule == "constant_with_warmup":
+        return base
+    if schedule == "polynomial":
+        end = min(POLYNOMIAL_END, base)
+        return (base - end) * (1.0 - min(1.0, progress)) ** POLYNOMIAL_POWER + end
+    if schedule == "inverse_sqrt":
+        timescale = warm or INVERSE_SQRT_TIMESCALE
+        return base / math.sqrt((step - warm + timescale) / timescale)
+    raise PactError(f"--lr-scheduler must be one of {', '.join(SCHEDULERS)}, got {schedule!r}")
+
+
 def _opt(default=MISSING, help: str | None = None, **cli):
     """A TrainConfig field: its default, its help, and how pact-train spells it (pipelines/common.py
     makes the options from these): ``choices``, ``metavar``, ``argument`` (positional),
@@ -60,7 +90,7 @@ class TrainConfig:
     """Every setting of a training run: pact-train's options, one field each (pipelines/train.py)."""
 
     artifact: str = _opt(help="Artifact folder from pact-convert / pact-calibrate.", argument=True)
-    data: str = _opt(help="Train .jsonl ({prompt, completion} or {messages}) or datasets folder.")
+    data: str = _opt(help="Train .jsonl (prompt/completion, messages, Alpaca or ShareGPT records) or datasets folder.")
     out: str = _opt(help="Run folder (adapter, metrics, checkpoints).", path=True)
     eval_data: str | None = _opt(None, "Held-out .jsonl: loss, and accuracy when completions are labels.")
     max_len: int = _opt(1024, aliases=("--max-seq-length",))
@@ -72,6 +102,8 @@ class TrainConfig:
     lr: float = _opt(2e-4, aliases=("--learning-rate",))
     weight_decay: float = _opt(0.0)
     warmup_ratio: float = _opt(0.03)
+    lr_scheduler: str = _opt("cosine", "After the warmup: transformers' get_scheduler names (constant: no warmup).",
+                             choices=SCHEDULERS, aliases=("--lr-scheduler-type",))
     max_grad_norm: float = _opt(1.0)
     seed: int = _opt(0)
     lora_r: int = _opt(16)
@@ -121,6 +153,8 @@ class TrainConfig:
         for flag, value, ok, want in checks:
             if not ok:
                 raise PactError(f"--{flag} must be {want}, got {value}")
+        if self.lr_scheduler not in SCHEDULERS:
+            raise PactError(f"--lr-scheduler must be one of {', '.join(SCHEDULERS)}, got {self.lr_scheduler!r}")
         if self.overlong not in ("truncate", "refuse"):
             raise PactError(f"--overlong must be truncate or refuse, got {self.overlong!r}")
         self.activations = parse_recipe(self.activations).spec()  # canonical: resume compares it
@@ -144,15 +178,6 @@ def _absolute(path: str | None) -> str | None:
     if path is None or "://" in str(path):
         return path
     return str(Path(path).expanduser().resolve())
-
-
-def lr_at(step: int, total: int, base: float, warmup_ratio: float) -> float:
-    """Linear warmup, then cosine to zero. ``step`` counts completed optimizer steps."""
-    warm = int(total * warmup_ratio)
-    if step < warm:
-        return base * (step + 1) / warm
-    progress = (step - warm) / max(1, total - warm)
-    return base * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 
 def _micro_batches(examples, cfg: TrainConfig, epoch: int, pos: int, world: int = 1
@@ -511,7 +536,7 @@ def _step(r: _Run, cfg: TrainConfig, micro: list) -> dict:
             f"step {state['step'] + 1}: loss {loss_sum / n_targets:.4g}, gradient norm {grad_norm:.4g}: "
             f"not finite, training stopped and no adapter written ({kept}); lower --lr, or check the "
             "artifact and data")
-    lr = lr_at(state["step"], r.total, cfg.lr, cfg.warmup_ratio)
+    lr = lr_at(state["step"], r.total, cfg.lr, cfg.warmup_ratio, cfg.lr_scheduler)
     for group in r.opt.param_groups:
         group["lr"] = lr
     r.opt.step()
