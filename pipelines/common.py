@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 import click
 
-from pact.formats import PactError
+from pact.formats import PactError, require
 
 
 def main_rank() -> bool:
@@ -36,28 +36,29 @@ def cli_errors(fn: Callable) -> Callable:
     return wrapper
 
 
-def config_options(cls, only: tuple[str, ...] | None = None) -> Callable:
+def config_options(cls, only: tuple[str, ...] | None = None, required: bool = True) -> Callable:
     """Click options (and arguments) made from the fields of the config dataclass ``cls``: one
     place for each setting's name, type, default, help and choices (their ``_opt`` metadata).
     ``only``: those fields, in that order. ``--snake-case`` names (plus any ``aliases`` in the
     metadata: TRL/transformers spellings); bools are flags; tuples are comma-separated strings
-    (config_from splits them)."""
+    (config_from splits them). ``required=False``: no option is required by click (a --config file
+    may give them; config_from names what is still missing)."""
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     chosen = [fields[n] for n in only] if only else list(fields.values())
 
     def decorate(fn: Callable) -> Callable:
         for f in reversed(chosen):  # decorators apply bottom-up: keep the dataclass's order in --help
-            fn = _option(f, hints[f.name])(fn)
+            fn = _option(f, hints[f.name], required)(fn)
         return fn
 
     return decorate
 
 
-def _option(f: dataclasses.Field, hint) -> Callable:
+def _option(f: dataclasses.Field, hint, required: bool = True) -> Callable:
     meta = f.metadata
     if meta.get("argument"):
-        return click.argument(f.name, type=click.Path(file_okay=False))
+        return click.argument(f.name, type=click.Path(file_okay=False), required=required)
     if typing.get_origin(hint) in (typing.Union, types.UnionType):  # X | None: X
         hint = next(a for a in typing.get_args(hint) if a is not type(None))
     kind = typing.get_origin(hint) or hint
@@ -74,13 +75,14 @@ def _option(f: dataclasses.Field, hint) -> Callable:
         kw["type"] = click.Path(file_okay=False)
     elif kind in (int, float):
         kw["type"] = kind
-    required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    required = required and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
     return click.option(*names, default=default, required=required,
                         show_default=default is not None, **kw)
 
 
 def config_from(cls, params: dict):
-    """``cls`` from a command's parameters (config_options' names); comma-separated tuples split."""
+    """``cls`` from a command's parameters (config_options' names); comma-separated tuples split; a
+    required setting that is still missing (no flag, no --config key) is named."""
     hints = typing.get_type_hints(cls)
     kw = {}
     for f in dataclasses.fields(cls):
@@ -89,4 +91,84 @@ def config_from(cls, params: dict):
             if typing.get_origin(hints[f.name]) is tuple and isinstance(v, str):
                 v = tuple(t.strip() for t in v.split(",") if t.strip())
             kw[f.name] = v
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING and kw.get(f.name) is None:
+            name = f.name.upper() if f.metadata.get("argument") else f"--{f.name.replace('_', '-')}"
+            raise PactError(f"{name} is required: give it on the command line or in the --config file")
     return cls(**kw)
+
+
+RUN_RECORD_KEYS = ("recipe", "world_size", "global_batch", "inputs_sha256")  # what train_config.json adds; ignored
+
+
+def with_config_file(path: str, params: dict) -> dict:
+    """``params`` (the current click command's, by parameter name) with the settings of a config
+    file (.json, .yaml/.yml, or a run folder's train_config.json) under them: a flag given on the
+    command line wins. Keys: a parameter's name or any spelling of its option (``lr``,
+    ``learning-rate``, ``learning_rate``); an unknown key is an error naming it."""
+    ctx = click.get_current_context()
+    values = _read_config_file(path)
+    by_key = {}
+    for p in ctx.command.params:
+        for spelling in [p.name, *getattr(p, "opts", ())]:
+            key = spelling.lstrip("-")
+            by_key[key], by_key[key.replace("-", "_")] = p, p
+    out = dict(params)
+    for key, value in values.items():
+        if key in RUN_RECORD_KEYS:
+            continue
+        p = by_key.get(key)
+        if p is None or p.name == "config":
+            import difflib
+
+            near = difflib.get_close_matches(key, [k for k in by_key if "-" not in k], n=1)
+            raise PactError(f"--config {path}: unknown key {key!r}" + (f" (did you mean {near[0]!r}?)" if near else "")
+                            + f": the keys are {ctx.command.name}'s options, e.g. lr or learning_rate")
+        if ctx.get_parameter_source(p.name) not in (None, click.core.ParameterSource.DEFAULT):
+            continue  # given on the command line: it wins
+        out[p.name] = _convert(p, key, value, path, ctx)
+    return out
+
+
+def _convert(p: click.Parameter, key: str, value, path: str, ctx: click.Context):
+    """A config file's value as the option would parse it from the command line."""
+    if value is None:
+        return None
+    if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+        value = ",".join(value)  # tuple settings: a YAML/JSON list, or the comma-separated string
+    is_flag = getattr(p, "is_flag", False)
+    if (is_flag and not isinstance(value, bool)) or (not is_flag and isinstance(value, (bool, dict, list))) \
+            or (isinstance(value, float) and isinstance(p.type, click.types.IntParamType) and not value.is_integer()):
+        raise PactError(f"--config {path}: {key}: {value!r} is not a valid value for {p.opts[0] if p.opts else key}")
+    try:
+        return p.type.convert(value, p, ctx)
+    except click.BadParameter as e:
+        raise PactError(f"--config {path}: {key}: {e.message}") from None
+
+
+def _read_config_file(path: str) -> dict:
+    import json
+    from pathlib import Path
+
+    p = Path(path)
+    if p.is_dir():  # a run folder: its train_config.json
+        p = p / "train_config.json"
+    if not p.is_file():
+        raise PactError(f"--config {p}: no such file (a .yaml, .json or a run's train_config.json)")
+    text = p.read_text(encoding="utf-8", errors="replace")
+    if p.suffix in (".yaml", ".yml"):
+        yaml = require("yaml", "yaml", f"--config {p}")  # PyYAML: transformers and datasets install it too
+
+        try:
+            values = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise PactError(f"--config {p}: not valid YAML ({str(e).splitlines()[0]})") from None
+    elif p.suffix == ".json":
+        try:
+            values = json.loads(text)
+        except ValueError as e:
+            raise PactError(f"--config {p}: not valid JSON ({e})") from None
+    else:
+        raise PactError(f"--config {p}: expected a .yaml, .yml or .json file")
+    if not isinstance(values, dict):
+        raise PactError(f"--config {p}: expected a mapping of option names to values, got {type(values).__name__}")
+    return values

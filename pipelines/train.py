@@ -1,5 +1,6 @@
-"""`pact-train ARTIFACT --data train.jsonl --out run/`: LoRA on the NVFP4 artifact. The options
-are TrainConfig's fields (runtime/trainer.py: names, defaults, help and choices live there)."""
+"""`pact-train ARTIFACT --data train.jsonl --out run/` (or `pact-train --config run.yaml`): LoRA on
+the NVFP4 artifact. The options are TrainConfig's fields (runtime/trainer.py: names, defaults, help
+and choices live there)."""
 
 from __future__ import annotations
 
@@ -9,16 +10,21 @@ import click
 
 from pact.runtime.trainer import TrainConfig, train
 
-from .common import cli_errors, config_from, config_options, main_rank
+from .common import cli_errors, config_from, config_options, main_rank, with_config_file
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@config_options(TrainConfig)
+@config_options(TrainConfig, required=False)  # ARTIFACT, --data and --out may come from --config
+@click.option("--config", type=click.Path(), default=None,
+              help="A .yaml or .json of these options (or a run's train_config.json); flags given here override it.")
 @click.option("--resume", is_flag=True, help="Continue the run in --out from its latest checkpoint.")
 @click.option("--quiet", is_flag=True)
 @cli_errors
-def main(resume: bool, quiet: bool, **params) -> None:
+def main(config: str | None, **params) -> None:
     """Train LoRA adapters on ARTIFACT; the adapter is saved in PEFT format in --out."""
+    if config:
+        params = with_config_file(config, params)
+    resume, quiet = params.pop("resume"), params.pop("quiet")
     result = train(config_from(TrainConfig, params), resume=resume, progress=not quiet)
     if main_rank():  # under torchrun, one result
         click.echo(json.dumps({k: v for k, v in result.items() if k != "eval_labels"}, indent=2))

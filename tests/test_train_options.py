@@ -95,3 +95,76 @@ def test_unknown_scheduler_one_line(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
     assert parse(["--lr-scheduler-type", "linear"], monkeypatch) == parse(["--lr-scheduler", "linear"], monkeypatch)
 
+
+# ---- --config run.yaml / run.json / a run's train_config.json
+
+
+def test_config_file_and_flags_over_it(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "run.yaml").write_text("artifact: art\ndata: train.jsonl\nout: run\nlearning_rate: 3e-4\n"
+                                       "max-steps: 7\ntargets: [q_proj, v_proj]\ngradient_checkpointing: true\n")
+    flags = parse(["--lr", "3e-4", "--steps", "7", "--targets", "q_proj,v_proj", "--checkpoint"], monkeypatch)
+    seen = {}
+    monkeypatch.setattr(train_mod, "train", lambda cfg, **kw: seen.update(cfg=cfg, **kw) or {})
+
+    def run(*args):
+        r = CliRunner().invoke(train_mod.main, [*args, "--quiet"])
+        assert r.exit_code == 0, r.output
+        return seen["cfg"]
+
+    assert run("--config", "run.yaml") == flags  # YAML's 3e-4 (a string to YAML 1.1) parses as --lr would
+    assert run("--config", "run.yaml", "--max-steps", "9").steps == 9  # a flag wins over the file
+    assert run("--config", "run.yaml", "--resume").lr == 3e-4 and seen["resume"] is True
+    import json
+
+    (tmp_path / "run.json").write_text(json.dumps({"artifact": "art", "data": "train.jsonl", "out": "run", "lr": 3e-4,
+                                                   "steps": 7, "targets": "q_proj,v_proj", "checkpoint": True}))
+    assert run("--config", "run.json") == flags
+
+
+def test_a_runs_train_config_is_a_config(monkeypatch, tmp_path):
+    """train_config.json as pact-train writes it (with the recipe and fingerprints) gives the same TrainConfig."""
+    import json
+
+    monkeypatch.chdir(tmp_path)
+    cfg = parse(["--lr-scheduler", "linear", "--lora-r", "4", "--activations", "bf16"], monkeypatch)
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "train_config.json").write_text(json.dumps({
+        **cfg.as_json(), "recipe": {}, "world_size": 1, "global_batch": 8, "inputs_sha256": {}}))
+    seen = {}
+    monkeypatch.setattr(train_mod, "train", lambda c, **kw: seen.setdefault("cfg", c) and {})
+    for path in ("old/train_config.json", "old"):
+        seen.clear()
+        r = CliRunner().invoke(train_mod.main, ["--config", path, "--quiet"])
+        assert r.exit_code == 0, r.output
+        assert seen["cfg"] == cfg
+
+
+@pytest.mark.parametrize("text,suffix,match", [
+    ("lerning_rate: 1e-4\n", ".yaml", r"--config .*bad.yaml: unknown key 'lerning_rate' \(did you mean "
+                                      r"'learning_rate'\?\)"),
+    ("lr: [1]\n", ".yaml", r"bad.yaml: lr: \[1\] is not a valid value for --lr"),
+    ("steps: 2.5\n", ".yaml", r"bad.yaml: steps: 2.5 is not a valid value"),
+    ("lr_scheduler: cosine_annealing\n", ".yaml", r"bad.yaml: lr_scheduler: 'cosine_annealing' is not one of"),
+    ("[1, 2]", ".json", r"bad.json: expected a mapping of option names to values, got list"),
+    ("{lr: ", ".json", r"bad.json: not valid JSON"),
+    ("lr: [", ".yaml", r"bad.yaml: not valid YAML"),
+    ("lr = 1", ".toml", r"bad.toml: expected a .yaml, .yml or .json file"),
+])
+def test_bad_config_one_line(monkeypatch, tmp_path, text, suffix, match):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / f"bad{suffix}").write_text(text)
+    r = CliRunner().invoke(train_mod.main, BASE + ["--config", f"bad{suffix}", "--quiet"])
+    assert r.exit_code == 1 and r.output.count("\n") == 1, r.output
+    import re
+
+    assert re.search(match, r.output), r.output
+
+
+def test_missing_required_names_it(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "c.json").write_text('{"artifact": "art", "data": "train.jsonl"}')
+    r = CliRunner().invoke(train_mod.main, ["--config", "c.json", "--quiet"])
+    assert r.exit_code == 1 and "--out is required: give it on the command line or in the --config file" in r.output
+    r = CliRunner().invoke(train_mod.main, ["--data", "d", "--out", "o"])
+    assert r.exit_code == 1 and "ARTIFACT is required" in r.output
