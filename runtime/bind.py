@@ -61,13 +61,15 @@ def bind(artifact: Artifact, n_layers: int, lora: LoraConfig | None, device: tor
     embed = dense(f"{p}embed_tokens.weight")
     out = Bound(embed, dense(f"{p}norm.weight"), dense("lm_head.weight") if "lm_head.weight" in names else embed, [])
     gen = torch.Generator().manual_seed(seed)
+    adapted = set(lora.layer_ids(n_layers)) if lora is not None else set()
     for i in range(n_layers):
         lp = f"{p}layers.{i}"
         groups = {}
         for group in ("qkv", "o", "gate_up", "down"):
             sub = "self_attn" if group in ("qkv", "o") else "mlp"
             members = [f"{lp}.{sub}.{m}.weight" for m in GROUPS[group]]
-            groups[group] = _bind_group(artifact, members, names, device, lora, gen, out, fp8_copy)
+            groups[group] = _bind_group(artifact, members, names, device, lora if i in adapted else None, gen, out,
+                                        fp8_copy)
         qk = f"{lp}.self_attn.q_norm.weight" in names  # Qwen3: per-head RMSNorm on q and k
         out.layers.append(Layer(dense(f"{lp}.input_layernorm.weight"), dense(f"{lp}.post_attention_layernorm.weight"),
                                 **groups, q_norm=dense(f"{lp}.self_attn.q_norm.weight") if qk else None,

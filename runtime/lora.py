@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,9 +23,11 @@ class LoraConfig:
     alpha: float = field(default=32.0, metadata={"help": "scale = alpha / r"})
     dropout: float = field(default=0.0, metadata={"help": "dropout on the adapter input"})
     targets: tuple[str, ...] = field(default=ALL_TARGETS, metadata={"help": "projections that get adapters"})
+    layers: str = field(default="all", metadata={"help": "decoder blocks that get adapters (parse_layers)"})
 
     def __post_init__(self) -> None:
         self.targets = tuple(self.targets)
+        parse_layers(self.layers, None)  # the syntax now; the range once the model's depth is known
         if self.r < 1:
             raise PactError(f"--lora-r must be >= 1, got {self.r}")
         if not 0.0 <= self.dropout < 1.0:
@@ -36,6 +39,45 @@ class LoraConfig:
     @property
     def scale(self) -> float:
         return self.alpha / self.r
+
+    def layer_ids(self, n_layers: int) -> list[int]:
+        return parse_layers(self.layers, n_layers)
+
+
+def parse_layers(spec: str, n_layers: int | None) -> list[int]:
+    """--lora-layers: ``all``, ``top:N`` (the N last blocks), ``A-B`` (0-based, inclusive) or a
+    comma list of block indices -> sorted indices (``n_layers`` None: the syntax alone, [])."""
+    spec = str(spec).strip()
+    fix = "use all, top:N (the N last decoder blocks), A-B (0-based, inclusive) or a comma list like 10,11"
+    try:
+        if spec == "all":
+            ids = None
+        elif spec.startswith("top:"):
+            k = int(spec[4:])
+            if k < 1:
+                raise ValueError
+            ids = None if n_layers is None else list(range(n_layers - k, n_layers))
+        elif "-" in spec:
+            a, b = (int(v) for v in spec.split("-"))
+            if not 0 <= a <= b:
+                raise ValueError
+            ids = list(range(a, b + 1))
+        else:
+            ids = sorted({int(v) for v in spec.split(",")})
+            if not ids or ids[0] < 0:
+                raise ValueError
+    except ValueError:
+        raise PactError(f"--lora-layers {spec!r}: {fix}") from None
+    if n_layers is None:
+        return []
+    if spec.startswith("top:") and int(spec[4:]) > n_layers:
+        raise PactError(f"--lora-layers {spec}: the model has {n_layers} decoder blocks")
+    if ids is None:
+        return list(range(n_layers))
+    if ids[-1] >= n_layers:
+        raise PactError(f"--lora-layers {spec}: block {ids[-1]} does not exist (the model has {n_layers} decoder "
+                        f"blocks, 0-{n_layers - 1})")
+    return ids
 
 
 def peft_key(hf_weight_name: str, which: str) -> str:
@@ -63,6 +105,9 @@ def _adapter_bytes(adapters: dict[str, tuple[torch.Tensor, torch.Tensor]], cfg: 
         "lora_alpha": cfg.alpha,
         "lora_dropout": cfg.dropout,
         "target_modules": sorted(cfg.targets),
+        **({} if cfg.layers == "all" else {"layers_to_transform": sorted(
+            {int(m.group(1)) for m in (re.search(r"\.layers\.(\d+)\.", n) for n in adapters) if m}),
+            "layers_pattern": "layers"}),
         "bias": "none",
         "fan_in_fan_out": False,
         "inference_mode": True,
@@ -136,7 +181,13 @@ def load_peft_adapter(adapter_dir: str | os.PathLike) -> tuple[LoraConfig, dict[
     if c.get("peft_type", "LORA") != "LORA" or c.get("use_dora") or c.get("use_rslora"):
         raise PactError(f"{cfg_path}: a {c.get('peft_type')} adapter (use_dora={c.get('use_dora')}, use_rslora="
                         f"{c.get('use_rslora')}): pact applies plain LoRA only")
-    cfg = LoraConfig(r=c["r"], alpha=c["lora_alpha"], dropout=c.get("lora_dropout", 0.0), targets=tuple(c["target_modules"]))
+    layers = c.get("layers_to_transform")
+    if layers is not None and not (isinstance(layers, int) or (isinstance(layers, list) and layers and all(
+            isinstance(v, int) for v in layers))):
+        raise PactError(f"{cfg_path}: 'layers_to_transform' is invalid ({layers!r}): {fix}")
+    layers = "all" if layers is None else ",".join(map(str, [layers] if isinstance(layers, int) else layers))
+    cfg = LoraConfig(r=c["r"], alpha=c["lora_alpha"], dropout=c.get("lora_dropout", 0.0),
+                     targets=tuple(c["target_modules"]), layers=layers)
     try:
         tensors = load_file(w_path)
     except Exception as e:  # safetensors raises its own error types for damaged headers

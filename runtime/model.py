@@ -95,6 +95,11 @@ class PactModel(nn.Module):
         self.layers: list[Layer] = bound.layers
         self.lora_params = bound.params  # the only parameters
         self.adapters: dict[str, Lora] = bound.adapters
+        # the lowest decoder block with an adapter (--lora-layers): training runs the blocks below it
+        # without autograd (no input gradients, no saved activations)
+        self.first_adapted = min((i for i, L in enumerate(self.layers)
+                                  if any(lo is not None for g in (L.qkv, L.o, L.gate_up, L.down) for lo in g.loras)),
+                                 default=0)
 
     @contextlib.contextmanager
     def observing(self, observe):
@@ -163,8 +168,11 @@ class PactModel(nn.Module):
     def run_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, B: int, S: int,
                    mask: torch.Tensor | None = None) -> torch.Tensor:
         """The decoder layers over input embeddings x [B * S, H] -> [B, S, H] bf16."""
-        for L in self.layers:
-            if self.checkpoint and torch.is_grad_enabled():
+        for i, L in enumerate(self.layers):
+            if i < self.first_adapted and torch.is_grad_enabled():
+                with torch.no_grad():  # below the lowest adapter: no gradient flows here, nothing is saved
+                    x = self.layer(L, x, cos, sin, B, S, mask)
+            elif self.checkpoint and torch.is_grad_enabled():
                 # keep only the layer input; the layer runs again in backward (same RNG state)
                 x = torch.utils.checkpoint.checkpoint(self.layer, L, x, cos, sin, B, S, mask, use_reentrant=False)
             else:

@@ -35,7 +35,7 @@ from pact.formats.artifact import pid_alive, save_safetensors, sha256_file
 from .data import batches, collate, pad_id, read_records, tokenize
 from .distributed import Dist, from_env, leave
 from .evaluate import evaluate
-from .lora import ALL_TARGETS, LoraConfig, load_peft_adapter, reserve_peft_adapter, save_peft_adapter
+from .lora import ALL_TARGETS, LoraConfig, load_peft_adapter, parse_layers, reserve_peft_adapter, save_peft_adapter
 from .model import PactModel
 from .ops import COMPUTE, FP8_WEIGHTS, KERNELS
 from .recipe import HELP as RECIPE_HELP
@@ -110,6 +110,8 @@ class TrainConfig:
     lora_alpha: float = _opt(32.0)
     lora_dropout: float = _opt(0.0)
     targets: tuple[str, ...] = _opt(ALL_TARGETS, "Comma-separated projections.")
+    lora_layers: str = _opt("all", "Decoder blocks that get adapters: all, top:N (the N last), A-B (0-based, "
+                                   "inclusive) or a comma list. Backward stops below the lowest one.")
     save_every: int = _opt(0, "Checkpoint every N steps (0: none).")
     kernels: str | None = _opt(None, "Default: triton on GPU, torch on CPU.", choices=KERNELS)
     compute: str | None = _opt(
@@ -158,11 +160,13 @@ class TrainConfig:
         if self.overlong not in ("truncate", "refuse"):
             raise PactError(f"--overlong must be truncate or refuse, got {self.overlong!r}")
         self.activations = parse_recipe(self.activations).spec()  # canonical: resume compares it
+        parse_layers(self.lora_layers, None)
         for name in PATH_FIELDS:  # absolute: --out ./run/ and --out run are the same run
             setattr(self, name, _absolute(getattr(self, name)))
 
     def lora(self) -> LoraConfig:
-        return LoraConfig(r=self.lora_r, alpha=self.lora_alpha, dropout=self.lora_dropout, targets=self.targets)
+        return LoraConfig(r=self.lora_r, alpha=self.lora_alpha, dropout=self.lora_dropout, targets=self.targets,
+                          layers=self.lora_layers)
 
     def as_json(self) -> dict:
         d = asdict(self)
