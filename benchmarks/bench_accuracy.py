@@ -156,12 +156,11 @@ def main(workdir: Path | None, seeds: str, methods: str, calib_samples: int, ste
          test_size: int, lr: float, csv_path: Path | None) -> None:
     from transformers import AutoTokenizer
 
+    from pact.assets.packaged import ROTTEN_TOMATOES, SMOLLM2_135M, fetch
+    from pact.assets.sentiment import ARTIFACT_VARIANT, cached_artifact, gptq_dir, splits
     from pact.calibrate import calibrate
     from pact.convert import convert
-    from pact.assets.packaged import ROTTEN_TOMATOES, SMOLLM2_135M, fetch
-    from pact.formats import default_cache
-    from pact.formats import open_artifact
-    from pact.assets.sentiment import ARTIFACT_VARIANT, cached_artifact, gptq_dir, splits
+    from pact.formats import default_cache, open_artifact
     from pact.runtime.data import pad_id, read_records, tokenize
     from pact.runtime.evaluate import evaluate_artifact
     from pact.runtime.recipe import parse_recipe

@@ -195,7 +195,8 @@ def grads(artifact, data, recipes, computes, warm_steps, batches, lr, seed, toke
     from transformers import AutoTokenizer
 
     from pact.formats import open_artifact
-    from pact.runtime.data import batches as make_batches, collate, pad_id, read_records, tokenize
+    from pact.runtime.data import batches as make_batches
+    from pact.runtime.data import collate, pad_id, read_records, tokenize
     from pact.runtime.lora import LoraConfig
     from pact.runtime.model import PactModel
     from pact.runtime.trainer import lr_at
@@ -275,8 +276,8 @@ def rows(folder, data, samples) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from pact.formats.nvfp4 import dequantize_rows, quantize_rows
-    from pact.runtime.ops import reference as R
     from pact.runtime.data import read_records
+    from pact.runtime.ops import reference as R
 
     tok = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
@@ -380,8 +381,8 @@ def method_artifact(workdir: Path, gguf: Path, weights: str, task: str, bigbench
 
 def variant_artifact(workdir: Path, gguf: Path, variant: str) -> Path:
     """The RTN artifact of one weight variant (``2d``, ``1d-mse``, ``1d-mse-keep10``, ...), converted once."""
-    from pact.convert import convert
     from pact.assets.sentiment import cached_artifact
+    from pact.convert import convert
 
     base, _, keep = variant.partition("-keep")
     scaling, _, rule = base.partition("-")
@@ -392,9 +393,10 @@ def variant_artifact(workdir: Path, gguf: Path, variant: str) -> Path:
 
 def _peft_run(folder: Path, train_ex, test_ex, pad, seed, lr, device, steps: int,
               eval_batch: int) -> tuple[float, float]:
-    from bench_accuracy import _hf_accuracy, _train_hf  # the PEFT reference of bench_accuracy.py
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
+
+    from bench_accuracy import _hf_accuracy, _train_hf  # the PEFT reference of bench_accuracy.py
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
     model = (model.float() if device.type == "cpu" else model).to(device)

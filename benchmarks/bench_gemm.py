@@ -70,11 +70,11 @@ def time_graph_ms(fn, reps: int = 10, iters: int = 20) -> float:
 
 def run(model: str, tokens: int) -> list[dict]:
     from pact.formats.nvfp4 import quantize_weight
-    from pact.runtime.ops import triton as K
-    from pact.runtime.ops.triton.fp8 import fp8_rows, nvfp4_gemm_fp8
-    from pact.runtime.ops.triton.codec import decode_qs
-    from pact.runtime.ops.triton.gemm import nvfp4_gemm_cublas, nvfp4_gemm_fused
     from pact.runtime.ops import NVFP4TensorFP8
+    from pact.runtime.ops import triton as K
+    from pact.runtime.ops.triton.codec import decode_qs
+    from pact.runtime.ops.triton.fp8 import fp8_rows, nvfp4_gemm_fp8
+    from pact.runtime.ops.triton.gemm import nvfp4_gemm_cublas, nvfp4_gemm_fused
 
     rows = []
     for name, n, k in SHAPES[model]:

@@ -17,8 +17,8 @@ import torch
 
 from pact.formats.nvfp4 import (
     BLOCK,
-    NVFP4Tensor,
     SCALE_RULES,
+    NVFP4Tensor,
     block_scales,
     encode_with_scales,
     round_e2m1,

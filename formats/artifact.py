@@ -40,7 +40,8 @@ import torch
 
 from .errors import ArtifactError, PactError
 from .families import PROJECTIONS, check_config, classify, text_config
-from .nvfp4 import BLOCK, SCALE_RULES, SCALINGS, NVFP4Tensor, dequantize as _dequantize
+from .nvfp4 import BLOCK, SCALE_RULES, SCALINGS, NVFP4Tensor
+from .nvfp4 import dequantize as _dequantize
 
 FORMAT_NAME = "pact-nvfp4"
 FORMAT_VERSION = 1

@@ -45,8 +45,17 @@ from pathlib import Path
 from typing import Callable, Iterator
 from urllib.parse import quote, unquote, urljoin, urlsplit
 
-from .artifact import (FORMAT_NAME, FORMAT_VERSION, _is_artifact, array_nbytes, default_cache, replace_by_rename,
-                       sha256_file, sweep_leftovers, work_path)
+from .artifact import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    _is_artifact,
+    array_nbytes,
+    default_cache,
+    replace_by_rename,
+    sha256_file,
+    sweep_leftovers,
+    work_path,
+)
 from .errors import ArtifactError, PactError, install_hint, require, write_error
 
 SCHEMES = ("http", "https", "s3", "hf", "file", "memory")

@@ -15,8 +15,19 @@ from pathlib import Path
 import click
 
 from pact.assets.packaged import ROTTEN_TOMATOES, SMOLLM2_135M, fetch
-from pact.assets.sentiment import (ARTIFACT_VARIANT, LR, STEPS, TRAIN_SIZE, cached_artifact, cached_score, gptq_dir, loss_png,
-                                   majority, splits, sparkline)
+from pact.assets.sentiment import (
+    ARTIFACT_VARIANT,
+    LR,
+    STEPS,
+    TRAIN_SIZE,
+    cached_artifact,
+    cached_score,
+    gptq_dir,
+    loss_png,
+    majority,
+    sparkline,
+    splits,
+)
 from pact.calibrate import calibrate
 from pact.convert import convert
 from pact.formats import default_cache

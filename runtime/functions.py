@@ -32,8 +32,8 @@ import torch
 
 from pact.formats.nvfp4 import NVFP4Tensor
 
-from .recipe import Site, parse_recipe
 from .ops.rows import DenseRows, E4M3Rows
+from .recipe import Site, parse_recipe
 
 
 @dataclass

@@ -9,6 +9,7 @@ a process trains into it. Nothing is pickled: checkpoints are safetensors + JSON
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -18,7 +19,6 @@ import resource
 import shutil
 import socket
 import time
-import contextlib
 from contextlib import contextmanager
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
@@ -29,8 +29,8 @@ from safetensors.torch import load_file
 from tqdm.auto import tqdm
 
 from pact.formats import PactError
-from pact.formats.errors import write_error
 from pact.formats.artifact import pid_alive, save_safetensors, sha256_file
+from pact.formats.errors import write_error
 
 from .data import batches, collate, pad_id, read_records, tokenize
 from .distributed import Dist, from_env, leave

@@ -37,7 +37,9 @@ def main(capability: int) -> None:
     import triton.language as tl
 
     CAPABILITY = capability
-    from pact.runtime.ops.triton import codec as C, gemm as G, rows as N
+    from pact.runtime.ops.triton import codec as C
+    from pact.runtime.ops.triton import gemm as G
+    from pact.runtime.ops.triton import rows as N
 
     e4m3 = 2 if capability >= 90 else 1  # as ops.triton.codec.e4m3_mode picks it on that GPU
 

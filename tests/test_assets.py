@@ -7,7 +7,7 @@ import json
 
 from click.testing import CliRunner
 
-from pact.assets.sentiment import PROMPT, majority, splits, sparkline
+from pact.assets.sentiment import PROMPT, majority, sparkline, splits
 from pact.pipelines.cli import main as pact_cli
 
 

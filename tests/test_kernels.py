@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from pact.formats.nvfp4 import NVFP4Rows, quantize_weight
-from pact.runtime.ops import triton as K
 from pact.runtime.ops import reference as R
+from pact.runtime.ops import triton as K
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 

@@ -19,8 +19,7 @@ from click.testing import CliRunner
 
 from conftest import make_model
 from pact.convert import convert
-from pact.formats import ArtifactError, PactError, open_artifact
-from pact.formats import remote
+from pact.formats import ArtifactError, PactError, open_artifact, remote
 from pact.pipelines.push import main as push_cli
 
 _CAP = 64 << 20  # an "endless" body stops here, so a broken client cannot fill the disk

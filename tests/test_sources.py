@@ -8,8 +8,8 @@ import torch
 from click.testing import CliRunner
 
 from conftest import make_gguf
-from pact.convert import convert
 from pact.assets.packaged import SMOLLM2_135M, PackagedFile, fetch
+from pact.convert import convert
 from pact.formats import PactError, open_artifact
 from pact.formats import nvfp4 as F
 from pact.pipelines.cli import main as pact_cli

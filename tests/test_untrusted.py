@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from conftest import make_model, rehash_artifact, edit_manifest
+from conftest import edit_manifest, make_model, rehash_artifact
 from pact.convert import convert
 from pact.formats import ArtifactError, open_artifact
 

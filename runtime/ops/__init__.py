@@ -5,8 +5,17 @@ path and the reference) or the Triton kernels (triton/), with the recipe's compu
 rows.py holds the row formats the ops pass between each other (NVFP4 rows, unquantized rows, E4M3 rows
 saved for backward, the fp8 backend's E4M3 copies)."""
 
-from .build import (COMPUTE, FP8_WEIGHTS, KERNELS, Ops, get_ops, resolve_compute, resolve_device, resolve_fp8_weights,
-                    resolve_kernels)
+from .build import (
+    COMPUTE,
+    FP8_WEIGHTS,
+    KERNELS,
+    Ops,
+    get_ops,
+    resolve_compute,
+    resolve_device,
+    resolve_fp8_weights,
+    resolve_kernels,
+)
 from .rows import DenseRows, E4M3Rows, NVFP4RowsFP8, NVFP4TensorFP8
 
 __all__ = ["COMPUTE", "FP8_WEIGHTS", "KERNELS", "DenseRows", "E4M3Rows", "NVFP4RowsFP8", "NVFP4TensorFP8", "Ops", "get_ops",

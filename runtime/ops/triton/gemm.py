@@ -15,6 +15,7 @@ from pact.formats.nvfp4 import NVFP4Rows, NVFP4Tensor
 
 from .codec import MMA_DTYPE, decode_qs, decode_tile, rne_bf16
 
+
 @triton.jit
 def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
     """Program id -> (tile row, tile column), GROUP_M row-tiles sharing B tiles while in L2."""

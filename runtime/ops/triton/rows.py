@@ -13,9 +13,26 @@ from pact.formats import nvfp4 as fmt
 from pact.formats.nvfp4 import NVFP4Rows
 
 from ..rows import FP8_ROW_AMAX, DenseRows, E4M3Rows, NVFP4RowsFP8
-from .codec import (E4M3_MAX, PAIRS_ROWS, amax_scale, block_offsets, block_width, decode_pairs, decode_row,
-                    e4m3_bytes, e4m3_mode, e4m3_value, empty_rows, load_row_fp32, rne_bf16, row_args, row_config,
-                    store_blocks, store_row, warps_for)
+from .codec import (
+    E4M3_MAX,
+    PAIRS_ROWS,
+    amax_scale,
+    block_offsets,
+    block_width,
+    decode_pairs,
+    decode_row,
+    e4m3_bytes,
+    e4m3_mode,
+    e4m3_value,
+    empty_rows,
+    load_row_fp32,
+    rne_bf16,
+    row_args,
+    row_config,
+    store_blocks,
+    store_row,
+    warps_for,
+)
 
 # ---------------------------------------------------------------------------- kernels
 # One program per row. Rows wider than CHUNK are walked in CHUNK-wide pieces (static loops):
