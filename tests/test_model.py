@@ -154,12 +154,12 @@ def test_saved_activation_bytes_per_token(tmp_path, recipe):
         MlpFn.apply(x, layer.mlp_norm, model.eps, layer.gate_up, layer.down, model.ops, (r.gate_up, r.down),
                     *layer.gate_up.lora_params(), *layer.down.lora_params())
     measured = sum(t.numel() * t.element_size() for t in saved)
-    H, A, I = model.hidden, model.n_heads * model.head_dim, model.cfg.intermediate_size
-    formula = saved_bytes_per_token(H, A, I, {t: R for t in ALL_TARGETS}, recipe)
+    H, A, N = model.hidden, model.n_heads * model.head_dim, model.cfg.intermediate_size  # N: the MLP's width
+    formula = saved_bytes_per_token(H, A, N, {t: R for t in ALL_TARGETS}, recipe)
     assert measured == formula * T
     # vs bf16 activations as PEFT keeps them (x, norm outs, o input, gate, up, h): at least 2.5x less
     # by default (3x with every copy NVFP4)
-    bf16_saved = 2 * (2 * H + A + 3 * I) + 2 * R * 7
+    bf16_saved = 2 * (2 * H + A + 3 * N) + 2 * R * 7
     assert bf16_saved >= {None: 2.5, "nvfp4-saved": 3}.get(recipe, 1) * formula
 
 

@@ -457,31 +457,31 @@ def ct(base):
     return base / "ct"
 
 
-O = "model.layers.1.self_attn.o_proj"
+O_PROJ = "model.layers.1.self_attn.o_proj"
 
 
 def test_consistent_ct_checkpoint_imports(ct, tmp_path):
     art = open_artifact(convert(str(ct), tmp_path / "art", progress=False))
-    assert art.entry(f"{O}.weight")["imported"] == "compressed-tensors"  # a group of one: codes kept as stored
+    assert art.entry(f"{O_PROJ}.weight")["imported"] == "compressed-tensors"  # a group of one: codes kept as stored
 
 
 @pytest.mark.parametrize("edit,match", [
     # K from the codes is 64, but the scales hold 2 groups a row (K = 32)
-    (lambda sd: sd.update({f"{O}.weight_scale": sd[f"{O}.weight_scale"][:, :2].contiguous()}),
-     rf"{O}.weight's NVFP4 parts are not compressed-tensors's NVFP4 layout \(packed torch.uint8 \[64, 32\], "
+    (lambda sd: sd.update({f"{O_PROJ}.weight_scale": sd[f"{O_PROJ}.weight_scale"][:, :2].contiguous()}),
+     rf"{O_PROJ}.weight's NVFP4 parts are not compressed-tensors's NVFP4 layout \(packed torch.uint8 \[64, 32\], "
      r"scales torch.float8_e4m3fn \[64, 2\]"),
-    (lambda sd: sd.update({f"{O}.weight_packed": sd[f"{O}.weight_packed"][:, :12].contiguous(),  # K = 24
-                           f"{O}.weight_scale": sd[f"{O}.weight_scale"][:, :1].contiguous()}), r"packed torch.uint8 \[64, 12\]"),
-    (lambda sd: sd.update({f"{O}.weight_packed": sd[f"{O}.weight_packed"].reshape(64, 32, 1)}), r"packed torch.uint8 \[64, 32, 1\]"),
-    (lambda sd: sd.update({f"{O}.weight_global_scale": torch.ones(2)}), r"global scale torch.float32 \[2\]"),
-    (lambda sd: sd.update({f"{O}.weight_packed": sd[f"{O}.weight_packed"].view(torch.int8)}), r"packed torch.int8"),
+    (lambda sd: sd.update({f"{O_PROJ}.weight_packed": sd[f"{O_PROJ}.weight_packed"][:, :12].contiguous(),  # K = 24
+                           f"{O_PROJ}.weight_scale": sd[f"{O_PROJ}.weight_scale"][:, :1].contiguous()}), r"packed torch.uint8 \[64, 12\]"),
+    (lambda sd: sd.update({f"{O_PROJ}.weight_packed": sd[f"{O_PROJ}.weight_packed"].reshape(64, 32, 1)}), r"packed torch.uint8 \[64, 32, 1\]"),
+    (lambda sd: sd.update({f"{O_PROJ}.weight_global_scale": torch.ones(2)}), r"global scale torch.float32 \[2\]"),
+    (lambda sd: sd.update({f"{O_PROJ}.weight_packed": sd[f"{O_PROJ}.weight_packed"].view(torch.int8)}), r"packed torch.int8"),
     # codes and scales agree with each other (K = 128), but the config's hidden_size is 64
-    (lambda sd: sd.update({f"{O}.weight_packed": sd[f"{O}.weight_packed"].repeat(1, 2),
-                           f"{O}.weight_scale": sd[f"{O}.weight_scale"].repeat(1, 2)}),
-     rf"config.json: {O}.weight is \[64, 128\] but the config's hidden_size, num_attention_heads x head_dim give \[64, 64\]"),
-    (lambda sd: sd.update({f"{O}.weight_packed": sd[f"{O}.weight_packed"][:32].contiguous(),
-                           f"{O}.weight_scale": sd[f"{O}.weight_scale"][:32].contiguous()}),
-     rf"{O}.weight is \[32, 64\] but the config's hidden_size"),
+    (lambda sd: sd.update({f"{O_PROJ}.weight_packed": sd[f"{O_PROJ}.weight_packed"].repeat(1, 2),
+                           f"{O_PROJ}.weight_scale": sd[f"{O_PROJ}.weight_scale"].repeat(1, 2)}),
+     rf"config.json: {O_PROJ}.weight is \[64, 128\] but the config's hidden_size, num_attention_heads x head_dim give \[64, 64\]"),
+    (lambda sd: sd.update({f"{O_PROJ}.weight_packed": sd[f"{O_PROJ}.weight_packed"][:32].contiguous(),
+                           f"{O_PROJ}.weight_scale": sd[f"{O_PROJ}.weight_scale"][:32].contiguous()}),
+     rf"{O_PROJ}.weight is \[32, 64\] but the config's hidden_size"),
 ])
 def test_inconsistent_ct_checkpoint_is_refused_at_import(ct, tmp_path, edit, match):
     bad = tmp_path / "ct"

@@ -14,20 +14,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from conftest import make_model
 
 src, dst = Path(sys.argv[1]) / "src", Path(sys.argv[1]) / "modelopt_nvfp4"
-shutil.rmtree(src, ignore_errors=True); shutil.rmtree(dst, ignore_errors=True)
+shutil.rmtree(src, ignore_errors=True)
+shutil.rmtree(dst, ignore_errors=True)
 make_model(src, "llama")
-import modelopt
-import modelopt.torch.quantization as mtq
-from modelopt.torch.export import export_hf_checkpoint
-from safetensors.torch import save_file
-from transformers import AutoModelForCausalLM
+import modelopt  # noqa: E402  (the script runs in steps: modelopt's after the model is written)
+import modelopt.torch.quantization as mtq  # noqa: E402  (the script runs in steps: modelopt's after the model is written)
+from modelopt.torch.export import export_hf_checkpoint  # noqa: E402  (the script runs in steps: modelopt's after the model is written)
+from safetensors.torch import save_file  # noqa: E402  (the script runs in steps: modelopt's after the model is written)
+from transformers import AutoModelForCausalLM  # noqa: E402  (the script runs in steps: modelopt's after the model is written)
 
 model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
 ids = torch.randint(0, 200, (2, 16), generator=torch.Generator().manual_seed(0))
 mtq.quantize(model, mtq.NVFP4_DEFAULT_CFG, forward_loop=lambda m: m(ids))
 export_hf_checkpoint(model, export_dir=dst)
-from modelopt.torch.quantization.qtensor import NVFP4QTensor
-from safetensors.torch import load_file
+from modelopt.torch.quantization.qtensor import NVFP4QTensor  # noqa: E402  (read back after the export)
+from safetensors.torch import load_file  # noqa: E402  (read back after the export)
 
 sd = load_file(dst / "model.safetensors")
 ref = {}
