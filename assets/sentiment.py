@@ -65,7 +65,8 @@ def splits(csv_bz2: Path, folder: Path, n_train: int, n_test: int, n_calib: int,
 def gptq_dir(workdir: Path, calib_f: Path) -> Path:
     """The calibrated artifact's cache folder, keyed by its calibration file (count and start)."""
     # and by the recipe calibration ran (its Hessians see the GEMM inputs that recipe feeds)
-    return workdir / f"smollm2-135m-nvfp4-{ARTIFACT_VARIANT}-gptq{calib_f.stem.removeprefix('rt-calib-')}-{parse_recipe(None).spec()}"
+    return workdir / (f"smollm2-135m-nvfp4-{ARTIFACT_VARIANT}-gptq{calib_f.stem.removeprefix('rt-calib-')}"
+                      f"-{parse_recipe(None).spec()}")
 
 
 def sparkline(values: list[float], width: int = 40) -> str:

@@ -103,7 +103,8 @@ def main(artifact: Path, samples: int, heldout: int, seq_len: int, workdir: Path
     rule = open_artifact(out).meta["provenance"]["calibration"]["block_scales"]
     print(f"\nblock scales: {'static' if static_scales or act_order else 'dynamic'}, rule {rule} "
           f"(artifact: {art.meta['provenance'].get('block_scales', 'amax')}), act-order: {act_order}")
-    print(f"calibration: {samples} samples x <= {seq_len} tokens, {cal_s:.0f} s on {torch.get_num_threads()} CPU threads"
+    print(f"calibration: {samples} samples x <= {seq_len} tokens, {cal_s:.0f} s on "
+          f"{torch.get_num_threads()} CPU threads"
           if not torch.cuda.is_available() else f"calibration: {cal_s:.0f} s on {torch.cuda.get_device_name()}")
     print("output-error ratio GPTQ/RTN per projection (median, max):")
     for role, rs in sorted(by_role.items()):

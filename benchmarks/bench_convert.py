@@ -42,7 +42,8 @@ def write_random_model(folder: Path, shape: str, shard_bytes: int = 1 << 30) -> 
     cfg = LlamaConfig(**SHAPES[shape], architectures=["LlamaForCausalLM"])
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
-    names = {n: tuple(p.shape) for n, p in model.state_dict().items() if not (cfg.tie_word_embeddings and n == "lm_head.weight")}
+    names = {n: tuple(p.shape) for n, p in model.state_dict().items()
+             if not (cfg.tie_word_embeddings and n == "lm_head.weight")}
     folder.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator().manual_seed(0)
     shard, size, total, index, k = {}, 0, 0, {}, 0
@@ -65,7 +66,8 @@ def write_random_model(folder: Path, shape: str, shard_bytes: int = 1 << 30) -> 
             flush()
     if shard:
         flush()
-    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": index}))
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": index}))
     cfg.save_pretrained(folder)
     return total
 
@@ -86,7 +88,8 @@ def run(model: str, workdir: Path, scaling: str) -> dict:
     out = workdir / f"art-{model}-{scaling}"
     t0 = time.perf_counter()
     subprocess.run(
-        [sys.executable, "-m", "pact.pipelines.convert", str(src), str(out), "--scaling", scaling, "--overwrite", "--quiet"],
+        [sys.executable, "-m", "pact.pipelines.convert", str(src), str(out), "--scaling", scaling, "--overwrite",
+         "--quiet"],
         check=True,
     )
     seconds = time.perf_counter() - t0
@@ -111,7 +114,8 @@ def run(model: str, workdir: Path, scaling: str) -> dict:
 
 @click.command()
 @click.option("--model", type=click.Choice(sorted(SHAPES)), default="llama-1b", show_default=True)
-@click.option("--workdir", type=click.Path(file_okay=False, path_type=Path), default=Path("/tmp/pact-bench"), show_default=True)
+@click.option("--workdir", type=click.Path(file_okay=False, path_type=Path), default=Path("/tmp/pact-bench"),
+              show_default=True)
 @click.option("--scaling", type=click.Choice(["1d", "2d"]), default="2d", show_default=True)
 @click.option("--csv-out", type=click.Path(dir_okay=False, path_type=Path),
               default=Path(__file__).parent / "results" / "convert.csv", show_default=True)

@@ -60,8 +60,10 @@ DEFAULT_VARIANT = "1d-mse"  # pact-convert's defaults
 # a weight variant may end in +CALIBRATION: pact-calibrate on CALIB_SAMPLES texts of <= CALIB_LEN tokens
 CALIBRATIONS = {  # -> (calibration texts, --block-scales, --act-order)
     "gptq": ("task", "auto", False),  # the task's own training texts, the artifact's block-scale rule
-    "gptq-amax": ("task", "amax", False),  # the same with amax block scales (calibrate's rule before it followed the artifact)
-    "gptq-actorder": ("task", "auto", True),  # act-order, static scales (llm-compressor's default; carried over to other text on the CPU)
+    # the same with amax block scales (calibrate's rule before it followed the artifact)
+    "gptq-amax": ("task", "amax", False),
+    # act-order, static scales (llm-compressor's default; carried over to other text on the CPU)
+    "gptq-actorder": ("task", "auto", True),
     "gptq-generic": ("generic", "auto", False),  # Rotten Tomatoes plot summaries, the same for every task
 }
 CALIB_SAMPLES, CALIB_LEN = 128, 128
@@ -298,7 +300,8 @@ def rows(folder, data, samples) -> None:
         rel = [float((v - x).norm() / x.norm()) for v in
                (q, R.dequant_rows(R.e4m3_rows(y), torch.float32), dequantize_rows(quantize_rows(x, stochastic=True)))]
         per[site].append(rel + [float(((q == 0) & (x != 0)).sum() / (x != 0).sum())])
-    click.echo(f"{'site':<8} {'nvfp4':>7} {'e4m3':>7} {'nvfp4-sr':>9} {'flushed':>8}   (medians over {len(per['qkv'])} layers)")
+    click.echo(f"{'site':<8} {'nvfp4':>7} {'e4m3':>7} {'nvfp4-sr':>9} {'flushed':>8}   "
+               f"(medians over {len(per['qkv'])} layers)")
     for site, v in per.items():
         click.echo(f"{site:<8} " + " ".join(f"{statistics.median(c[i] for c in v):>{w}.3f}" for i, w in
                                             enumerate((7, 7, 9, 8))))
@@ -514,7 +517,8 @@ def _check_methods(methods) -> None:
             ok = False
         if not ok:
             raise click.BadParameter(
-                f"{method!r}: peft, peft@nvfp4, pact[@COMPUTE][~PROBE]=RECIPE (PROBE: {', '.join(PROBES)}), the last two optionally "
+                f"{method!r}: peft, peft@nvfp4, pact[@COMPUTE][~PROBE]=RECIPE (PROBE: {', '.join(PROBES)}), "
+                f"the last two optionally "
                 f":WEIGHTS ({', '.join(WEIGHT_VARIANTS)}), pact's optionally followed by +CALIBRATION "
                 f"({', '.join(CALIBRATIONS)})", param_hint="--methods")
 
@@ -524,7 +528,8 @@ def _check_methods(methods) -> None:
 @click.option("--bigbench", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None)
 @click.option("--tasks", default="rt," + ",".join(BIGBENCH[:6]), show_default=True)
 @click.option("--methods", "methods", multiple=True, required=True)
-@click.option("--shard", default="0/1", show_default=True, help="I/N: make every N-th calibrated artifact from the I-th.")
+@click.option("--shard", default="0/1", show_default=True,
+              help="I/N: make every N-th calibrated artifact from the I-th.")
 @click.option("--convert-only", is_flag=True, help="Only the converted variants and bf16 folders (run once, first).")
 def prepare(workdir, bigbench, tasks, methods, shard, convert_only) -> None:
     """Make the artifacts and folders a `tasks` grid reads, before its workers start: run once with
@@ -536,7 +541,8 @@ def prepare(workdir, bigbench, tasks, methods, shard, convert_only) -> None:
     _check_methods(methods)
     index, count = (int(x) for x in shard.split("/"))
     gguf = fetch(SMOLLM2_135M, workdir)
-    variants = {split_variant(m.partition(":")[2]) for m in methods if not m.startswith("peft")} | {(DEFAULT_VARIANT, None)}
+    variants = ({split_variant(m.partition(":")[2]) for m in methods if not m.startswith("peft")}
+                | {(DEFAULT_VARIANT, None)})
     if convert_only:
         _bf16_folder(gguf)
         for conv in {c for c, _ in variants} | {split_variant(m.partition(":")[2])[0] for m in methods}:
@@ -560,7 +566,8 @@ def prepare(workdir, bigbench, tasks, methods, shard, convert_only) -> None:
 @click.option("--stuck-margin", default=0.02, show_default=True,
               help="A seed counts as stuck when its accuracy is within this of the majority class.")
 @click.option("--wide", is_flag=True, help="One row per (task, lr), one column per method.")
-@click.option("--ref", default="peft", show_default=True, help="With --wide: the method paired differences are taken to.")
+@click.option("--ref", default="peft", show_default=True,
+              help="With --wide: the method paired differences are taken to.")
 def table(csvs, stuck_margin, wide, ref) -> None:
     """Mean +- std over seeds, paired difference to PEFT (mean +- standard error), stuck seeds."""
     rows = [r for c in csvs for r in csv.DictReader(open(c))]
@@ -574,7 +581,8 @@ def table(csvs, stuck_margin, wide, ref) -> None:
         return
     click.echo("| task (majority) | lr | method | mean +- std | vs PEFT (paired) | stuck seeds |")
     click.echo("|---|---|---|---|---|---|")
-    for (task, lr, method), accs in sorted(by.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2] != "peft", kv[0][2])):
+    for (task, lr, method), accs in sorted(by.items(),
+                                           key=lambda kv: (kv[0][0], kv[0][1], kv[0][2] != "peft", kv[0][2])):
         vals = [accs[s] for s in sorted(accs)]
         sd = statistics.stdev(vals) if len(vals) > 1 else float("nan")
         peft = by.get((task, lr, "peft"), {})
@@ -627,7 +635,8 @@ def _wide(by: dict, maj: dict, margin: float, ref: str) -> None:
             se = f" +- {100 * statistics.stdev(d) / len(d) ** 0.5:.1f}" if len(d) > 1 else ""
             paired = f"{100 * statistics.mean(d):+.1f}{se}" if d else "?"
             avg[m].extend([statistics.mean(d)] if d else [])
-            cells.append(f"{100 * statistics.mean(accs.values()):.1f} ({paired}){' stuck ' + str(stuck) if stuck else ''}")
+            cells.append(f"{100 * statistics.mean(accs.values()):.1f} ({paired})"
+                         f"{' stuck ' + str(stuck) if stuck else ''}")
         click.echo(f"| {task} ({100 * maj[task]:.1f}) | {lr:g} | " + " | ".join(cells) + " |")
     click.echo("| **mean paired difference** | | | " + " | ".join(
         f"**{100 * statistics.mean(v):+.2f}**" if v else "-" for v in avg.values()) + " |")

@@ -111,8 +111,10 @@ def run(model: str, tokens: int) -> list[dict]:
             "pact_fp8_encode_dy": lambda: fp8_rows(dy),
             "cublas_bf16_fwd": lambda: x @ wb.t(),
             "cublas_bf16_dgrad": lambda: dy @ wb,
-            "cublas_fp8_rowwise_fwd": lambda: torch._scaled_mm(xf8, wf8.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16),
-            "cublas_fp8_rowwise_dgrad": lambda: torch._scaled_mm(dyf8, wtf8.t(), scale_a=sa, scale_b=sk, out_dtype=torch.bfloat16),
+            "cublas_fp8_rowwise_fwd": lambda: torch._scaled_mm(xf8, wf8.t(), scale_a=sa, scale_b=sb,
+                                                               out_dtype=torch.bfloat16),
+            "cublas_fp8_rowwise_dgrad": lambda: torch._scaled_mm(dyf8, wtf8.t(), scale_a=sa, scale_b=sk,
+                                                                 out_dtype=torch.bfloat16),
         }
         for case, fn in cases.items():
             ms = time_ms(fn)

@@ -86,7 +86,8 @@ def main(artifact, train_f, test_f, workdir, seeds, steps, lr, max_len, limit, j
         train(TrainConfig(artifact=str(artifact), data=str(train_f), out=str(run), steps=steps, batch_size=8,
                           max_len=max_len, lr=lr, lora_r=16, lora_alpha=32, warmup_ratio=0.1, seed=seed),
               progress=False)
-        row = {"seed": seed, "zero_shot": zero, "train_s": round(time.perf_counter() - t, 1), "unmerged": acc(artifact, str(run))}
+        row = {"seed": seed, "zero_shot": zero, "train_s": round(time.perf_counter() - t, 1),
+               "unmerged": acc(artifact, str(run))}
         for how in ("rtn", "gptq"):
             t = time.perf_counter()
             merged, summary = (None, {}) if how == "rtn" else gptq_merge(artifact, run, train_f)

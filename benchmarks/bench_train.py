@@ -8,7 +8,8 @@
 pact runs each compute backend it can on this GPU (`pact-fp8`: --compute fp8, `pact-fp8res`:
 the same with --fp8-weights resident, `pact-bf16`: --compute bf16-decode), with and without
 --checkpoint. Peers: PEFT bf16, QLoRA (bitsandbytes NF4, double quant), PEFT + Liger kernels
-(liger-kernel), each with and without gradient checkpointing. `--csv-out` writes every row; `benchmarks/plot_train.py` turns CSVs into a PNG.
+(liger-kernel), each with and without gradient checkpointing. `--csv-out` writes every row; `benchmarks/plot_train.py`
+turns CSVs into a PNG.
 `--profile` prints where a pact step's CUDA time goes (kernel categories, like PACT's Table 11).
 
 Random weights with Llama-3.2 shapes (the artifact is converted once into --workdir), LoRA
@@ -202,8 +203,9 @@ def _peft_step(model, bs: int, seq: int, warmup: int, iters: int, checkpoint: bo
                           [p for p in model.parameters() if p.requires_grad], warmup, iters)
 
 
+# liger last: it patches transformers' Llama in place
 METHODS = ("pact-fp8", "pact-fp8-ckpt", "pact-fp8res", "pact-fp8res-ckpt", "pact-bf16", "pact-bf16-ckpt",
-           "peft", "peft-ckpt", "qlora", "qlora-ckpt", "liger", "liger-ckpt")  # liger last: it patches transformers' Llama in place
+           "peft", "peft-ckpt", "qlora", "qlora-ckpt", "liger", "liger-ckpt")
 COMPUTE = {"fp8": "fp8", "fp8res": "fp8", "bf16": "bf16-decode"}  # method's middle word -> --compute
 # candidate batch sizes for the capped search (ascending; the search stops at the first OOM)
 CAP_BATCHES = (1, 2, 3, 4, 6, 8, 12, 16, 20, 24, 32, 40, 48, 64, 96)
@@ -235,7 +237,8 @@ def measure(method: str, art: Path, src: Path, shape: str, bs: int, seq: int, wa
 @click.command()
 @click.option("--model", "shape", type=click.Choice(["llama-1b", "llama-3b"]), default="llama-1b")
 @click.option("--batch", "batches", default="4", show_default=True, help="Comma-separated batch sizes (no cap).")
-@click.option("--methods", default="pact-fp8,peft", show_default=True, help=f"Comma-separated, from {', '.join(METHODS)}.")
+@click.option("--methods", default="pact-fp8,peft", show_default=True,
+              help=f"Comma-separated, from {', '.join(METHODS)}.")
 @click.option("--memory-cap-gib", type=float, default=None,
               help="Cap GPU memory and find each method's largest fitting batch (tokens/s reported there).")
 @click.option("--seq", default=1024, show_default=True)
@@ -247,7 +250,8 @@ def measure(method: str, art: Path, src: Path, shape: str, bs: int, seq: int, wa
 @click.option("--json-out", type=click.Path(dir_okay=False, path_type=Path), default=None)
 @click.option("--csv-out", type=click.Path(dir_okay=False, path_type=Path), default=None)
 @click.option("--profile", is_flag=True, help="Also print a CUDA-time breakdown of one step of each pact method.")
-@click.option("--activations", default=None, help="pact's precision recipe (pact-train --activations; default: its default).")
+@click.option("--activations", default=None,
+              help="pact's precision recipe (pact-train --activations; default: its default).")
 def main(shape, batches, methods, memory_cap_gib, seq, workdir, warmup, iters, cap_batches, json_out, csv_out,
          profile, activations) -> None:
     from pact.convert import convert
@@ -291,7 +295,8 @@ def main(shape, batches, methods, memory_cap_gib, seq, workdir, warmup, iters, c
     if json_out:
         json_out.write_text(json.dumps(rows, indent=1))
     if csv_out:
-        fields = ["model", "method", "recipe", "bs", "seq", "step_ms", "tok_s", "peak_gib", "cap_gib", "largest_bs", "oom", "error"]
+        fields = ["model", "method", "recipe", "bs", "seq", "step_ms", "tok_s", "peak_gib", "cap_gib", "largest_bs",
+                  "oom", "error"]
         with open(csv_out, "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=fields)
             w.writeheader()

@@ -138,7 +138,8 @@ def calibrate(
         # another model's weights would silently write a mix of two models
         if not gguf and "source_sha256" in prov and src.content_sha256() != prov["source_sha256"]:
             raise PactError(f"{src_name}: not the weights this artifact was converted from (sha256 of the "
-                            f"safetensors differs): pass {'--source with ' if source is None else ''}the original model")
+                            f"safetensors differs): pass {'--source with ' if source is None else ''}"
+                            "the original model")
         clock.device = torch.device(ses.device)
         clock.lap("read")
         return _calibrate(ses, src, samples, out, clock, prompts=Path(prompts), damp=damp, actorder=actorder,

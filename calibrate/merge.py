@@ -86,7 +86,8 @@ def gptq_merge(artifact: str | os.PathLike, adapter: str | os.PathLike, data: st
             r0 = 0
             for name, W in zip(g.names, Ws):
                 r1 = r0 + W.shape[0]
-                out[name] = NVFP4Tensor(packed.packed[r0:r1].cpu(), packed.scales[r0:r1].cpu(), packed.global_scale.cpu())
+                out[name] = NVFP4Tensor(packed.packed[r0:r1].cpu(), packed.scales[r0:r1].cpu(),
+                                        packed.global_scale.cpu())
                 if name in weights:
                     plain = _rtn(W, gs, rule)
                     errors[name] = {"plain": _output_error(W, plain, H.H), "gptq": _output_error(W, Q[r0:r1], H.H)}

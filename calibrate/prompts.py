@@ -3,8 +3,8 @@
 .jsonl: one object per line with "text", or any record pact-train reads (runtime/data.py
 parse_record): "messages" or ShareGPT "conversations" (rendered with the chat template), or
 "prompt" + "completion" and Alpaca instruction/input/output (joined). .txt: documents separated
-by blank lines. A folder: images (png/jpg/jpeg/webp) for vision-language artifacts, one prompt each: the image and a request to
-describe it (or the text of a ``<image stem>.txt`` beside it), rendered with the chat template;
+by blank lines. A folder: images (png/jpg/jpeg/webp) for vision-language artifacts, one prompt each: the image and a
+request to describe it (or the text of a ``<image stem>.txt`` beside it), rendered with the chat template;
 each image is resized so its tokens fit ``seq_len``.
 """
 
@@ -73,7 +73,8 @@ def _image_samples(folder: Path, hf_dir: Path, tokenizer, *, max_samples: int, s
         request = side.read_text(encoding="utf-8").strip() if side.is_file() else IMAGE_REQUEST
         text = None
         if tokenizer.chat_template:
-            text = render_chat(tokenizer, [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": request}]}],
+            text = render_chat(tokenizer,
+                               [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": request}]}],
                                str(f), add_generation_prompt=True)
         if not text or text.count(pad) != 1:  # a template that does not place the image: a bare prompt
             text = f"{start}{pad}{end}{request}"

@@ -78,7 +78,8 @@ class SafetensorsFile:
                 self.header_bytes = f.read(n)
             header = json.loads(self.header_bytes.decode("utf-8"), object_pairs_hook=_unique_keys)
         except RecursionError:
-            raise PactError(f"{path}: not a readable safetensors file (header nested too deeply): re-download it") from None
+            raise PactError(f"{path}: not a readable safetensors file (header nested too deeply): "
+                            "re-download it") from None
         except (struct.error, ValueError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
             raise PactError(f"{path}: not a readable safetensors file ({e}): re-download it") from None
         if not isinstance(header, dict):
@@ -192,7 +193,8 @@ class Source:
                 raise PactError(f"{index_json}: no 'weight_map' of tensor name -> file: re-download it")
             missing = sorted({v for k, v in wanted.items() if k not in self._index})
             if missing:
-                raise PactError(f"{index_json} names shards that are missing or incomplete: {missing[:3]}: re-download them")
+                raise PactError(f"{index_json} names shards that are missing or incomplete: {missing[:3]}: "
+                                "re-download them")
         self._read_quantization()
 
     def _own(self, p: Path) -> Path:
@@ -432,12 +434,14 @@ def open_source(src: str, *, revision: str | None = None, workdir: Path | None =
     path = Path(src)
     if path.is_dir():
         if not any(path.iterdir()):
-            raise PactError(f"source folder {path} is empty: point at a Hugging Face model folder (config.json + *.safetensors)")
+            raise PactError(f"source folder {path} is empty: point at a Hugging Face model folder "
+                            "(config.json + *.safetensors)")
         return Source(path, {"source": str(path.resolve()), "source_kind": "folder", "revision": revision})
     if path.is_file():
         if path.suffix != ".gguf":
             raise PactError(
-                f"source {path} is a file but not .gguf: give a model folder (config.json + *.safetensors), a .gguf file or a hub id"
+                f"source {path} is a file but not .gguf: give a model folder (config.json + *.safetensors), "
+                "a .gguf file or a hub id"
             )
         if workdir is None:
             workdir = Path(tempfile.mkdtemp(prefix="pact-gguf-"))
@@ -446,7 +450,8 @@ def open_source(src: str, *, revision: str | None = None, workdir: Path | None =
     if _HUB_ID.match(src) and not src.startswith((".", "/")):
         folder, prov = _from_hub(src, revision)
         return Source(folder, {"source": src, **prov})
-    raise PactError(f"source {src!r} does not exist: give a local model folder, a .gguf file, or a hub id like org/name")
+    raise PactError(f"source {src!r} does not exist: give a local model folder, a .gguf file, "
+                    "or a hub id like org/name")
 
 
 def remove_tree(path: Path | None) -> None:

@@ -631,14 +631,16 @@ def _text_sizes(tc: dict, source: str) -> dict[str, int]:
     h, nh = tc["hidden_size"], tc["num_attention_heads"]
     hd = tc.get("head_dim")
     if hd is None and h % nh:
-        raise _config_error(source, "num_attention_heads", nh, f"which does not divide hidden_size {h} (no head_dim given)")
+        raise _config_error(source, "num_attention_heads", nh,
+                            f"which does not divide hidden_size {h} (no head_dim given)")
     hd = hd or h // nh
     if hd % 2:
         raise _config_error(source, "head_dim", hd, "odd (RoPE rotates pairs of dimensions)")
     nkv = tc.get("num_key_value_heads") or nh
     if nh % nkv:
         raise _config_error(source, "num_key_value_heads", nkv, f"which does not divide num_attention_heads {nh}")
-    return {"hidden_size": h, "heads": nh, "kv_heads": nkv, "head_dim": hd, "intermediate_size": tc["intermediate_size"]}
+    return {"hidden_size": h, "heads": nh, "kv_heads": nkv, "head_dim": hd,
+            "intermediate_size": tc["intermediate_size"]}
 
 
 def _expected_shape(name: str, shapes: dict, z: dict[str, int]) -> tuple[list[int], str] | None:

@@ -37,9 +37,11 @@ PROJECTIONS = {
     "up_proj": "gate_up",
     "down_proj": "down",
 }
-GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",)}
+GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"),
+          "down": ("down_proj",)}
 
-_LAYER_TENSOR = re.compile(r"^(?:model\.)?(?:language_model\.)?(?:model\.)?layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.(weight|bias)$")
+_LAYER_TENSOR = re.compile(r"^(?:model\.)?(?:language_model\.)?(?:model\.)?"
+                           r"layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.(weight|bias)$")
 VISION_PREFIXES = ("visual.", "model.visual.", "vision_tower.", "model.vision_tower.")
 # where a decoder's own tensors (embed_tokens, norm, layers) live: "model." (Llama, Qwen, VL
 # checkpoints as published) or "model.language_model." (VL re-saved by transformers 4.52-4.x)

@@ -14,7 +14,8 @@ from .common import cli_errors
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("artifact", type=click.Path(file_okay=False))
-@click.option("--prompts", required=True, help="Calibration prompts: .jsonl (text | messages | prompt+completion), .txt, or a folder of "
+@click.option("--prompts", required=True,
+              help="Calibration prompts: .jsonl (text | messages | prompt+completion), .txt, or a folder of "
               "images (png/jpg/webp; vision-language artifacts; a <image>.txt beside an image is its request).")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Where the calibrated artifact goes.")
 @click.option("--source", default=None, help="The original model (default: the artifact's recorded source).")

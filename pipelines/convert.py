@@ -27,9 +27,11 @@ from .common import cli_errors
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @cli_errors
-def main(src: str, out: str, scaling: str, block_scales: str, keep_bf16: float, revision: str | None, overwrite: bool, quiet: bool) -> None:
+def main(src: str, out: str, scaling: str, block_scales: str, keep_bf16: float, revision: str | None, overwrite: bool,
+         quiet: bool) -> None:
     """Convert SRC (a Hugging Face model folder, a .gguf file or a hub id) into the artifact OUT."""
-    path = convert(src, out, scaling=scaling, block_scales=block_scales, keep_bf16=keep_bf16, overwrite=overwrite, revision=revision, progress=not quiet)
+    path = convert(src, out, scaling=scaling, block_scales=block_scales, keep_bf16=keep_bf16, overwrite=overwrite,
+                   revision=revision, progress=not quiet)
     art = open_artifact(path)
     kept = art.meta["provenance"]["kept_bf16"]
     imported = sum(art.entry(n).get("imported") not in (None, "requantized") for n in art.names("nvfp4"))

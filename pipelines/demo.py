@@ -44,7 +44,8 @@ from .common import cli_errors
 @click.option("--train-size", default=TRAIN_SIZE, show_default=True)
 @click.option("--test-size", default=200, show_default=True)
 @click.option("--calibrate/--no-calibrate", "with_gptq", default=False, show_default=True,
-              help="Also calibrate with GPTQ (pact-calibrate, a few minutes on a 2-core CPU) and report its zero-shot accuracy.")
+              help="Also calibrate with GPTQ (pact-calibrate, a few minutes on a 2-core CPU) and report its "
+              "zero-shot accuracy.")
 @click.option("--calib-samples", default=48, show_default=True)
 @click.option("--steps", default=STEPS, show_default=True)
 @click.option("--batch-size", default=8, show_default=True)
@@ -59,8 +60,8 @@ def demo(workdir: Path | None, train_size: int, test_size: int, with_gptq: bool,
     gguf, rt = fetch(SMOLLM2_135M, workdir), fetch(ROTTEN_TOMATOES, workdir)
     click.echo(f"model: {gguf}\ndata:  {rt}")
     train_f, test_f, calib_f = splits(rt, workdir / "data", train_size, test_size, calib_samples)
-    art = cached_artifact(workdir / f"smollm2-135m-nvfp4-{ARTIFACT_VARIANT}", lambda p: convert(str(gguf), p, overwrite=p.exists()),
-                          click.echo)
+    art = cached_artifact(workdir / f"smollm2-135m-nvfp4-{ARTIFACT_VARIANT}",
+                          lambda p: convert(str(gguf), p, overwrite=p.exists()), click.echo)
     def score(artifact: Path, adapter: Path | None = None) -> dict:
         return cached_score(workdir / "scores", artifact, test_f, adapter, lambda: evaluate_artifact(
             str(artifact), str(test_f), adapter=None if adapter is None else str(adapter), max_len=128,

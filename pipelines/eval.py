@@ -16,7 +16,8 @@ from .common import cli_errors, config_options
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("artifact", type=click.Path(file_okay=False))
 @click.option("--data", required=True, help="Held-out .jsonl (prompt/completion, messages, Alpaca or ShareGPT).")
-@click.option("--adapter", default=None, type=click.Path(file_okay=False), help="A pact-train run folder (PEFT adapter); none = zero-shot.")
+@click.option("--adapter", default=None, type=click.Path(file_okay=False),
+              help="A pact-train run folder (PEFT adapter); none = zero-shot.")
 @config_options(TrainConfig, only=("max_len", "batch_size", "activations", "compute", "device"))  # as pact-train's
 @click.option("--generate/--no-generate", default=None,
               help="Score greedy generations (exact match, token F1). Default: when completions are not class labels.")

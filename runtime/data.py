@@ -172,7 +172,8 @@ def parse_record(rec: dict, *, text: bool = False) -> dict:
                             "{from, value} objects")
         unknown = sorted({str(t["from"]) for t in turns if t["from"] not in SHAREGPT_ROLES})
         if unknown:
-            raise PactError(f"{w}: the record has 'conversations' (ShareGPT) with 'from' {', '.join(map(repr, unknown))}: "
+            raise PactError(f"{w}: the record has 'conversations' (ShareGPT) with 'from' "
+                            f"{', '.join(map(repr, unknown))}: "
                             f"expected {', '.join(map(repr, SHAREGPT_ROLES))}")
         msgs = [{"role": SHAREGPT_ROLES[t["from"]], "content": t["value"]} for t in turns]
         if msgs[-1]["role"] != "assistant" and not text:
@@ -187,13 +188,15 @@ def parse_record(rec: dict, *, text: bool = False) -> dict:
         prompt = (ALPACA_INPUT if extra else ALPACA).format(instruction=instruction, input=extra)
         return {"prompt": prompt, "completion": rec["output"], "_where": w}
     found = ", ".join(repr(k) for k in rec if k != "_where") or "none"
-    raise PactError(f"{w}: expected {'an object with ' + repr('text') + ', ' if text else ''}'prompt' and 'completion', "
+    raise PactError(f"{w}: expected {'an object with ' + repr('text') + ', ' if text else ''}"
+                    "'prompt' and 'completion', "
                     f"or 'messages'; the record has {found}: rename the fields (e.g. question/answer -> "
                     f"prompt/completion), or use {OTHER_FORMS}")
 
 
 def _check_messages(msgs, w: str) -> None:
-    if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) and "role" in m and "content" in m for m in msgs):
+    if (not isinstance(msgs, list) or not msgs
+            or not all(isinstance(m, dict) and "role" in m and "content" in m for m in msgs)):
         raise PactError(f"{w}: 'messages' must be a non-empty list of {{role, content}} objects")
     if msgs[-1]["role"] != "assistant":
         raise PactError(f"{w}: the last message must be the assistant's (it is the training target)")
@@ -328,7 +331,8 @@ def tokenize(records: list[dict], tokenizer, *, max_len: int, overlong: str = "t
     return out
 
 
-def batches(examples: list[Example], batch_size: int, *, seed: int, epoch: int, shuffle: bool = True) -> list[list[int]]:
+def batches(examples: list[Example], batch_size: int, *, seed: int, epoch: int,
+            shuffle: bool = True) -> list[list[int]]:
     """Length-bucketed batches of example indices, the same for the same (seed, epoch).
 
     Shuffle, sort by length inside windows of 50 batches (little padding), then shuffle

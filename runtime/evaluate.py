@@ -45,7 +45,8 @@ def label_candidates(examples: list[Example], max_labels: int = 32, drop_eos: in
     cands: dict[str, list[int]] = {}
     for e in examples:
         ids = e.ids[len(e.prompt_ids):]
-        cands.setdefault(e.completion, ids[:-1] if drop_eos is not None and len(ids) > 1 and ids[-1] == drop_eos else ids)
+        cands.setdefault(e.completion,
+                         ids[:-1] if drop_eos is not None and len(ids) > 1 and ids[-1] == drop_eos else ids)
     if 2 <= len(cands) <= max_labels and len(cands) * 2 <= len(examples):
         return cands
     return None

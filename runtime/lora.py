@@ -81,7 +81,8 @@ def parse_layers(spec: str, n_layers: int | None) -> list[int]:
 
 
 def peft_key(hf_weight_name: str, which: str) -> str:
-    """'model.layers.0.self_attn.q_proj.weight' -> PEFT's 'base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight'."""
+    """'model.layers.0.self_attn.q_proj.weight' ->
+    PEFT's 'base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight'."""
     stem = hf_weight_name.removesuffix(".weight")
     return f"base_model.model.{stem}.lora_{which}.weight"
 
@@ -161,7 +162,8 @@ def save_peft_adapter(out_dir: str | os.PathLike, adapters: dict[str, tuple[torc
     return out
 
 
-def load_peft_adapter(adapter_dir: str | os.PathLike) -> tuple[LoraConfig, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+def load_peft_adapter(
+        adapter_dir: str | os.PathLike) -> tuple[LoraConfig, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
     d = Path(adapter_dir)
     cfg_path, w_path = d / "adapter_config.json", d / "adapter_model.safetensors"
     if not cfg_path.is_file() or not w_path.is_file():

@@ -55,7 +55,8 @@ def load_text_config(artifact: Artifact):
     try:
         check_config(json.loads(cfg_file.read_text(encoding="utf-8")), artifact.names(), str(cfg_file))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise PactError(f"{cfg_file}: unreadable ({e}): the artifact is damaged; re-copy it or re-run pact-convert") from None
+        raise PactError(f"{cfg_file}: unreadable ({e}): the artifact is damaged; "
+                        "re-copy it or re-run pact-convert") from None
     return AutoConfig.from_pretrained(artifact.hf_dir, trust_remote_code=False).get_text_config()
 
 
@@ -118,7 +119,8 @@ class PactModel(nn.Module):
 
     def _attention(self, L: Layer, x: torch.Tensor, cos, sin, B: int, S: int, mask=None) -> torch.Tensor:
         nh, nkv, hd = self.n_heads, self.n_kv, self.head_dim
-        qkv = NormProjectionFn.apply(x, L.attn_norm, self.eps, L.qkv, self.ops, self._recipe().qkv, *L.qkv.lora_params())
+        qkv = NormProjectionFn.apply(x, L.attn_norm, self.eps, L.qkv, self.ops, self._recipe().qkv,
+                                     *L.qkv.lora_params())
         q, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1)
         if L.q_norm is not None:  # Qwen3: per-head RMSNorm before the rotation
             q = rmsnorm(q.view(B * S, nh, hd), L.q_norm, self.eps).view(B * S, nh * hd)

@@ -11,8 +11,9 @@ Sites (one decoder layer):
 
 Per site, each of ``gemm``, ``lora`` and ``saved`` is "nvfp4" (one NVFP4 copy of the rows) or "bf16"
 (the unquantized values); ``saved`` may also be "fp8" (E4M3 rows, one fp32 scale per row: K + 4
-bytes a row) or "nvfp4-sr" (NVFP4 rows with stochastically rounded elements: unbiased). A frozen GEMM fed bf16 rows computes with them as its backend does: the
-exact bf16 x NVFP4 product on `bf16-decode`, E4M3 rows encoded straight from the bf16 values on
+bytes a row) or "nvfp4-sr" (NVFP4 rows with stochastically rounded elements: unbiased). A frozen GEMM fed
+bf16 rows computes with them as its backend does: the exact bf16 x NVFP4 product on `bf16-decode`, E4M3
+rows encoded straight from the bf16 values on
 `fp8` (no detour through E2M1), and NVFP4 rows made on the fly on `nvfp4-native`.
 
 Beside the sites, ``dgrad`` says what the input-gradient GEMMs (dY @ W) read: "auto" (the compute

@@ -32,7 +32,8 @@ class Session:
         vocab = model.embed.shape[0]
         if len(self.tokenizer) > vocab:
             raise PactError(f"{self.artifact.hf_dir}: tokenizer has {len(self.tokenizer)} tokens but the embedding has "
-                            f"{vocab} rows: artifact and tokenizer do not match; re-run pact-convert on the model folder")
+                            f"{vocab} rows: artifact and tokenizer do not match; "
+                            "re-run pact-convert on the model folder")
         return model
 
 

@@ -588,11 +588,13 @@ def _train(cfg: TrainConfig, run: Path, resume: bool, progress: bool, stop_after
             last = _step(r, cfg, [next(stream) for _ in range(cfg.grad_accum)])
             dt = time.perf_counter() - t0
             last.update(tokens_per_s=last["tokens"] / dt, epoch=state["epoch"],
-                        peak_mem_gb=round(_peak_memory_gb(device), 3), elapsed_s=round(time.perf_counter() - t_start, 3))
+                        peak_mem_gb=round(_peak_memory_gb(device), 3),
+                        elapsed_s=round(time.perf_counter() - t_start, 3))
             metrics_f.write(json.dumps(last) + "\n")
             metrics_f.flush()
             bar.update(1)
-            bar.set_postfix(loss=f"{last['loss']:.4f}", tok_s=f"{last['tokens_per_s']:.0f}", mem=f"{last['peak_mem_gb']:.2f}G")
+            bar.set_postfix(loss=f"{last['loss']:.4f}", tok_s=f"{last['tokens_per_s']:.0f}",
+                            mem=f"{last['peak_mem_gb']:.2f}G")
             if cfg.save_every and state["step"] % cfg.save_every == 0:
                 error = None
                 try:
@@ -605,7 +607,8 @@ def _train(cfg: TrainConfig, run: Path, resume: bool, progress: bool, stop_after
                 return last
     except torch.cuda.OutOfMemoryError:
         raise PactError(f"out of GPU memory at --batch-size {cfg.batch_size} and --max-len {cfg.max_len}: lower "
-                        "--batch-size (raise --grad-accum to keep the effective batch) or --max-len, or add --checkpoint") from None
+                        "--batch-size (raise --grad-accum to keep the effective batch) or --max-len, "
+                        "or add --checkpoint") from None
     finally:
         bar.close()
         metrics_f.close()

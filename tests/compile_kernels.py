@@ -76,7 +76,8 @@ def main(capability: int) -> None:
                 {"BLOCK_K": 2048, "CHUNK": 2048})
     gu = {f"{p}{s}": t for p in "gu" for s, t in (("p", "*u8"), ("s", "*u8"), ("r", "*fp32"))}
     _compile_sm(N._silu_mul_h_kernel, {**gu, "h_ptr": "*bf16", "K": "i32"}, {"BLOCK_K": 8192, "CHUNK": 2048})
-    _compile_sm(N._silu_mul_backward_kernel, {"dh_ptr": "*bf16", "stride_dh": "i32", **gu, "dgu_ptr": "*bf16", "K": "i32"},
+    _compile_sm(N._silu_mul_backward_kernel,
+                {"dh_ptr": "*bf16", "stride_dh": "i32", **gu, "dgu_ptr": "*bf16", "K": "i32"},
                 {"BLOCK_K": 8192, "CHUNK": 2048})
     gemm = {"a_ptr": "*u8", "a_scales_ptr": "*u8", "a_rs_ptr": "*fp32", "stride_am": "i32", "b_ptr": "*u8",
             "b_scales_ptr": "*u8", "b_gs_ptr": "*fp32", "c_ptr": "*bf16", "stride_cm": "i32", "M": "i32", "N": "i32"}

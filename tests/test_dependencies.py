@@ -147,7 +147,8 @@ def test_triton_kernels_without_triton(monkeypatch, from_index):
     from pact.runtime.recipe import parse_recipe
 
     monkeypatch.setitem(sys.modules, "triton", None)
-    with pytest.raises(PactError, match=r'--kernels triton needs the triton package: pip install "pact-nvfp4\[kernels\]"'):
+    with pytest.raises(PactError,
+                       match=r'--kernels triton needs the triton package: pip install "pact-nvfp4\[kernels\]"'):
         get_ops(parse_recipe(None), "triton")
 
 

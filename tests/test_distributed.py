@@ -61,7 +61,8 @@ def test_torchrun_two_ranks_match_one_process(setup, tmp_path):
     one = train(TrainConfig(**_args(d, tmp_path / "one", 4)), progress=False)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()),
-           "-m", "pact.pipelines.train", str(d / "art"), "--data", str(d / "train.jsonl"), "--out", str(tmp_path / "two"),
+           "-m", "pact.pipelines.train", str(d / "art"), "--data", str(d / "train.jsonl"),
+           "--out", str(tmp_path / "two"),
            "--steps", "4", "--batch-size", "2", "--max-len", "64", "--lr", "2e-3", "--warmup-ratio", "0", "--seed", "3",
            "--quiet"]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)

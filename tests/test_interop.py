@@ -99,7 +99,8 @@ def test_import_keeps_codes_and_scales(ckpt, tmp_path):
         assert torch.equal(fwd.packed, sd[f"{base}.weight_packed"])
         assert torch.equal(fwd.scales.view(torch.uint8), sd[f"{base}.weight_scale"].view(torch.uint8))
         torch.testing.assert_close(F.dequantize(fwd), w, rtol=2**-7, atol=0)
-        exact = F.dequantize(F.NVFP4Tensor(fwd.packed, fwd.scales, torch.tensor(1.0))) / sd[f"{base}.weight_global_scale"]
+        exact = (F.dequantize(F.NVFP4Tensor(fwd.packed, fwd.scales, torch.tensor(1.0)))
+                 / sd[f"{base}.weight_global_scale"])
         torch.testing.assert_close(F.dequantize(fwd), exact, rtol=2**-22, atol=0)  # (q * s_b) / gs in fp32
         assert F.dequantize(art.nvfp4(name, "bwd")).sub(w.t()).norm() / w.norm() < 0.1
     # one global scale per fused group, as the runtime needs; no quantization_config left to the artifact

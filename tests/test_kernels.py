@@ -406,7 +406,8 @@ def test_kernels_native_gpu(m, n, k):
         (a8, sa), (b8, sb) = fp8_rows(src), R.fp8_rows(src)
         assert torch.equal(a8.view(torch.uint8), b8.view(torch.uint8)) and torch.equal(sa, sb)
     # the quantizers' own E4M3 copies (the GPU's conversion on sm_90+) == the twin's bytes
-    for made in (K.quant_rows(x, fp8=True), K.rmsnorm_quant(x, w, 1e-5, fp8=True)[0], K.silu_mul_quant(gu, fp8=True)[0]):
+    for made in (K.quant_rows(x, fp8=True), K.rmsnorm_quant(x, w, 1e-5, fp8=True)[0],
+                 K.silu_mul_quant(gu, fp8=True)[0]):
         r8, rs = R.fp8_rows(made)  # the twin's E4M3 encoding of the kernel's own NVFP4 rows
         assert torch.equal(made.fp8.view(torch.uint8), r8.view(torch.uint8)) and torch.equal(made.fp8_scale, rs)
     # the default recipe's rows kept bf16: saved NVFP4 and E4M3 copies exactly the twin's encodings of them

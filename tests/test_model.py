@@ -19,7 +19,8 @@ def _artifact(tmp_path, family):
     make_model(tmp_path / "src", family)
     # 2d + amax: forward and backward read the same weights, so autograd through transformers on
     # the dequantized weights is the exact reference (the claim these tests make)
-    return open_artifact(convert(str(tmp_path / "src"), tmp_path / "art", progress=False, scaling="2d", block_scales="amax"))
+    return open_artifact(convert(str(tmp_path / "src"), tmp_path / "art", progress=False, scaling="2d",
+                                 block_scales="amax"))
 
 
 def _hf_peft(art, src, model):
@@ -29,7 +30,8 @@ def _hf_peft(art, src, model):
 
     hf = tf.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
     hf.load_state_dict({n: art.dequantize(n) for n in art.names()}, strict=False)
-    pm = peft.get_peft_model(hf.to(torch.bfloat16), peft.LoraConfig(r=R, lora_alpha=ALPHA, target_modules=list(ALL_TARGETS)))
+    pm = peft.get_peft_model(hf.to(torch.bfloat16),
+                             peft.LoraConfig(r=R, lora_alpha=ALPHA, target_modules=list(ALL_TARGETS)))
     mods = dict(pm.named_modules())
     pairs = {}
     for name, lo in model.adapters.items():
@@ -59,7 +61,8 @@ def _cosines(pairs):
     out = {}
     for name, ((a, ra), (b, rb)) in pairs.items():
         for which, ours, ref in (("A", a, ra), ("B", b, rb)):
-            out[f"{name}:{which}"] = F.cosine_similarity(ours.grad.flatten().double(), ref.grad.flatten().double(), dim=0).item()
+            out[f"{name}:{which}"] = F.cosine_similarity(ours.grad.flatten().double(), ref.grad.flatten().double(),
+                                                         dim=0).item()
     return out
 
 
@@ -286,7 +289,8 @@ def test_default_recipe_keeps_the_lora_gradient(tmp_path, compute):
     GEMM inputs shrink and bend it (SmolLM2: cosine 0.72, norm 0.69; BENCHMARKS.md)."""
     make_model(tmp_path / "src", "llama", num_hidden_layers=4)
     make_realistic(tmp_path / "src")
-    art = open_artifact(convert(str(tmp_path / "src"), tmp_path / "art", progress=False, scaling="2d", block_scales="amax"))
+    art = open_artifact(convert(str(tmp_path / "src"), tmp_path / "art", progress=False, scaling="2d",
+                                block_scales="amax"))
     ids, labels = _batch(b=4, s=48)
     ref = _recipe_grads(art, ids, labels, "bf16")
 

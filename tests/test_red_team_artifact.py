@@ -105,9 +105,11 @@ def _array(name, part):
      r"fwd_scales is uint8 \[64, 4\], where an NVFP4 \[N, K\] = \[64, 64\] stores float8_e4m3fn \[64, 4\]"),
     (lambda m: _array(Q, "bwd_packed")(m).update(dtype="float8_e4m3fn"), r"bwd_packed is float8_e4m3fn"),
     (lambda m: _array(Q, "fwd_packed")(m).update(shape=[32, 64]), r"fwd_packed is uint8 \[32, 64\]"),
-    (lambda m: m["tensors"][Q].update(shape=[64, 128]), r"fwd_packed is uint8 \[64, 32\], where an NVFP4 \[N, K\] = \[64, 128\]"),
+    (lambda m: m["tensors"][Q].update(shape=[64, 128]),
+     r"fwd_packed is uint8 \[64, 32\], where an NVFP4 \[N, K\] = \[64, 128\]"),
     (lambda m: m["tensors"][Q]["arrays"].pop("bwd_scales"), r"has arrays .* not \['bwd_packed'"),
-    (lambda m: _array(NORM, "data")(m).update(dtype="float32", shape=[32]), r"array model.norm.weight/data is float32 \[32\]"),
+    (lambda m: _array(NORM, "data")(m).update(dtype="float32", shape=[32]),
+     r"array model.norm.weight/data is float32 \[32\]"),
     (lambda m: m["tensors"][NORM].update(dtype="float32"), r"entry dtype 'float32'"),
     (lambda m: m["tensors"][NORM].update(kind="nvfp4"), r"is stored NVFP4 but is a norm"),
     (lambda m: m["tensors"][Q].update(block_size=32), r"block_size 32"),
@@ -223,16 +225,20 @@ def _offsets(h, name):
 
 @pytest.mark.parametrize("edit,match", [
     # the norm's bytes read as the next tensor's too
-    (lambda h, d: h["model.norm.weight"].update(data_offsets=list(_offsets(h, "model.layers.1.post_attention_layernorm.weight"))),
+    (lambda h, d: h["model.norm.weight"].update(
+        data_offsets=list(_offsets(h, "model.layers.1.post_attention_layernorm.weight"))),
      r"starts at byte \d+ of the data, where the tensor before it ends at \d+ \(overlapping or out of order\)"),
     # a gap: the tensor after it starts late
     (lambda h, d: h["model.norm.weight"].update(data_offsets=[o + 2 for o in _offsets(h, "model.norm.weight")]),
      r"model.norm.weight starts at byte .*\(overlapping or out of order\)"),
-    (lambda h, d: h["model.norm.weight"].update(dtype="F32"), r"model.norm.weight has 128 bytes for F32 \[64\] \(256 bytes\)"),
-    (lambda h, d: h["model.norm.weight"].update(shape=[32]), r"model.norm.weight has 128 bytes for BF16 \[32\] \(64 bytes\)"),
+    (lambda h, d: h["model.norm.weight"].update(dtype="F32"),
+     r"model.norm.weight has 128 bytes for F32 \[64\] \(256 bytes\)"),
+    (lambda h, d: h["model.norm.weight"].update(shape=[32]),
+     r"model.norm.weight has 128 bytes for BF16 \[32\] \(64 bytes\)"),
     (lambda h, d: h["model.norm.weight"].update(shape=[-64]), r"model.norm.weight has shape \[-64\]"),
     (lambda h, d: h["model.norm.weight"].update(data_offsets=[128, 0]), r"has data_offsets \[128, 0\]"),
-    (lambda h, d: h["model.norm.weight"].update(dtype="I4"), r"model.norm.weight has dtype 'I4', which pact does not read"),
+    (lambda h, d: h["model.norm.weight"].update(dtype="I4"),
+     r"model.norm.weight has dtype 'I4', which pact does not read"),
     (lambda h, d: d[:-64], r"tensors end past the end of the file \(truncated\)"),
     (lambda h, d: d + b"\0" * 64, r"covers \d+ bytes of \d+ after it \(trailing data\)"),
 ])
@@ -367,7 +373,8 @@ def test_malformed_manifest_on_the_cli_is_one_line(base, tmp_path):
     (art / "zarr.json").write_bytes(b"[" * 100000)
     data = make_sentiment_jsonl(tmp_path / "d.jsonl", 4)
     r = CliRunner().invoke(train_cli, [str(art), "--data", str(data), "--out", str(tmp_path / "run"), "--steps", "1"])
-    assert r.exit_code == 1 and "zarr.json: JSON nested too deeply" in r.output and "Traceback" not in r.output, r.output
+    assert (r.exit_code == 1 and "zarr.json: JSON nested too deeply" in r.output
+            and "Traceback" not in r.output), r.output
 
 
 # ---- 7. a config the forward cannot be built from is refused on open and at convert
@@ -379,17 +386,20 @@ CONFIG_EDITS = [
      r"'num_attention_heads' is 5, which does not divide hidden_size 64"),
     (lambda c: c.update(num_attention_heads=8),  # q_proj or o_proj, whichever is listed first
      r"[qo]_proj.weight is \[64, 64\] but the config's .*num_attention_heads x head_dim.* give \[(128, 64|64, 128)\]"),
-    (lambda c: c.update(num_key_value_heads=3), r"'num_key_value_heads' is 3, which does not divide num_attention_heads 4"),
+    (lambda c: c.update(num_key_value_heads=3),
+     r"'num_key_value_heads' is 3, which does not divide num_attention_heads 4"),
     (lambda c: c.update(num_key_value_heads=0), r"'num_key_value_heads' is 0, not a positive integer"),
     (lambda c: c.update(head_dim=15), r"'head_dim' is 15, odd"),
     (lambda c: c.update(intermediate_size=-128), r"'intermediate_size' is missing or not a positive integer"),
     (lambda c: c.update(vocab_size=0), r"'vocab_size' is 0, not a positive integer"),
-    (lambda c: c["rope_parameters"].update(rope_theta=-1.0), r"'rope_parameters.rope_theta' is -1.0, not a finite number > 0"),
+    (lambda c: c["rope_parameters"].update(rope_theta=-1.0),
+     r"'rope_parameters.rope_theta' is -1.0, not a finite number > 0"),
     (lambda c: c["rope_parameters"].update(rope_theta=0), r"'rope_parameters.rope_theta' is 0, not a finite number"),
     (lambda c: c.update(rope_theta=float("nan")), r"'rope_theta' is nan, not a finite number > 0"),
     (lambda c: c.update(rope_parameters="fast"), r"'rope_parameters' is 'fast', not an object"),
     (lambda c: c.update(rms_norm_eps=-1e-6), r"'rms_norm_eps' is -1e-06, not a finite number > 0"),
-    (lambda c: c.update(num_hidden_layers=10**12), r"num_hidden_layers is 1000000000000 but the weights hold \d+ tensors"),
+    (lambda c: c.update(num_hidden_layers=10**12),
+     r"num_hidden_layers is 1000000000000 but the weights hold \d+ tensors"),
 ]
 
 
@@ -471,14 +481,18 @@ def test_consistent_ct_checkpoint_imports(ct, tmp_path):
      rf"{O_PROJ}.weight's NVFP4 parts are not compressed-tensors's NVFP4 layout \(packed torch.uint8 \[64, 32\], "
      r"scales torch.float8_e4m3fn \[64, 2\]"),
     (lambda sd: sd.update({f"{O_PROJ}.weight_packed": sd[f"{O_PROJ}.weight_packed"][:, :12].contiguous(),  # K = 24
-                           f"{O_PROJ}.weight_scale": sd[f"{O_PROJ}.weight_scale"][:, :1].contiguous()}), r"packed torch.uint8 \[64, 12\]"),
-    (lambda sd: sd.update({f"{O_PROJ}.weight_packed": sd[f"{O_PROJ}.weight_packed"].reshape(64, 32, 1)}), r"packed torch.uint8 \[64, 32, 1\]"),
+                           f"{O_PROJ}.weight_scale": sd[f"{O_PROJ}.weight_scale"][:, :1].contiguous()}),
+     r"packed torch.uint8 \[64, 12\]"),
+    (lambda sd: sd.update({f"{O_PROJ}.weight_packed": sd[f"{O_PROJ}.weight_packed"].reshape(64, 32, 1)}),
+     r"packed torch.uint8 \[64, 32, 1\]"),
     (lambda sd: sd.update({f"{O_PROJ}.weight_global_scale": torch.ones(2)}), r"global scale torch.float32 \[2\]"),
-    (lambda sd: sd.update({f"{O_PROJ}.weight_packed": sd[f"{O_PROJ}.weight_packed"].view(torch.int8)}), r"packed torch.int8"),
+    (lambda sd: sd.update({f"{O_PROJ}.weight_packed": sd[f"{O_PROJ}.weight_packed"].view(torch.int8)}),
+     r"packed torch.int8"),
     # codes and scales agree with each other (K = 128), but the config's hidden_size is 64
     (lambda sd: sd.update({f"{O_PROJ}.weight_packed": sd[f"{O_PROJ}.weight_packed"].repeat(1, 2),
                            f"{O_PROJ}.weight_scale": sd[f"{O_PROJ}.weight_scale"].repeat(1, 2)}),
-     rf"config.json: {O_PROJ}.weight is \[64, 128\] but the config's hidden_size, num_attention_heads x head_dim give \[64, 64\]"),
+     rf"config.json: {O_PROJ}.weight is \[64, 128\] but the config's hidden_size, "
+     r"num_attention_heads x head_dim give \[64, 64\]"),
     (lambda sd: sd.update({f"{O_PROJ}.weight_packed": sd[f"{O_PROJ}.weight_packed"][:32].contiguous(),
                            f"{O_PROJ}.weight_scale": sd[f"{O_PROJ}.weight_scale"][:32].contiguous()}),
      rf"{O_PROJ}.weight is \[32, 64\] but the config's hidden_size"),

@@ -108,7 +108,8 @@ def test_overwrite_replaces_an_export_and_nothing_added_to_it(base, tmp_path):
     out = tmp_path / "out"
     export(str(base / "art"), out)
     doc = read_marker(out)
-    assert _complete(out) == "compressed-tensors" and doc["artifact_fingerprint"] == open_artifact(base / "art").fingerprint()
+    assert (_complete(out) == "compressed-tensors"
+            and doc["artifact_fingerprint"] == open_artifact(base / "art").fingerprint())
     assert doc["artifact"] == str((base / "art").resolve()) and doc["created"]
     export(str(base / "art"), out, fmt="bf16", overwrite=True)  # an earlier export is replaced, as asked
     assert _complete(out) == "bf16" and _siblings(out) == []
@@ -133,7 +134,8 @@ def test_overwrite_replaces_an_export_and_nothing_added_to_it(base, tmp_path):
 
 @pytest.mark.parametrize("where,how", [("exp", "holds the artifact"), ("exp/art", "is the artifact"),
                                        ("exp/art/hf", "is inside the artifact"), ("exp/art/../art", "is the artifact"),
-                                       ("exp/run", "is the --adapter run"), ("exp/run/export", "is inside the --adapter run")])
+                                       ("exp/run", "is the --adapter run"),
+                                       ("exp/run/export", "is inside the --adapter run")])
 def test_out_never_touches_the_inputs(base, tmp_path, where, how):
     exp = tmp_path / "exp"
     exp.mkdir()
@@ -302,7 +304,8 @@ def test_nan_adapter_is_refused(base, tmp_path, monkeypatch, fmt, merge):
 
     ok = _adapter(tmp_path / "ok", {Q: [64, 64], V: [32, 64]})
     monkeypatch.setattr(E, "load_peft_adapter", loaded_nan)
-    with pytest.raises(PactError, match=r"v_proj\.lora_B\.weight holds non-finite values \(NaN or inf\): the run diverged"):
+    with pytest.raises(PactError,
+                       match=r"v_proj\.lora_B\.weight holds non-finite values \(NaN or inf\): the run diverged"):
         export(str(base / "art"), tmp_path / "out", fmt=fmt, adapter=str(ok), merge=merge)
     assert not (tmp_path / "out").exists() and _siblings(tmp_path / "out") == []
 
@@ -354,7 +357,8 @@ def test_only_side_files_ship(base, tmp_path):
     replace the export's own) never ship: config, tokenizer, chat template and processor files do."""
     art = _copy(base, tmp_path)
     other = {"lm_head.weight": torch.full((4, 4), 7.0)}
-    planted = ["model.safetensors", "second.safetensors", "pytorch_model.bin", "x.pt", "a.pkl", "b.pth", "sub/tokenizer.json"]
+    planted = ["model.safetensors", "second.safetensors", "pytorch_model.bin", "x.pt", "a.pkl", "b.pth",
+               "sub/tokenizer.json"]
     for rel in planted:
         (art / "hf" / rel).parent.mkdir(parents=True, exist_ok=True)
         save_file(other, art / "hf" / rel)

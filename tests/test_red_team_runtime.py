@@ -46,7 +46,8 @@ def test_bad_records_one_line(task, tmp_path, line, match):
 def test_a_huge_record_is_refused_before_it_is_read_whole(task, tmp_path, monkeypatch):
     monkeypatch.setattr(data_mod, "RECORD_BYTES", 1 << 16)
     f = tmp_path / "train.jsonl"
-    f.write_text('{"prompt": "a", "completion": "b"}\n' + json.dumps({"prompt": "x" * (1 << 17), "completion": "y"}) + "\n")
+    f.write_text('{"prompt": "a", "completion": "b"}\n'
+                 + json.dumps({"prompt": "x" * (1 << 17), "completion": "y"}) + "\n")
     with pytest.raises(PactError, match=r"train.jsonl:2: a record longer than"):
         data_mod.read_records(f)
 

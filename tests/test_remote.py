@@ -132,7 +132,8 @@ def test_corrupt_and_cut_downloads(served, cache):
         handler.mode = None
     assert [p.name.endswith(".partial") for p in (cache / "artifacts").iterdir() if p.is_dir()] == [True]
     part = next((cache / "artifacts").glob("*.partial/**/*.part"))
-    cut_at, cut_path = part.stat().st_size, "/art/" + str(part.relative_to(next((cache / "artifacts").glob("*.partial"))))
+    cut_at = part.stat().st_size
+    cut_path = "/art/" + str(part.relative_to(next((cache / "artifacts").glob("*.partial"))))
     assert cut_at > 0
     handler.ranges.clear()
     art = open_artifact(url)  # resumes: the cut chunk from its last byte (a range request)
@@ -180,7 +181,8 @@ def test_bad_urls_and_newer_format(served, cache, tmp_path):
     shutil.copytree(d / "www" / "art", evil)
     doc = json.loads((evil / "zarr.json").read_text())
     name = next(iter(doc["attributes"]["pact"]["tensors"]))
-    doc["attributes"]["pact"]["tensors"][name]["arrays"]["data" if "data" in doc["attributes"]["pact"]["tensors"][name]["arrays"] else "fwd_packed"]["path"] = "../../outside"
+    arrays = doc["attributes"]["pact"]["tensors"][name]["arrays"]
+    arrays["data" if "data" in arrays else "fwd_packed"]["path"] = "../../outside"
     (evil / "zarr.json").write_text(json.dumps(doc))
     with pytest.raises(ArtifactError, match="outside the artifact"):
         open_artifact(url.rsplit("/", 1)[0] + "/evil")

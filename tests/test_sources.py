@@ -89,7 +89,8 @@ def _fake_rotten_tomatoes(path, n=120):
     w.writerow(["category", "text", "movie_name", "has_plot_and_reviews"])
     for i in range(n):
         good = i % 2 == 0
-        w.writerow(["fresh" if good else "rotten", " ".join(rng.sample(POSITIVE if good else NEGATIVE, 3)), "m", "True"])
+        w.writerow(["fresh" if good else "rotten", " ".join(rng.sample(POSITIVE if good else NEGATIVE, 3)), "m",
+                    "True"])
     w.writerow(["plot", "a plot summary", "m", "True"])
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(bz2.compress(buf.getvalue().encode()))

@@ -330,7 +330,8 @@ def test_non_utf8_data_names_the_line(base, tmp_path):
     from pact.runtime.trainer import train
 
     f = tmp_path / "latin1.jsonl"
-    f.write_bytes(json.dumps({"prompt": "a", "completion": " b"}).encode() + b"\n" + '{"prompt": "caf\xe9"}'.encode("latin-1"))
+    f.write_bytes(json.dumps({"prompt": "a", "completion": " b"}).encode() + b"\n"
+                  + '{"prompt": "caf\xe9"}'.encode("latin-1"))
     with pytest.raises(PactError, match=r"latin1.jsonl:2: not UTF-8"):
         train(_cfg(base, tmp_path, data=str(f)), progress=False)
 

@@ -18,5 +18,5 @@ from .build import (
 )
 from .rows import DenseRows, E4M3Rows, NVFP4RowsFP8, NVFP4TensorFP8
 
-__all__ = ["COMPUTE", "FP8_WEIGHTS", "KERNELS", "DenseRows", "E4M3Rows", "NVFP4RowsFP8", "NVFP4TensorFP8", "Ops", "get_ops",
-           "resolve_compute", "resolve_device", "resolve_fp8_weights", "resolve_kernels"]
+__all__ = ["COMPUTE", "FP8_WEIGHTS", "KERNELS", "DenseRows", "E4M3Rows", "NVFP4RowsFP8", "NVFP4TensorFP8", "Ops",
+           "get_ops", "resolve_compute", "resolve_device", "resolve_fp8_weights", "resolve_kernels"]

@@ -74,7 +74,8 @@ def resolve_device(name: str | None, flag: str = "--device") -> torch.device:
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise PactError(f"{flag} {name}: no CUDA device here (torch {torch.__version__}, "
-                            f"built {'with CUDA ' + torch.version.cuda if torch.version.cuda else 'for the CPU only'}): "
+                            "built "
+                            f"{'with CUDA ' + torch.version.cuda if torch.version.cuda else 'for the CPU only'}): "
                             f"drop {flag} to run on the CPU, or install a CUDA build of torch")
         if device.index is not None and device.index >= torch.cuda.device_count():
             raise PactError(f"{flag} {name}: this machine has {torch.cuda.device_count()} CUDA device(s): "
@@ -107,7 +108,8 @@ def resolve_compute(name: str | None, device: torch.device) -> str:
         raise PactError(f"--compute must be one of auto, {', '.join(COMPUTE)}, got {name!r}")
     sm = None if cap is None else f"sm_{cap[0]}{cap[1]}"
     if cap is None and name != "bf16-decode":
-        log.warning("--compute %s on the CPU runs as its PyTorch twin: the same numbers as on a GPU, none of its speed", name)
+        log.warning("--compute %s on the CPU runs as its PyTorch twin: the same numbers as on a GPU, "
+                    "none of its speed", name)
     if name == "nvfp4-native" and cap is not None and cap[0] not in (10, 12):
         raise PactError(f"--compute nvfp4-native needs a Blackwell GPU (sm_100 / sm_120); this one is {sm}: "
                         "use --compute fp8 or bf16-decode")

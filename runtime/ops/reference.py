@@ -27,7 +27,8 @@ def _attach_fp8(q: NVFP4Rows, fp8: bool) -> NVFP4Rows:
     return NVFP4RowsFP8(q.packed, q.scales, q.row_scale, *fp8_rows(q)) if fp8 else q
 
 
-def rmsnorm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, fp8: bool = False) -> tuple[NVFP4Rows, torch.Tensor]:
+def rmsnorm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                  fp8: bool = False) -> tuple[NVFP4Rows, torch.Tensor]:
     """x [T, H] bf16 -> (NVFP4 rows of x * rstd * w, rstd fp32 [T]); ``fp8``: E4M3 copy attached."""
     xf = x.float()
     rstd = torch.rsqrt(xf.pow(2).mean(-1) + eps)
@@ -76,7 +77,8 @@ def rows_value(q: NVFP4Rows | DenseRows | E4M3Rows) -> torch.Tensor:
     return q.data.float() if isinstance(q, DenseRows) else dequantize_rows(q)
 
 
-def rmsnorm_backward(dy: torch.Tensor, yq: NVFP4Rows | DenseRows, rstd: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def rmsnorm_backward(dy: torch.Tensor, yq: NVFP4Rows | DenseRows, rstd: torch.Tensor,
+                     weight: torch.Tensor) -> torch.Tensor:
     """dx [T, H] bf16 from dY and the saved NVFP4 RMSNorm output Y_hat = x * rstd * w (fp32 math):
     n = Y_hat / w (0 where w = 0);  g = dY * w;  dx = rstd * (g - n * mean(g * n))."""
     return _rmsnorm_backward(dy, rows_value(yq), rstd, weight)

@@ -37,11 +37,12 @@ for k, t in sd.items():  # modelopt's own dequantization of what it exported
         base = k[: -len(".weight")]
         shape = torch.Size([t.shape[0], t.shape[1] * 2])
         q = NVFP4QTensor(shape, torch.float32, t)
-        ref[k] = q.dequantize(dtype=torch.float32, scale=sd[base + ".weight_scale"], double_scale=sd[base + ".weight_scale_2"],
-                              block_sizes={-1: 16}).float().contiguous()
+        ref[k] = q.dequantize(dtype=torch.float32, scale=sd[base + ".weight_scale"],
+                              double_scale=sd[base + ".weight_scale_2"], block_sizes={-1: 16}).float().contiguous()
 for f in src.iterdir():
     if f.name.startswith("tokenizer"):
         shutil.copy(f, dst / f.name)
 save_file(ref, dst / "ref.safetensors")
-(dst / "WRITTEN_BY").write_text(f"nvidia-modelopt {modelopt.__version__}, torch {torch.__version__}; tests/data/make_modelopt_nvfp4.py\n")
+(dst / "WRITTEN_BY").write_text(f"nvidia-modelopt {modelopt.__version__}, torch {torch.__version__}; "
+                                "tests/data/make_modelopt_nvfp4.py\n")
 print(len(ref), sorted(p.name for p in dst.iterdir()))

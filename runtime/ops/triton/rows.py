@@ -281,7 +281,8 @@ def quant_rows(x: torch.Tensor, fp8: bool = False) -> NVFP4Rows:
     return out
 
 
-def rmsnorm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, fp8: bool = False) -> tuple[NVFP4Rows, torch.Tensor]:
+def rmsnorm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                  fp8: bool = False) -> tuple[NVFP4Rows, torch.Tensor]:
     """x [T, H] bf16 -> (NVFP4 rows of x * rstd * w, rstd fp32 [T]); ``fp8``: E4M3 copy attached."""
     x = x if x.stride(-1) == 1 else x.contiguous()
     T, K = x.shape
@@ -386,7 +387,8 @@ def dequant_rows(q: NVFP4Rows | E4M3Rows, dtype: torch.dtype = torch.bfloat16) -
     return out.to(dtype)
 
 
-def rmsnorm_backward(dy: torch.Tensor, yq: NVFP4Rows | E4M3Rows, rstd: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def rmsnorm_backward(dy: torch.Tensor, yq: NVFP4Rows | E4M3Rows, rstd: torch.Tensor,
+                     weight: torch.Tensor) -> torch.Tensor:
     """dx [T, H] bf16 from dY and the saved NVFP4 or E4M3 RMSNorm output (see the twin's formula)."""
     dy = dy if dy.stride(-1) == 1 else dy.contiguous()
     T, K = yq.shape
@@ -394,8 +396,8 @@ def rmsnorm_backward(dy: torch.Tensor, yq: NVFP4Rows | E4M3Rows, rstd: torch.Ten
     bk = block_width(K)
     if T:
         e4m3 = isinstance(yq, E4M3Rows)
-        _rmsnorm_backward_kernel[(T,)](dy, dy.stride(0), *(_e4m3_args(yq) if e4m3 else row_args(yq)), rstd, weight, dx, K,
-                                       BLOCK_K=bk, E4M3=e4m3, num_warps=warps_for(bk))
+        _rmsnorm_backward_kernel[(T,)](dy, dy.stride(0), *(_e4m3_args(yq) if e4m3 else row_args(yq)), rstd, weight,
+                                       dx, K, BLOCK_K=bk, E4M3=e4m3, num_warps=warps_for(bk))
     return dx
 
 

@@ -45,7 +45,8 @@ def ce_grad_(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """loss_i = logsumexp(z_i) - z_i[t_i] (fp32 [c]); logits (bf16 [c, V]) overwritten in place
     by softmax(z_i) - onehot(t_i)."""
     if logits.dtype != torch.bfloat16 or logits.stride(-1) != 1:
-        raise ValueError(f"ce_grad_: needs bf16 logits with contiguous rows, got {logits.dtype} {tuple(logits.stride())}")
+        raise ValueError(f"ce_grad_: needs bf16 logits with contiguous rows, "
+                         f"got {logits.dtype} {tuple(logits.stride())}")
     c, vocab = logits.shape
     loss = torch.empty(c, dtype=torch.float32, device=logits.device)
     if c:
