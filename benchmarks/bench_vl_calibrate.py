@@ -38,7 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the ti
 COLORS = {"r": (220, 40, 40), "g": (40, 200, 60), "b": (40, 70, 230), "y": (230, 210, 40),
           "m": (210, 50, 200), "c": (40, 210, 210)}
 QUESTION = "What colour is the square? Answer with its letter."
-DIMS = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2)  # head_dim 16: the mrope_section of make_model
+# head_dim 16: the mrope_section make_model sets
+DIMS = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2)
 
 
 def make_images(folder: Path, n: int, seed: int) -> list[str]:
@@ -68,7 +69,8 @@ def _batch(samples, answer_ids, letters, image_token_id):
     labels = torch.full_like(ids, -100)
     labels[:, -1] = ids[:, -1]
     return dict(input_ids=ids, labels=labels, pixel_values=torch.cat([s.pixel_values for s in samples]),
-                image_grid_thw=torch.cat([s.grid_thw for s in samples]), mm_token_type_ids=(ids == image_token_id).int())
+                image_grid_thw=torch.cat([s.grid_thw for s in samples]),
+                mm_token_type_ids=(ids == image_token_id).int())
 
 
 def train_model(src: Path, samples, letters, answer_ids, image_token_id, seed: int, steps: int, lr: float) -> None:
@@ -189,7 +191,7 @@ def main(workdir, seeds, n_train, n_calib, n_test, steps, lr, json_out) -> None:
     by = {}
     for r in rows:
         by.setdefault(r["weights"], []).append(r)
-    click.echo(f"| weights | KL to bf16 at the answer (mean +- se) | answer agrees with bf16 | accuracy | seeds |")
+    click.echo("| weights | KL to bf16 at the answer (mean +- se) | answer agrees with bf16 | accuracy | seeds |")
     click.echo("|---|---|---|---|---|")
     for w, rs in by.items():
         if "kl" not in rs[0]:
@@ -203,8 +205,9 @@ def main(workdir, seeds, n_train, n_calib, n_test, steps, lr, json_out) -> None:
     for other in ("gptq-text", "RTN"):
         ref = [k for r in by[other] for k in r["kl"]]
         d = [a - b for a, b in zip(img, ref)]
-        click.echo(f"image-prompt calibration vs {other}: KL difference per image {statistics.mean(d):+.3g} +- {_se(d):.2g} "
-                   f"({sum(x < 0 for x in d)} of {len(d)} images lower); KL ratio {statistics.mean(img) / statistics.mean(ref):.3f}")
+        ratio = statistics.mean(img) / statistics.mean(ref)
+        click.echo(f"image-prompt calibration vs {other}: KL difference per image {statistics.mean(d):+.3g} +- "
+                   f"{_se(d):.2g} ({sum(x < 0 for x in d)} of {len(d)} images lower); KL ratio {ratio:.3f}")
 
 
 if __name__ == "__main__":
