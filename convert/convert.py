@@ -18,9 +18,10 @@ from pact.formats import ArtifactWriter, PactError, check_output, classify, fami
 from pact.formats.families import VISION_FAMILIES
 from pact.formats.artifact import check_config_shapes, work_path
 from pact.formats.errors import write_error
-from pact.formats.nvfp4 import (BLOCK, SCALE_RULES, SCALINGS, dequantize, global_scale_from_amax, quantize,
-                                quantize_weight)
+from pact.formats.nvfp4 import (BLOCK, SCALE_RULES, SCALINGS, NVFP4Tensor, dequantize, global_scale_from_amax,
+                                quantize, quantize_weight)
 
+from . import cpu_kernel
 from .sources import Source, open_source, remove_tree
 
 log = logging.getLogger(__name__)
@@ -57,18 +58,57 @@ def _plan(source: Source, scaling: str) -> list[list[str]]:
     return units
 
 
-def _load_checked(source: Source, name: str) -> torch.Tensor:
+def resolve_device(device: str | torch.device) -> torch.device:
+    """``auto``: the GPU when torch sees one (quantization math only; reads and writes stay on the host)."""
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise PactError(f"--device must be auto, cpu or cuda[:N], got {device!r}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise PactError(f"--device {device}: torch sees no CUDA GPU here: use --device cpu")
+    if dev.type not in ("cpu", "cuda"):
+        raise PactError(f"--device must be auto, cpu or cuda[:N], got {device!r}")
+    return dev
+
+
+def quantize_member(w: torch.Tensor, g: torch.Tensor, *, scaling: str, scale_rule: str,
+                    device: torch.device) -> tuple[NVFP4Tensor, NVFP4Tensor, float]:
+    """One frozen projection -> (forward, backward, relative error of the forward layout), on the host.
+    The CPU runs the C kernel (1d; ``cpu_kernel``), else ``quantize_weight`` runs on ``device``: the same
+    codes and scales either way (tests/test_convert.py checks it)."""
+    if device.type == "cpu" and scaling == "1d":
+        done = cpu_kernel.quantize_weight_cpu(w, g, scale_rule)
+        if done is not None:
+            return done
+    wd = w.to(device, non_blocking=True)
+    fwd, bwd = quantize_weight(wd, global_scale=g.to(device), scaling=scaling, scale_rule=scale_rule)
+    err = relative_error(wd, dequantize(fwd))
+    host = [NVFP4Tensor(t.packed.cpu(), t.scales.cpu(), t.global_scale.cpu()) for t in (fwd, bwd)]
+    return host[0], host[1], err
+
+
+def _load_checked(source: Source, name: str) -> tuple[torch.Tensor, float]:
+    """The tensor and its largest magnitude (the global scale's amax), refused if not float or not finite.
+    One aminmax pass in pieces finds both: min and max are finite exactly when every value is (NaN and
+    Inf propagate), ~9x cheaper than counting isfinite; the count runs only to word the error."""
     t = source.load(name)
     if not t.is_floating_point():
         raise PactError(f"{source.file_of(name)}: {name} has dtype {t.dtype}; pact stores float tensors only")
     flat = t.reshape(-1)
-    step = 1 << 22  # in pieces: a whole-embedding bool mask would be the converter's peak
-    bad = sum(int((~torch.isfinite(flat[i : i + step])).sum()) for i in range(0, flat.numel(), step))
-    if bad:
+    step = 1 << 22  # in pieces: a whole-tensor temporary would be the converter's peak
+    amax, finite = 0.0, True
+    for i in range(0, flat.numel(), step):
+        lo, hi = (float(v) for v in torch.aminmax(flat[i : i + step]))
+        finite = finite and math.isfinite(lo) and math.isfinite(hi)  # (max() would pass a NaN over)
+        amax = max(amax, -lo, hi)
+    if not finite:
+        bad = sum(int((~torch.isfinite(flat[i : i + step])).sum()) for i in range(0, flat.numel(), step))
         raise PactError(
             f"{source.file_of(name)}: {name} has {bad} NaN/Inf values: the checkpoint is damaged; re-download or re-export it"
         )
-    return t
+    return t, amax
 
 
 def convert(
@@ -81,13 +121,15 @@ def convert(
     overwrite: bool = False,
     revision: str | None = None,
     progress: bool = True,
+    device: str | torch.device = "auto",
 ) -> Path:
     """Convert ``src`` (HF folder, .gguf file or hub id) into an artifact at ``out``.
 
     Frozen projections become NVFP4 (forward + backward layouts; q/k/v and gate/up share a
     global scale); everything else is stored bf16. ``block_scales`` picks each block's e4m3
     scale (``amax``: the largest magnitude maps to 6; ``mse``: the least-error scale near it). ``keep_bf16`` keeps that fraction of the
-    frozen projections, those with the largest relative NVFP4 error, in bf16.
+    frozen projections, those with the largest relative NVFP4 error, in bf16. ``device`` runs the
+    quantization math (``auto``: cuda when available); the artifact is the same on any device.
     """
     if scaling not in SCALINGS:
         raise PactError(f"--scaling must be one of {', '.join(SCALINGS)}, got {scaling!r}")
@@ -95,12 +137,13 @@ def convert(
         raise PactError(f"--block-scales must be one of {', '.join(SCALE_RULES)}, got {block_scales!r}")
     if not 0.0 <= keep_bf16 < 1.0:
         raise PactError(f"--keep-bf16 is a fraction in [0, 1), got {keep_bf16}")
+    dev = resolve_device(device)
     out = check_output(out, overwrite)
     workdir = work_path(out, "gguf") if str(src).endswith(".gguf") else None
     try:
         source = open_source(str(src), revision=revision, workdir=workdir)
         return _convert(source, out, scaling=scaling, block_scales=block_scales, keep_bf16=keep_bf16,
-                        overwrite=overwrite, progress=progress)
+                        overwrite=overwrite, progress=progress, device=dev)
     except OSError as e:  # the writer has removed its temp folder; OUT is untouched
         raise write_error(e, getattr(e, "filename", None) or out, f"nothing was written to {out}") from None
     finally:
@@ -117,7 +160,8 @@ def _check_names(config: dict, source: str) -> None:
         raise PactError(f"{source}: 'model_type' is {model_type!r}, not a name: restore the model's own config.json")
 
 
-def _convert(source: Source, out: Path, *, scaling: str, block_scales: str, keep_bf16: float, overwrite: bool, progress: bool) -> Path:
+def _convert(source: Source, out: Path, *, scaling: str, block_scales: str, keep_bf16: float, overwrite: bool, progress: bool,
+             device: torch.device = torch.device("cpu")) -> Path:
     cfg_file = str(source.folder / "config.json")
     _check_names(source.config, cfg_file)
     family = family_of(source.config, cfg_file)
@@ -130,7 +174,8 @@ def _convert(source: Source, out: Path, *, scaling: str, block_scales: str, keep
     errors: dict[str, float] = {}
     with ArtifactWriter(out, overwrite=overwrite) as writer:
         for unit in tqdm(units, desc=f"convert -> {out.name}", unit="group", disable=not progress):
-            tensors = {name: _load_checked(source, name) for name in unit}
+            loaded = {name: _load_checked(source, name) for name in unit}
+            tensors = {name: t for name, (t, _) in loaded.items()}
             first = classify(unit[0])
             if not first.frozen_projection:
                 name, t = unit[0], tensors[unit[0]]
@@ -139,23 +184,22 @@ def _convert(source: Source, out: Path, *, scaling: str, block_scales: str, keep
             imported = {name: source.nvfp4(name) for name in unit}
             if all(t is not None for t in imported.values()) and len({float(t.global_scale) for t in imported.values()}) == 1:
                 _add_imported(writer, imported, tensors, block_scales, errors, source.producer)
-                del tensors
+                del tensors, loaded
                 continue
             if any(t is not None for t in imported.values()):
                 log.warning("%s: NVFP4 members without one shared global scale: re-quantized from their values "
                             "to one (pact's fused GEMM needs it)", classify(unit[0]).group)
             # fused group: one global scale from the amax over all members
-            g = global_scale_from_amax(max(float(t.float().abs().amax()) for t in tensors.values()))
+            g = global_scale_from_amax(max(amax for _, amax in loaded.values()))
             for name, w in tensors.items():
                 role = classify(name)
-                fwd, bwd = quantize_weight(w, global_scale=g, scaling=scaling, scale_rule=block_scales)
-                errors[name] = relative_error(w, dequantize(fwd))
+                fwd, bwd, errors[name] = quantize_member(w, g, scaling=scaling, scale_rule=block_scales, device=device)
                 writer.add_nvfp4(
                     name, fwd, bwd, role=role.role, layer=role.layer, group=role.group,
                     scaling=scaling, error=errors[name], source_dtype=str(w.dtype),
                     **({"imported": "requantized"} if imported[name] is not None else {}),
                 )
-            del tensors
+            del tensors, loaded
         protected = _protect(source, writer, errors, keep_bf16)
         # an imported checkpoint's quantization_config describes its files, not the artifact's: dropped
         # from the config (transformers would otherwise try to quantize what reads it), kept in provenance

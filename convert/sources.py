@@ -136,13 +136,13 @@ class SafetensorsFile:
         dtype, shape = _ST_DTYPES[e["dtype"]], e["shape"]
         if end == start:
             return torch.empty(shape, dtype=dtype)
-        buf = bytearray(end - start)
+        buf = torch.empty(end - start, dtype=torch.uint8)  # not a bytearray: that one is zeroed first, a pass for nothing
         with open(self.path, "rb") as f:
             f.seek(self.base + start)
-            got = f.readinto(buf)
-        if got != len(buf):  # the file shrank since its header was read
+            got = f.readinto(memoryview(buf.numpy()))
+        if got != buf.numel():  # the file shrank since its header was read
             raise PactError(f"{self.path}: {name} ends past the end of the file (truncated): re-download it")
-        return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).reshape(shape)
+        return buf.view(dtype).reshape(shape)
 
 
 @dataclass

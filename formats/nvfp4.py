@@ -199,8 +199,28 @@ def _block_sq_error(x: torch.Tensor, scales: torch.Tensor, global_scale: torch.T
     # on magnitudes: |q s g - x| = |q| s g - |x| exactly, as q takes x's sign (and s, g > 0)
     ab = xb.abs()
     q = _e2m1_magnitude(ab * ((_const(1.0, global_scale) / global_scale) / s))
-    err = ((q * s) * global_scale - ab).square_().sum(-1)  # summed along the row first, then (2d) over rows
-    return err if scaling == "1d" else err.sum(-2)
+    err = _sum16(((q * s) * global_scale - ab).square_())  # summed along the row first, then (2d) over rows
+    return err if scaling == "1d" else _sum_rows16(err)
+
+
+def _sum16(e: torch.Tensor) -> torch.Tensor:
+    """e [..., 16] summed in a fixed order, so that CPU, CUDA and the converter's C kernel agree bit for bit
+    (torch's own sum order differs by device and vector width; argmin over near-equal errors would not):
+    eight pairs (e[j] + e[j + 8]), then those left to right. It is the order torch's AVX512 CPU sum takes,
+    so the codes match what earlier versions wrote there."""
+    h = e[..., :8] + e[..., 8:]
+    s = h[..., 0].clone()
+    for j in range(1, 8):
+        s += h[..., j]
+    return s
+
+
+def _sum_rows16(e: torch.Tensor) -> torch.Tensor:
+    """e [..., 16, n] summed over its 16 rows left to right (torch's CPU order when n is a multiple of 16)."""
+    s = e[..., 0, :].clone()
+    for j in range(1, 16):
+        s += e[..., j, :]
+    return s
 
 
 _SCALE_CODE_RANGE = (int(torch.tensor(E4M3_MIN_SCALE).to(torch.float8_e4m3fn).view(torch.uint8)),

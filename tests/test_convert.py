@@ -269,3 +269,82 @@ def test_hub_id_offline(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(PactError, match="'nosuch-org/nosuch-model' is not a local path and could not be fetched"):
         convert("nosuch-org/nosuch-model", tmp_path / "art")
+
+
+# --- the CPU kernel and the device path: the same bits as the torch twin ---------------------------
+
+from pact.convert import cpu_kernel, relative_error  # noqa: E402
+from pact.convert.convert import quantize_member  # noqa: E402
+
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA GPU")])]
+
+
+def _awkward_weight(rows, cols, dtype, seed=0):
+    """Heavy-tailed values with what the bit paths must get right: an outlier (blocks clamped at the
+    smallest e4m3 scale), an all-zero block, negative zeros, values far below the global scale."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.distributions.StudentT(3.0).sample((rows, cols)) * 0.02
+    w *= torch.logspace(-6, 1, rows).unsqueeze(1)[torch.randperm(rows, generator=g)]
+    w[0, 0] = 300.0
+    w[1, :16] = 0.0
+    w[2, 16:32] = -0.0
+    return w.to(dtype)
+
+
+def _same(a: F.NVFP4Tensor, b: F.NVFP4Tensor) -> bool:
+    return (torch.equal(a.packed, b.packed) and torch.equal(a.scales.view(torch.uint8), b.scales.view(torch.uint8))
+            and float(a.global_scale) == float(b.global_scale))
+
+
+@pytest.mark.parametrize("rule", ["amax", "mse"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+@pytest.mark.parametrize("rows,cols", [(16, 16), (48, 80), (432, 64), (64, 1040)])
+def test_cpu_kernel_matches_twin(rows, cols, dtype, rule):
+    if cpu_kernel.library() is None:
+        pytest.skip("no C compiler: the converter runs the torch twin itself")
+    w = _awkward_weight(rows, cols, dtype)
+    g = F.global_scale_from_amax(w.float().abs().amax())
+    fwd, bwd = F.quantize_weight(w, global_scale=g, scaling="1d", scale_rule=rule)
+    f2, b2, err = cpu_kernel.quantize_weight_cpu(w, g, rule)
+    assert _same(fwd, f2) and _same(bwd, b2)  # rtol=0, atol=0: stored bytes
+    assert err == pytest.approx(relative_error(w, F.dequantize(fwd)), rel=1e-5)  # double vs fp32 norms
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("rule", ["amax", "mse"])
+@pytest.mark.parametrize("scaling", ["1d", "2d"])
+def test_quantize_member_same_bits_on_every_device(device, rule, scaling):
+    """What the converter stores is the CPU twin's codes and scales whatever runs it: the C kernel on
+    the CPU (1d), torch on CUDA (fixed summation order, no atomics, first-minimum argmin)."""
+    w = _awkward_weight(432, 1040, torch.bfloat16, seed=1)
+    g = F.global_scale_from_amax(w.float().abs().amax())
+    fwd, bwd = F.quantize_weight(w, global_scale=g, scaling=scaling, scale_rule=rule)
+    f2, b2, err = quantize_member(w, g, scaling=scaling, scale_rule=rule, device=torch.device(device))
+    assert f2.packed.device.type == "cpu"
+    assert _same(fwd, f2) and _same(bwd, b2)
+    assert err == pytest.approx(relative_error(w, F.dequantize(fwd)), rel=1e-5)  # fp32 norms in another order
+
+
+def test_artifact_same_with_and_without_the_kernel(tmp_path, tiny_llama, monkeypatch):
+    """The default conversion (1d, mse) stores the same bytes through the C kernel and the torch twin."""
+    a = open_artifact(convert(str(tiny_llama), tmp_path / "a", progress=False, device="cpu"))
+    monkeypatch.setattr(cpu_kernel, "quantize_weight_cpu", lambda *args: None)
+    b = open_artifact(convert(str(tiny_llama), tmp_path / "b", progress=False, device="cpu"))
+    assert a.names("nvfp4") == b.names("nvfp4") and len(a.names("nvfp4")) == 14
+    for name in a.names():
+        assert {k: v["sha256"] for k, v in a.entry(name)["arrays"].items()} == \
+               {k: v["sha256"] for k, v in b.entry(name)["arrays"].items()}, name
+        if name in a.names("nvfp4"):
+            assert a.entry(name)["error"] == pytest.approx(b.entry(name)["error"], rel=1e-5)  # double vs fp32 norms
+
+
+def test_device_option(tmp_path, tiny_llama):
+    from pact.convert.convert import resolve_device
+
+    assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+    with pytest.raises(PactError, match="--device"):
+        resolve_device("tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(PactError, match="no CUDA"):
+            convert(str(tiny_llama), tmp_path / "art", progress=False, device="cuda")

@@ -107,6 +107,65 @@ def test_encode_matches_independent_reference():
     assert torch.equal(t.scales.float(), scales)
 
 
+def _independent_mse_scales(x, g):
+    """Straightforward reference for ``scale_rule="mse"`` (1d): per block, each of the ten e4m3 codes
+    from 3 below to 6 above the amax rule's, one fp32 scalar op at a time: q by nearest-grid search
+    (ties to the even code), error ((q s) g - |x|)^2, the 16 errors summed as pairs e[j] + e[j+8] then
+    left to right; the first least error wins."""
+    f32 = lambda v: torch.tensor(v, dtype=torch.float32)  # noqa: E731
+    grid = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+    rows, cols = x.shape
+    codes = torch.zeros(rows, cols // 16, dtype=torch.uint8)
+    inv_g = f32(1.0) / g
+    for r in range(rows):
+        for b in range(cols // 16):
+            blk = x[r, b * 16:(b + 1) * 16].float()
+            base = int(((blk.abs().max() / f32(6.0)) / g).clamp(2**-6, 448).to(torch.float8_e4m3fn).view(torch.uint8))
+            best = None
+            for c in range(base - 3, base + 7):
+                c = min(max(c, 0x08), 0x7E)  # 2**-6 .. 448
+                s = torch.tensor(c, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+                recip = inv_g / s
+                e = []
+                for i in range(16):
+                    a = blk[i].abs()
+                    m = float((a * recip).clamp(max=6.0))
+                    q = grid[min(range(8), key=lambda k: (abs(grid[k] - m), k % 2))]
+                    e.append(((f32(q) * s) * g - a).square())
+                h = [e[j] + e[j + 8] for j in range(8)]
+                total = h[0]
+                for j in range(1, 8):
+                    total = total + h[j]
+                if best is None or total < best[0]:
+                    best = (total, c)
+            codes[r, b] = best[1]
+    return codes.view(torch.float8_e4m3fn)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mse_matches_independent_reference(dtype):
+    torch.manual_seed(2)
+    x = (torch.distributions.StudentT(3.0).sample((4, 64)) * torch.logspace(-3, 1, 4).unsqueeze(1)).to(dtype)
+    x[0, 0] = 80.0  # some blocks at the smallest scale: candidates clamped, duplicates tie
+    g = F.global_scale_from_amax(x.float().abs().amax())
+    t = F.quantize(x, global_scale=g, scale_rule="mse")
+    scales = _independent_mse_scales(x, g)
+    assert torch.equal(t.scales.view(torch.uint8), scales.view(torch.uint8))
+    assert torch.equal(t.packed, F.encode_with_scales(x, scales, g))
+
+
+def test_sum16_order():
+    """_sum16's order spelled out: pairs h[j] = e[j] + e[j+8], then h left to right. 1 + 2^-24 is a
+    tie that rounds back to 1, so each case tells this order from another."""
+    t = 2.0**-24
+    e = torch.zeros(16)
+    e[0], e[1], e[9] = 1.0, t, t  # pairs: h[1] = 2^-23 survives; left to right over e would give 1
+    assert float(F._sum16(e)) == 1.0 + 2 * t
+    e = torch.zeros(16)
+    e[0], e[1], e[2] = 1.0, t, t  # h left to right: (1 + t) + t = 1; a tree adding h[1] + h[2] first would not
+    assert float(F._sum16(e)) == 1.0
+
+
 @pytest.mark.parametrize("rows,cols", [(6, 16), (42, 64), (123, 256), (431, 32)])
 def test_matches_torchao(rows, cols):
     nvfp4 = pytest.importorskip("torchao.prototype.mx_formats.nvfp4_tensor")
