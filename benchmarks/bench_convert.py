@@ -4,8 +4,12 @@
 
 Writes a random bf16 model of the given shape as sharded safetensors (once, reused), then
 runs `pact-convert` in a child process and reports wall time, GB/s and the child's peak
-RSS. Results are appended to benchmarks/results/convert.csv. Convert is an offline CPU job:
-this runs on the CPU machine, no GPU involved.
+RSS. Results are appended to benchmarks/results/convert.csv.
+
+    python benchmarks/bench_convert.py --model llama-1b --quantize-only --device cuda
+
+times the quantization math alone (``quantize_member`` on every projection shape, random bf16
+weights, no files) on a device, and checks its codes and scales against the CPU path's bit for bit.
 """
 
 from __future__ import annotations
@@ -72,6 +76,45 @@ def write_random_model(folder: Path, shape: str, shard_bytes: int = 1 << 30) -> 
     return total
 
 
+def projection_shapes(shape: str) -> list[tuple[int, int]]:
+    """[N, K] of every frozen projection of a Llama of the given shape, in file order."""
+    c = SHAPES[shape]
+    h, i, kv = c["hidden_size"], c["intermediate_size"], c["num_key_value_heads"] * c["hidden_size"] // c["num_attention_heads"]
+    return [(h, h), (kv, h), (kv, h), (h, h), (i, h), (i, h), (h, i)] * c["num_hidden_layers"]
+
+
+def run_quantize(model: str, device: str, check: bool = True) -> dict:
+    """Seconds of quantization math for every projection (host tensor in, host codes out, as the converter
+    does); with ``check``, each distinct shape's codes and scales equal the CPU path's."""
+    from pact.convert.convert import quantize_member, resolve_device
+    from pact.formats.nvfp4 import global_scale_from_amax
+
+    dev = resolve_device(device)
+    shapes = projection_shapes(model)
+    gen = torch.Generator().manual_seed(0)
+    weights = {s: (torch.randn(s, generator=gen) * 0.02).to(torch.bfloat16) for s in set(shapes)}
+    g = global_scale_from_amax(max(float(w.abs().amax()) for w in weights.values()))
+    for w in weights.values():  # warm-up: kernel build, CUDA context
+        quantize_member(w[:16, :16], g, scaling="1d", scale_rule="mse", device=dev)
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for s in shapes:
+        quantize_member(weights[s], g, scaling="1d", scale_rule="mse", device=dev)
+    seconds = time.perf_counter() - t0
+    same = None
+    if check:
+        same = True
+        for w in weights.values():
+            a = quantize_member(w, g, scaling="1d", scale_rule="mse", device=dev)
+            b = quantize_member(w, g, scaling="1d", scale_rule="mse", device=torch.device("cpu"))
+            same &= all(torch.equal(x.packed, y.packed) and torch.equal(x.scales.view(torch.uint8), y.scales.view(torch.uint8))
+                        for x, y in zip(a[:2], b[:2]))
+    elements = sum(n * k for n, k in shapes)
+    return {"model": model, "device": str(dev), "projections": len(shapes), "seconds": round(seconds, 2),
+            "bf16_gb_per_s": round(2 * elements / 1e9 / seconds, 3), "same_bits_as_cpu": same}
+
+
 def _git_sha() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
@@ -116,10 +159,17 @@ def run(model: str, workdir: Path, scaling: str) -> dict:
 @click.option("--model", type=click.Choice(sorted(SHAPES)), default="llama-1b", show_default=True)
 @click.option("--workdir", type=click.Path(file_okay=False, path_type=Path), default=Path("/tmp/pact-bench"),
               show_default=True)
-@click.option("--scaling", type=click.Choice(["1d", "2d"]), default="2d", show_default=True)
+@click.option("--scaling", type=click.Choice(["1d", "2d"]), default="1d", show_default=True,
+              help="pact-convert --scaling (its default: 1d).")
 @click.option("--csv-out", type=click.Path(dir_okay=False, path_type=Path),
               default=Path(__file__).parent / "results" / "convert.csv", show_default=True)
-def main(model: str, workdir: Path, scaling: str, csv_out: Path) -> None:
+@click.option("--quantize-only", is_flag=True, help="Time the quantization math alone on --device (no files).")
+@click.option("--device", default="auto", show_default=True, help="With --quantize-only: auto, cpu or cuda.")
+def main(model: str, workdir: Path, scaling: str, csv_out: Path, quantize_only: bool, device: str) -> None:
+    if quantize_only:
+        for k, v in run_quantize(model, device).items():
+            click.echo(f"{k:>22}: {v}")
+        return
     row = run(model, workdir, scaling)
     csv_out.parent.mkdir(parents=True, exist_ok=True)
     new = not csv_out.exists()
