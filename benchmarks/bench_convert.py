@@ -79,7 +79,8 @@ def write_random_model(folder: Path, shape: str, shard_bytes: int = 1 << 30) -> 
 def projection_shapes(shape: str) -> list[tuple[int, int]]:
     """[N, K] of every frozen projection of a Llama of the given shape, in file order."""
     c = SHAPES[shape]
-    h, i, kv = c["hidden_size"], c["intermediate_size"], c["num_key_value_heads"] * c["hidden_size"] // c["num_attention_heads"]
+    h, i = c["hidden_size"], c["intermediate_size"]
+    kv = c["num_key_value_heads"] * h // c["num_attention_heads"]
     return [(h, h), (kv, h), (kv, h), (h, h), (i, h), (i, h), (h, i)] * c["num_hidden_layers"]
 
 
@@ -108,7 +109,8 @@ def run_quantize(model: str, device: str, check: bool = True) -> dict:
         for w in weights.values():
             a = quantize_member(w, g, scaling="1d", scale_rule="mse", device=dev)
             b = quantize_member(w, g, scaling="1d", scale_rule="mse", device=torch.device("cpu"))
-            same &= all(torch.equal(x.packed, y.packed) and torch.equal(x.scales.view(torch.uint8), y.scales.view(torch.uint8))
+            same &= all(torch.equal(x.packed, y.packed)
+                        and torch.equal(x.scales.view(torch.uint8), y.scales.view(torch.uint8))
                         for x, y in zip(a[:2], b[:2]))
     elements = sum(n * k for n, k in shapes)
     return {"model": model, "device": str(dev), "projections": len(shapes), "seconds": round(seconds, 2),

@@ -15,11 +15,19 @@ from tqdm.auto import tqdm
 
 from pact import __version__
 from pact.formats import ArtifactWriter, PactError, check_output, classify, family_of
-from pact.formats.families import VISION_FAMILIES
 from pact.formats.artifact import check_config_shapes, work_path
 from pact.formats.errors import write_error
-from pact.formats.nvfp4 import (BLOCK, SCALE_RULES, SCALINGS, NVFP4Tensor, dequantize, global_scale_from_amax,
-                                quantize, quantize_weight)
+from pact.formats.families import VISION_FAMILIES
+from pact.formats.nvfp4 import (
+    BLOCK,
+    SCALE_RULES,
+    SCALINGS,
+    NVFP4Tensor,
+    dequantize,
+    global_scale_from_amax,
+    quantize,
+    quantize_weight,
+)
 
 from . import cpu_kernel
 from .sources import Source, open_source, remove_tree
@@ -106,7 +114,8 @@ def _load_checked(source: Source, name: str) -> tuple[torch.Tensor, float]:
     if not finite:
         bad = sum(int((~torch.isfinite(flat[i : i + step])).sum()) for i in range(0, flat.numel(), step))
         raise PactError(
-            f"{source.file_of(name)}: {name} has {bad} NaN/Inf values: the checkpoint is damaged; re-download or re-export it"
+            f"{source.file_of(name)}: {name} has {bad} NaN/Inf values: the checkpoint is damaged; "
+            "re-download or re-export it"
         )
     return t, amax
 
@@ -127,8 +136,9 @@ def convert(
 
     Frozen projections become NVFP4 (forward + backward layouts; q/k/v and gate/up share a
     global scale); everything else is stored bf16. ``block_scales`` picks each block's e4m3
-    scale (``amax``: the largest magnitude maps to 6; ``mse``: the least-error scale near it). ``keep_bf16`` keeps that fraction of the
-    frozen projections, those with the largest relative NVFP4 error, in bf16. ``device`` runs the
+    scale (``amax``: the largest magnitude maps to 6; ``mse``: the least-error scale near it).
+    ``keep_bf16`` keeps that fraction of the frozen projections, those with the largest relative
+    NVFP4 error, in bf16. ``device`` runs the
     quantization math (``auto``: cuda when available); the artifact is the same on any device.
     """
     if scaling not in SCALINGS:
@@ -160,8 +170,8 @@ def _check_names(config: dict, source: str) -> None:
         raise PactError(f"{source}: 'model_type' is {model_type!r}, not a name: restore the model's own config.json")
 
 
-def _convert(source: Source, out: Path, *, scaling: str, block_scales: str, keep_bf16: float, overwrite: bool, progress: bool,
-             device: torch.device = torch.device("cpu")) -> Path:
+def _convert(source: Source, out: Path, *, scaling: str, block_scales: str, keep_bf16: float, overwrite: bool,
+             progress: bool, device: torch.device = torch.device("cpu")) -> Path:
     cfg_file = str(source.folder / "config.json")
     _check_names(source.config, cfg_file)
     family = family_of(source.config, cfg_file)
@@ -179,10 +189,12 @@ def _convert(source: Source, out: Path, *, scaling: str, block_scales: str, keep
             first = classify(unit[0])
             if not first.frozen_projection:
                 name, t = unit[0], tensors[unit[0]]
-                writer.add_dense(name, t.to(torch.bfloat16), role=first.role, layer=first.layer, source_dtype=str(t.dtype))
+                writer.add_dense(name, t.to(torch.bfloat16), role=first.role, layer=first.layer,
+                                 source_dtype=str(t.dtype))
                 continue
             imported = {name: source.nvfp4(name) for name in unit}
-            if all(t is not None for t in imported.values()) and len({float(t.global_scale) for t in imported.values()}) == 1:
+            one_scale = len({float(t.global_scale) for t in imported.values() if t is not None}) == 1
+            if all(t is not None for t in imported.values()) and one_scale:
                 _add_imported(writer, imported, tensors, block_scales, errors, source.producer)
                 del tensors, loaded
                 continue

@@ -136,7 +136,8 @@ class SafetensorsFile:
         dtype, shape = _ST_DTYPES[e["dtype"]], e["shape"]
         if end == start:
             return torch.empty(shape, dtype=dtype)
-        buf = torch.empty(end - start, dtype=torch.uint8)  # not a bytearray: that one is zeroed first, a pass for nothing
+        # not a bytearray: that one is zeroed first, a pass for nothing
+        buf = torch.empty(end - start, dtype=torch.uint8)
         with open(self.path, "rb") as f:
             f.seek(self.base + start)
             got = f.readinto(memoryview(buf.numpy()))

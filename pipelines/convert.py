@@ -19,19 +19,22 @@ from .common import cli_errors
                    "use identical weights).")
 @click.option("--block-scales", type=click.Choice(["amax", "mse"]), default="mse", show_default=True,
               help="How each block's E4M3 scale is chosen: mse keeps the least-squared-error scale of ten near "
-                   "the amax rule's (same format, ~3x the conversion time); amax maps the block's largest value "
+                   "the amax rule's (same format, more conversion time); amax maps the block's largest value "
                    "to 6 (NVIDIA's / torchao's rule, bit-identical to torchao's nvfp4_quantize).")
 @click.option("--keep-bf16", type=float, default=0.0, show_default=True, metavar="FRACTION",
               help="Keep this fraction of frozen projections (largest NVFP4 error first) in bf16.")
 @click.option("--revision", default=None, help="Hub revision (branch, tag or commit) when SRC is a hub id.")
+@click.option("--device", default="auto", show_default=True,
+              help="Where the quantization math runs: auto (cuda when torch sees a GPU, else the CPU), cpu, cuda, "
+                   "cuda:1. Same codes on every device.")
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @cli_errors
-def main(src: str, out: str, scaling: str, block_scales: str, keep_bf16: float, revision: str | None, overwrite: bool,
-         quiet: bool) -> None:
+def main(src: str, out: str, scaling: str, block_scales: str, keep_bf16: float, revision: str | None, device: str,
+         overwrite: bool, quiet: bool) -> None:
     """Convert SRC (a Hugging Face model folder, a .gguf file or a hub id) into the artifact OUT."""
     path = convert(src, out, scaling=scaling, block_scales=block_scales, keep_bf16=keep_bf16, overwrite=overwrite,
-                   revision=revision, progress=not quiet)
+                   revision=revision, progress=not quiet, device=device)
     art = open_artifact(path)
     kept = art.meta["provenance"]["kept_bf16"]
     imported = sum(art.entry(n).get("imported") not in (None, "requantized") for n in art.names("nvfp4"))

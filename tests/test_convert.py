@@ -61,7 +61,8 @@ def test_convert_roundtrip(tmp_path, family, scaling):
     q = "model.layers.1.self_attn.q_proj.weight"
     assert torch.equal(torch.from_numpy(root[f"tensors/{q}/fwd_packed"][...]), art.nvfp4(q).packed)
     n = "model.norm.weight"
-    assert torch.equal(torch.from_numpy(root[f"tensors/{n}/data"][...].view("int16")).view(torch.bfloat16), art.dense(n))
+    stored = torch.from_numpy(root[f"tensors/{n}/data"][...].view("int16")).view(torch.bfloat16)
+    assert torch.equal(stored, art.dense(n))
     meta = art.meta
     assert meta["family"] == family and meta["hf_config"]["architectures"]
     assert meta["provenance"]["scaling"] == scaling and meta["provenance"]["source_kind"] == "folder"
@@ -182,14 +183,16 @@ def test_unsupported_architecture(tmp_path, tiny_llama):
     cfg = json.loads((tiny_llama / "config.json").read_text())
     cfg["architectures"] = ["GPT2LMHeadModel"]
     (tiny_llama / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(PactError, match=r"config.json: architecture \['GPT2LMHeadModel'\] is not supported.*LlamaForCausalLM"):
+    with pytest.raises(PactError,
+                       match=r"config.json: architecture \['GPT2LMHeadModel'\] is not supported.*LlamaForCausalLM"):
         convert(str(tiny_llama), tmp_path / "art")
 
 
 def test_dimension_not_divisible(tmp_path):
     src = tmp_path / "src"
     make_model(src, "llama", intermediate_size=120)
-    with pytest.raises(PactError, match=r"model.safetensors: model.layers.0.mlp.down_proj.weight has shape \[64, 120\].*divisible by 16"):
+    with pytest.raises(PactError, match=r"model.safetensors: model.layers.0.mlp.down_proj.weight has shape "
+                                        r"\[64, 120\].*divisible by 16"):
         convert(str(src), tmp_path / "art")
     assert not (tmp_path / "art").exists()
 
@@ -243,7 +246,8 @@ def test_format_versions(tmp_path, tiny_llama):
     path = convert(str(tiny_llama), tmp_path / "art", progress=False)
     root = path / "zarr.json"
     doc = json.loads(root.read_text())
-    for version, msg in [(99, "newer than this pact reads.*upgrade pact"), (0, "unknown to this pact.*re-run pact-convert")]:
+    for version, msg in [(99, "newer than this pact reads.*upgrade pact"),
+                         (0, "unknown to this pact.*re-run pact-convert")]:
         doc["attributes"]["pact"]["format_version"] = version
         root.write_text(json.dumps(doc))
         with pytest.raises(ArtifactError, match=msg):

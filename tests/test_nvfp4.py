@@ -267,7 +267,8 @@ def test_stochastic_rounding_is_unbiased_and_on_the_grid():
     torch.manual_seed(0)
     draws = torch.stack([dequantize_rows(quantize_rows(x, stochastic=True)) for _ in range(400)])
     one = quantize_rows(x, stochastic=True)
-    assert torch.equal(one.scales.view(torch.uint8), rtn.scales.view(torch.uint8)) and torch.equal(one.row_scale, rtn.row_scale)
+    assert torch.equal(one.scales.view(torch.uint8), rtn.scales.view(torch.uint8))
+    assert torch.equal(one.row_scale, rtn.row_scale)
     step = (rtn.scales.float().repeat_interleave(16, -1) * rtn.row_scale[:, None]) * 2  # widest grid gap
     assert ((draws - x).abs() <= step).all()
     rtn_bias = (dequantize_rows(rtn) - x).abs().mean()
