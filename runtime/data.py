@@ -41,13 +41,23 @@ class Example:
     prompt_ids: list[int]
 
 
+TABLE_FORMATS = {".parquet": "parquet", ".csv": "csv", ".json": "json"}  # read through datasets.load_dataset
+
+
 def read_records(path: str | Path, flag: str = "--data") -> list[dict]:
-    """Records from a .jsonl file or a `datasets.save_to_disk` folder; errors name the line
-    (and ``flag``, the option the path came from). Each record gets "_where" (file:line)."""
+    """Records from a .jsonl file, a .parquet / .csv / .json table (datasets' loaders; .json: an
+    array of objects or JSON lines) or a `datasets.save_to_disk` folder; errors name the line (and
+    ``flag``, the option the path came from). Each record gets "_where" (file:line or row)."""
     p = Path(path)
     if not p.exists():
-        raise PactError(f"{flag} {p}: no such file or folder")
-    if p.is_dir():
+        hub = re.fullmatch(r"[\w.-]+/[\w.-]+", str(path)) is not None
+        raise PactError(f"{flag} {p}: no such file or folder" + (
+            " (a hub dataset id? pact reads local data: save it once where there is a network with "
+            f"datasets.load_dataset('{path}', split=...).save_to_disk(DIR) and pass DIR)" if hub else ""))
+    if p.is_file() and p.suffix.lower() in TABLE_FORMATS:
+        records = _table_records(p, flag)
+        where = [f"{p} row {i}" for i in range(len(records))]
+    elif p.is_dir():
         import datasets  # a declared dependency: imported outside the try so a broken install is not "not a folder"
 
         try:
@@ -90,6 +100,28 @@ def read_records(path: str | Path, flag: str = "--data") -> list[dict]:
     for rec, w in zip(records, where):
         rec["_where"] = w
     return records
+
+
+def _table_records(p: Path, flag: str) -> list[dict]:
+    """The rows of a .parquet / .csv / .json file as dicts, through datasets' loaders (their Arrow
+    cache in a temporary folder, removed after: nothing is left in the user's datasets cache)."""
+    import shutil
+    import tempfile
+
+    import datasets
+
+    cache = tempfile.mkdtemp(prefix="pact-data-")
+    try:
+        ds = datasets.load_dataset(TABLE_FORMATS[p.suffix.lower()], data_files=str(p), split="train",
+                                   cache_dir=cache)
+        return [dict(r) for r in ds]
+    except Exception as e:  # the loaders raise their own (pyarrow, pandas) error types
+        kind = p.suffix.lower()[1:]
+        why = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        raise PactError(f"{flag} {p}: not a readable {kind} table ({why}): fix the file, or give JSONL "
+                        "(one JSON object per line)") from None
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
 
 
 class _TemplateTimeout(Exception):

@@ -15,6 +15,7 @@ import json
 import logging
 import math
 import os
+import re
 import resource
 import shutil
 import socket
@@ -179,9 +180,12 @@ PATH_FIELDS = ("artifact", "data", "out", "eval_data")
 
 def _absolute(path: str | None) -> str | None:
     """A local path made absolute (symlinks resolved); URLs and None as given."""
-    if path is None or "://" in str(path):
-        return path
+    if path is None or "://" in str(path) or not Path(path).expanduser().exists() and _HUB_ID.fullmatch(str(path)):
+        return path  # a missing "org/name" stays as typed: the data reader names it as a hub id
     return str(Path(path).expanduser().resolve())
+
+
+_HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
 
 
 def _micro_batches(examples, cfg: TrainConfig, epoch: int, pos: int, world: int = 1

@@ -1,0 +1,51 @@
+"""--data as a .parquet / .csv / .json table (datasets' loaders) besides JSONL; a hub dataset id
+gets one line saying how to make it local."""
+
+import json
+
+import pytest
+
+from conftest import make_converted_llama
+from pact.formats import PactError
+from pact.runtime.data import read_records
+from pact.runtime.trainer import TrainConfig, train
+
+
+def _plain(recs):
+    return [{k: v for k, v in r.items() if k != "_where"} for r in recs]
+
+
+def test_tables_read_as_jsonl(tmp_path):
+    import datasets
+
+    rows = [{"prompt": f"review {i}\nverdict:", "completion": " fresh" if i % 2 else " rotten"} for i in range(5)]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ds = datasets.Dataset.from_list(rows)
+    ds.to_parquet(str(tmp_path / "d.parquet"))
+    ds.to_csv(str(tmp_path / "d.csv"), index=False)
+    (tmp_path / "d.json").write_text(json.dumps(rows))  # a JSON array
+    want = _plain(read_records(tmp_path / "d.jsonl"))
+    for suffix in ("parquet", "csv", "json"):
+        got = read_records(tmp_path / f"d.{suffix}")
+        assert _plain(got) == want, suffix
+        assert got[2]["_where"].endswith(f"d.{suffix} row 2")
+    (tmp_path / "bad.parquet").write_bytes(b"not parquet at all")
+    with pytest.raises(PactError, match=r"--data .*bad.parquet: not a readable parquet table .*give JSONL"):
+        read_records(tmp_path / "bad.parquet")
+    with pytest.raises(PactError, match=r"a hub dataset id\? .*save_to_disk\(DIR\) and pass DIR"):
+        read_records("tatsu-lab/alpaca")
+
+
+def test_train_on_parquet(tmp_path):
+    import datasets
+
+    d = make_converted_llama(tmp_path, 16)
+    rows = [json.loads(line) for line in (d / "train.jsonl").read_text().splitlines()]
+    datasets.Dataset.from_list(rows).to_parquet(str(d / "train.parquet"))
+    train(TrainConfig(artifact=str(d / "art"), data=str(d / "train.parquet"), out=str(d / "run"), steps=2,
+                      batch_size=4, max_len=64), progress=False)
+    assert (d / "run" / "adapter_model.safetensors").is_file()
+    assert len((d / "run" / "metrics.jsonl").read_text().splitlines()) == 2
+    with pytest.raises(PactError, match="a hub dataset id"):
+        train(TrainConfig(artifact=str(d / "art"), data="org/some-dataset", out=str(d / "run2"), steps=1),
+              progress=False)
