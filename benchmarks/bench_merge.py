@@ -90,12 +90,13 @@ def main(artifact, train_f, test_f, workdir, seeds, steps, lr, max_len, limit, j
                "unmerged": acc(artifact, str(run))}
         for how in ("rtn", "gptq"):
             t = time.perf_counter()
-            merged, summary = (None, {}) if how == "rtn" else gptq_merge(artifact, run, train_f)
-            export(str(artifact), d / f"ct-{how}", adapter=str(run), merge=True, overwrite=True, merged_weights=merged)
+            solver = None if how == "rtn" else (lambda a, r: gptq_merge(a, r, train_f))
+            summary = export(str(artifact), d / f"ct-{how}", adapter=str(run), merge=True, overwrite=True,
+                             merge_solver=solver)["merge"]
             row[f"{how}_merge_s"] = round(time.perf_counter() - t, 1)
             back = convert(str(d / f"ct-{how}"), d / f"art-{how}", overwrite=True, progress=False)
             row[f"merged_{how}"] = acc(back)
-            if summary:
+            if "output_error" in summary:
                 errs = summary["output_error"].values()
                 row["layer_error_plain_vs_gptq"] = [statistics.median(e["plain"] for e in errs),
                                                     statistics.median(e["gptq"] for e in errs)]

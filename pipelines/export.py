@@ -39,20 +39,20 @@ from .common import cli_errors
 @cli_errors
 def main(artifact, out, fmt, adapter, merge, merge_method, merge_data, merge_samples, overwrite, quiet) -> None:
     """Export ARTIFACT (with --adapter) for inference."""
-    merged, how = None, None
-    if merge and adapter and fmt != "bf16" and merge_method == "gptq":
-        from pact.calibrate.merge import gptq_merge
+    solver = None
+    if merge_method == "gptq":
+        def solver(art_path, run):  # called by export once every input is checked
+            from pact.calibrate.merge import gptq_merge
 
-        data = merge_data or _run_data(adapter)
-        merged, how = gptq_merge(artifact, adapter, data, max_samples=merge_samples, progress=not quiet)
+            return gptq_merge(art_path, run, merge_data or _run_data(run), max_samples=merge_samples,
+                              progress=not quiet)
+
     r = export(artifact, out, fmt=fmt, adapter=adapter, merge=merge, overwrite=overwrite, progress=not quiet,
-               merged_weights=merged)
-    if merge and adapter and fmt != "bf16":
-        r["merge"] = {k: v for k, v in (how or {"method": "rtn"}).items() if k != "output_error"}
-        if how:
-            errs = how["output_error"].values()
-            r["merge"]["layer_output_error_median"] = {
-                k: sorted(e[k] for e in errs)[len(errs) // 2] for k in ("plain", "gptq")}
+               merge_solver=solver)
+    if r.get("merge", {}).get("output_error"):
+        errs = r["merge"].pop("output_error").values()
+        r["merge"]["layer_output_error_median"] = {
+            k: sorted(e[k] for e in errs)[len(errs) // 2] for k in ("plain", "gptq")}
     if "requantization_error" in r:
         r["requantization_error"] = {k: v for k, v in r["requantization_error"].items() if k != "per_projection"}
     click.echo(json.dumps(r, indent=2))

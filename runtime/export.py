@@ -76,11 +76,12 @@ def _ct_config(ignore: list[str]) -> dict:
 
 def export(artifact: str, out: str | os.PathLike, *, fmt: str = "compressed-tensors", adapter: str | None = None,
            merge: bool = False, overwrite: bool = False, progress: bool = False,
-           merged_weights: dict[str, NVFP4Tensor] | None = None) -> dict:
+           merge_solver=None) -> dict:
     """Export ``artifact`` (with a PEFT ``adapter``) to ``out`` in ``fmt``; returns a summary (for
     a merged NVFP4 export: each projection's added relative error from re-quantizing).
-    ``merged_weights``: the merged NVFP4 tensors of the adapted projections, made by another
-    solver (calibrate.merge's error-compensating one); without it a merge rounds to nearest."""
+    ``merge_solver(artifact_path, adapter) -> (tensors, summary)``: makes the merged NVFP4 tensors
+    of the adapted projections (calibrate.merge's error-compensating one, which runtime cannot
+    import), called once every input is checked; without it a merge rounds to nearest."""
     if fmt not in FORMATS:
         raise PactError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
     if merge and not adapter:
@@ -101,6 +102,9 @@ def export(artifact: str, out: str | os.PathLike, *, fmt: str = "compressed-tens
     lora_cfg, adapters = load_peft_adapter(adapter) if adapter else (None, {})
     _check_adapter(adapter, adapters, art)
     merged = merge or fmt == "bf16"  # bf16 folders take the adapter folded in
+    requantized = merge and bool(adapters) and fmt != "bf16"
+    merged_weights, how = (merge_solver(art.path, adapter) if requantized and merge_solver
+                           else (None, {"method": "rtn"} if requantized else None))
     existed = out.exists()
     tmp = work_path(out, "tmp")
     try:
@@ -118,7 +122,7 @@ def export(artifact: str, out: str | os.PathLike, *, fmt: str = "compressed-tens
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return {"out": str(out), "format": fmt, **summary}
+    return {"out": str(out), "format": fmt, **summary, **({"merge": how} if how else {})}
 
 
 # --------------------------------------------------------------------------------------
