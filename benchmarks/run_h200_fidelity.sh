@@ -123,7 +123,7 @@ tasks|tasks2)  # tasks: lr LRS (5e-4); tasks2: LRS (2e-4) on the machine `tasks`
   fi
   grid ${LRS:-$([ $stage = tasks ] && echo 5e-4 || echo 2e-4)} $TASKS ${METHODS:-peft peft@nvfp4 pact=nvfp4-saved pact@bf16-decode=nvfp4-saved}
   echo "$stage: $(( $(date +%s) - t )) s, $(cat /tmp/rows/$stage-*.csv | grep -vc ^task) runs"
-  cat /tmp/rows/*.csv | awk 'NR == 1 || !/^task,/' > $OUT/fidelity_all.csv
+  cat /tmp/rows/tasks*.csv | awk 'NR == 1 || !/^task,/' > $OUT/fidelity_all.csv
   cat /tmp/rows/$stage-*.csv | awk 'NR == 1 || !/^task,/' > $OUT/fidelity_$stage.csv
   grep -h -i -B2 "error\|Traceback" /tmp/rows/$stage-*.log | head -20
   python3 benchmarks/bench_fidelity.py table $OUT/fidelity_all.csv | tee $OUT/table.md
