@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 from pact.formats import PactError
 from pact.formats.nvfp4 import NVFP4Tensor, dequantize, global_scale_from_amax
 from pact.runtime.data import read_records, tokenize
+from pact.runtime.export import merged_weight
 from pact.runtime.lora import load_peft_adapter
 from pact.runtime.session import open_session
 
@@ -64,21 +65,12 @@ def gptq_merge(artifact: str | os.PathLike, adapter: str | os.PathLike, data: st
                         hess[id(w)].add_batch(x if u.real is None else x[u.real])
 
                 with model.observing(add):
-                    u_next = model.layer(L, u.x, u.cos, u.sin, u.B, u.S)
-                u.x = u_next
+                    u.x = model.layer(L, u.x, u.cos, u.sin, u.B, u.S)
         for g in todo.values():
             H = hess[id(g.weight)]
             Ws = []
-            for name in g.names:
-                W = dequantize(art.nvfp4(name, "fwd")).float().to(dev)
-                if name in weights:
-                    A, B = (t.float().to(dev) for t in weights[name])
-                    W = W + scale * (B @ A)
-                if not bool(torch.isfinite(W).all()):
-                    raise PactError(f"{name}: merged with the adapter it holds non-finite values (NaN or inf): the "
-                                    "adapter's values are out of range; retrain (a lower --lr) or export it beside, "
-                                    "without --merge")
-                Ws.append(W)
+            for name in g.names:  # export's own W + s * B A (and its refusal of non-finite values)
+                Ws.append(merged_weight(dequantize(art.nvfp4(name, "fwd")).float(), name, weights, scale).to(dev))
             gs = global_scale_from_amax(max(float(W.abs().amax()) for W in Ws))
             q = NVFP4Quantizer(gs, scaling="1d", scale_rule=rule)
             Q, _ = H.quantize(torch.cat(Ws), q, blocksize=blocksize, percdamp=damp)

@@ -308,7 +308,8 @@ def _nvfp4(art, name: str) -> NVFP4Tensor:
     return t
 
 
-def _merged(w: torch.Tensor, name: str, adapters: dict, scale: float) -> torch.Tensor:
+def merged_weight(w: torch.Tensor, name: str, adapters: dict, scale: float) -> torch.Tensor:
+    """W + scale * B A for an adapted ``name`` (W as given otherwise), refused when not finite."""
     if name not in adapters:
         return w
     A, B = adapters[name]
@@ -345,17 +346,17 @@ def _write(art, tmp: Path, fmt: str, lora_cfg, adapters: dict, merge: bool, prog
             if fmt == "compressed-tensors" and classify(name).frozen_projection:
                 ignore.append(name.removesuffix(".weight"))  # a projection kept bf16 (--keep-bf16)
             w = art.dense(name)
-            tensors[name] = _merged(w.float(), name, adapters, scale).to(torch.bfloat16) if merge else w
+            tensors[name] = merged_weight(w.float(), name, adapters, scale).to(torch.bfloat16) if merge else w
             done.add(name)
             continue
         members = groups[e.get("group") or name]
         if fmt == "bf16":
             for m in members:
                 w = dequantize(_nvfp4(art, m))
-                tensors[m] = (_merged(w, m, adapters, scale) if merge else w).to(torch.bfloat16)
+                tensors[m] = (merged_weight(w, m, adapters, scale) if merge else w).to(torch.bfloat16)
         elif merge and any(m in adapters for m in members):
             # the group's members re-quantized together: one global scale (vLLM fuses q|k|v, gate|up)
-            ws = {m: _merged(dequantize(_nvfp4(art, m)), m, adapters, scale) for m in members}
+            ws = {m: merged_weight(dequantize(_nvfp4(art, m)), m, adapters, scale) for m in members}
             g = global_scale_from_amax(max(float(w.abs().amax()) for w in ws.values()))
             for m, w in ws.items():
                 t = merged_weights[m] if merged_weights else quantize(w, global_scale=g, scaling="1d", scale_rule=rule)
