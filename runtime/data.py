@@ -42,6 +42,7 @@ class Example:
 
 
 TABLE_FORMATS = {".parquet": "parquet", ".csv": "csv", ".json": "json"}  # read through datasets.load_dataset
+HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")  # "org/name": what a missing --data that looks like a hub dataset id is
 
 
 def read_records(path: str | Path, flag: str = "--data") -> list[dict]:
@@ -50,7 +51,7 @@ def read_records(path: str | Path, flag: str = "--data") -> list[dict]:
     ``flag``, the option the path came from). Each record gets "_where" (file:line or row)."""
     p = Path(path)
     if not p.exists():
-        hub = re.fullmatch(r"[\w.-]+/[\w.-]+", str(path)) is not None
+        hub = HUB_ID.fullmatch(str(path)) is not None
         raise PactError(f"{flag} {p}: no such file or folder" + (
             " (a hub dataset id? pact reads local data: save it once where there is a network with "
             f"datasets.load_dataset('{path}', split=...).save_to_disk(DIR) and pass DIR)" if hub else ""))

@@ -15,7 +15,6 @@ import json
 import logging
 import math
 import os
-import re
 import resource
 import shutil
 import socket
@@ -33,7 +32,7 @@ from pact.formats import PactError
 from pact.formats.artifact import pid_alive, save_safetensors, sha256_file
 from pact.formats.errors import write_error
 
-from .data import batches, collate, pad_id, read_records, tokenize
+from .data import HUB_ID, batches, collate, pad_id, read_records, tokenize
 from .distributed import Dist, from_env, leave
 from .evaluate import evaluate
 from .lora import ALL_TARGETS, LoraConfig, load_peft_adapter, parse_layers, reserve_peft_adapter, save_peft_adapter
@@ -180,12 +179,10 @@ PATH_FIELDS = ("artifact", "data", "out", "eval_data")
 
 def _absolute(path: str | None) -> str | None:
     """A local path made absolute (symlinks resolved); URLs and None as given."""
-    if path is None or "://" in str(path) or not Path(path).expanduser().exists() and _HUB_ID.fullmatch(str(path)):
+    if path is None or "://" in str(path) or not Path(path).expanduser().exists() and HUB_ID.fullmatch(str(path)):
         return path  # a missing "org/name" stays as typed: the data reader names it as a hub id
     return str(Path(path).expanduser().resolve())
 
-
-_HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
 
 
 def _micro_batches(examples, cfg: TrainConfig, epoch: int, pos: int, world: int = 1
