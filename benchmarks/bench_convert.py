@@ -33,6 +33,8 @@ SHAPES = {
                      num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True, rope_theta=5e5),
     "llama-3b": dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
                      num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True, rope_theta=5e5),
+    "llama-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                     num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False, rope_theta=5e5),
     "tiny": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=1024, tie_word_embeddings=True),
 }
@@ -49,7 +51,8 @@ def write_random_model(folder: Path, shape: str, shard_bytes: int = 1 << 30) -> 
     names = {n: tuple(p.shape) for n, p in model.state_dict().items()
              if not (cfg.tie_word_embeddings and n == "lm_head.weight")}
     folder.mkdir(parents=True, exist_ok=True)
-    gen = torch.Generator().manual_seed(0)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # the random numbers only (8B shapes: 16 GB of them)
+    gen = torch.Generator(device=dev).manual_seed(0)
     shard, size, total, index, k = {}, 0, 0, {}, 0
 
     def flush():
@@ -60,7 +63,7 @@ def write_random_model(folder: Path, shape: str, shard_bytes: int = 1 << 30) -> 
         shard, size, k = {}, 0, k + 1
 
     for name, shp in names.items():
-        t = torch.randn(shp, generator=gen).mul_(0.02).to(torch.bfloat16)
+        t = torch.randn(shp, generator=gen, device=dev).mul_(0.02).to(torch.bfloat16).cpu()
         if "norm" in name:
             t = torch.ones(shp, dtype=torch.bfloat16)
         shard[name] = t

@@ -3,13 +3,17 @@ the NVFP4 base + adapter unmerged (pact, the reference: 100% of the gain), the p
 re-quantizing merge (`pact-export --merge --merge-method rtn`), the GPTQ merge (`--merge`, its
 default) and the bf16 merge (`--format bf16`, scored by PEFT-free transformers).
 
-    python benchmarks/bench_merge.py --artifact ART --train train.jsonl --test test.jsonl --seeds 0 \\
-        [--steps 250 --lr 5e-4 --limit 200]
+    python benchmarks/bench_merge.py run --artifact ART --train train.jsonl --test test.jsonl --seeds 0 \\
+        --workdir W [--name rt --steps 250 --lr 5e-4 --limit 200 --json-out rows.json]
+    python benchmarks/bench_merge.py table rows/*.json
+
 
 Gain kept = (merged - zero-shot) / (unmerged - zero-shot). The merged NVFP4 exports are imported
 back with pact-convert (compressed-tensors, as stored) and scored by the same pact-eval code as the
 unmerged run; the bf16 export is scored the same way after pact-convert (RTN of the merged bf16
-weights would be one more rounding, so it is scored as bf16 with transformers instead).
+weights would be one more rounding, so it is scored as bf16 with transformers instead). Where
+compressed-tensors is installed, the GPTQ-merged export is also scored as a server's client loads
+it (transformers + compressed-tensors, `merged_gptq_hf`): the serving check.
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ import click
 
 
 def _score_hf(folder: Path, test: Path, max_len: int, limit: int) -> float:
-    """Label accuracy of a bf16 transformers folder, by the same candidate scoring as pact-eval."""
+    """Label accuracy of a transformers folder (bf16, or compressed-tensors NVFP4 decompressed on load),
+    by the same candidate scoring as pact-eval."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -32,14 +37,18 @@ def _score_hf(folder: Path, test: Path, max_len: int, limit: int) -> float:
     from pact.runtime.evaluate import candidate_batches, label_candidates
 
     tok = AutoTokenizer.from_pretrained(folder)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    packed = "quantization_config" in json.loads((folder / "config.json").read_text())
+    # compressed-tensors decompresses NVFP4 to the checkpoint's bf16 (its layers compute in it)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16 if packed else torch.float32)
+    model = model.to(dev).eval()
     ex = tokenize(read_records(test), tok, max_len=max_len)
     cands = label_candidates(ex)
     ex = ex[:limit] if limit else ex
     names, correct = list(cands), 0
 
     with torch.no_grad():
-        for chunk, ids, labels in candidate_batches(ex, cands, 16, pad_id(tok), "cpu"):
+        for chunk, ids, labels in candidate_batches(ex, cands, 16, pad_id(tok), dev):
             logits = model(input_ids=ids).logits[:, :-1].float()
             t = labels[:, 1:]
             lp = torch.log_softmax(logits, -1).gather(2, t.clamp_min(0)[..., None])[..., 0] * (t != -100)
@@ -48,7 +57,13 @@ def _score_hf(folder: Path, test: Path, max_len: int, limit: int) -> float:
     return correct / len(ex)
 
 
-@click.command()
+@click.group()
+def cli() -> None:
+    """What a merged export keeps of the adapter's gain (see the module docstring)."""
+
+
+@cli.command()
+@click.option("--name", default="", help="The task's name, written into every row.")
 @click.option("--artifact", required=True, type=click.Path(exists=True, file_okay=False))
 @click.option("--train", "train_f", required=True, type=click.Path(exists=True, dir_okay=False))
 @click.option("--test", "test_f", required=True, type=click.Path(exists=True, dir_okay=False))
@@ -59,7 +74,10 @@ def _score_hf(folder: Path, test: Path, max_len: int, limit: int) -> float:
 @click.option("--max-len", default=128, show_default=True)
 @click.option("--limit", default=0, show_default=True, help="Score the first N held-out examples (0: all).")
 @click.option("--json-out", type=click.Path(dir_okay=False, path_type=Path), default=None)
-def main(artifact, train_f, test_f, workdir, seeds, steps, lr, max_len, limit, json_out) -> None:
+def run(name, artifact, train_f, test_f, workdir, seeds, steps, lr, max_len, limit, json_out) -> None:
+    """Train each seed, then score zero-shot, unmerged and every merge of its adapter."""
+    import importlib.util
+
     from pact.calibrate.merge import gptq_merge
     from pact.convert import convert
     from pact.runtime.evaluate import evaluate_artifact
@@ -86,7 +104,7 @@ def main(artifact, train_f, test_f, workdir, seeds, steps, lr, max_len, limit, j
         train(TrainConfig(artifact=str(artifact), data=str(train_f), out=str(run), steps=steps, batch_size=8,
                           max_len=max_len, lr=lr, lora_r=16, lora_alpha=32, warmup_ratio=0.1, seed=seed),
               progress=False)
-        row = {"seed": seed, "zero_shot": zero, "train_s": round(time.perf_counter() - t, 1),
+        row = {"task": name, "lr": lr, "seed": seed, "zero_shot": zero, "train_s": round(time.perf_counter() - t, 1),
                "unmerged": acc(artifact, str(run))}
         for how in ("rtn", "gptq"):
             t = time.perf_counter()
@@ -96,6 +114,8 @@ def main(artifact, train_f, test_f, workdir, seeds, steps, lr, max_len, limit, j
             row[f"{how}_merge_s"] = round(time.perf_counter() - t, 1)
             back = convert(str(d / f"ct-{how}"), d / f"art-{how}", overwrite=True, progress=False)
             row[f"merged_{how}"] = acc(back)
+            if how == "gptq" and importlib.util.find_spec("compressed_tensors"):  # as a client loads it
+                row["merged_gptq_hf"] = _score_hf(d / "ct-gptq", test, max_len, 0)
             if "output_error" in summary:
                 errs = summary["output_error"].values()
                 row["layer_error_plain_vs_gptq"] = [statistics.median(e["plain"] for e in errs),
@@ -107,9 +127,47 @@ def main(artifact, train_f, test_f, workdir, seeds, steps, lr, max_len, limit, j
             row[k.replace("merged", "kept")] = round((row[k] - zero) / gain, 3) if gain else None
         rows.append(row)
         click.echo(json.dumps(row))
-    if json_out:
-        json_out.write_text(json.dumps(rows, indent=1))
+        if json_out:  # after every seed: a grid cut short keeps what it finished
+            json_out.write_text(json.dumps(rows, indent=1))
+
+
+def _mse(xs: list[float]) -> str:
+    m = statistics.mean(xs)
+    se = statistics.stdev(xs) / len(xs) ** 0.5 if len(xs) > 1 else float("nan")
+    return f"{100 * m:+.1f} +- {100 * se:.1f}"
+
+
+@cli.command()
+@click.argument("files", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
+def table(files) -> None:
+    """A markdown table of `run` rows: per task, mean accuracy of each variant, the gain kept
+    (mean merged gain / mean unmerged gain) and the paired difference merged - unmerged."""
+    rows = [r for f in files for r in json.loads(Path(f).read_text())]
+    by: dict[str, list[dict]] = {}
+    for r in rows:
+        by.setdefault(f"{r.get('task', '')} (lr {r.get('lr', '')})", []).append(r)
+    hf = any("merged_gptq_hf" in r for r in rows)
+    click.echo("| task | seeds | zero-shot | unmerged | plain merge | GPTQ merge | bf16 merge | kept: plain / GPTQ "
+               "/ bf16 | GPTQ - unmerged (paired) |" + (" transformers - pact (GPTQ export) |" if hf else ""))
+    click.echo("|---" * (9 + hf) + "|")
+    kept_all = []
+    for key, rs in sorted(by.items()):
+        mean = {k: statistics.mean(r[k] for r in rs) for k in ("zero_shot", "unmerged", "merged_rtn",
+                                                                  "merged_gptq", "merged_bf16")}
+        gain = mean["unmerged"] - mean["zero_shot"]
+        kept = [(mean[k] - mean["zero_shot"]) / gain if gain else float("nan")
+                for k in ("merged_rtn", "merged_gptq", "merged_bf16")]
+        kept_all.append(kept)
+        line = (f"| {key} | {len(rs)} | " + " | ".join(f"{100 * mean[k]:.1f}" for k in mean)
+                + f" | {' / '.join(f'{100 * k:.0f}%' for k in kept)} | "
+                + _mse([r["merged_gptq"] - r["unmerged"] for r in rs]) + " |")
+        if hf:
+            line += " " + _mse([r["merged_gptq_hf"] - r["merged_gptq"] for r in rs if "merged_gptq_hf" in r]) + " |"
+        click.echo(line)
+    avg = [statistics.mean(k[i] for k in kept_all) for i in range(3)]
+    click.echo(f"\nmean gain kept over {len(kept_all)} tasks: plain {100 * avg[0]:.0f}%, GPTQ {100 * avg[1]:.0f}%, "
+               f"bf16 {100 * avg[2]:.0f}%")
 
 
 if __name__ == "__main__":
-    main()
+    cli()

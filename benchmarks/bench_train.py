@@ -62,6 +62,7 @@ def _time_training(loss_fn, params, warmup: int, iters: int) -> tuple[float, flo
 
 
 ACTIVATIONS = {"spec": None}  # --activations: the precision recipe of every pact method (None: the default)
+LAYERS = {"spec": "all"}  # --lora-layers: the decoder blocks that get adapters (pact-train --lora-layers)
 
 
 def _pact(art_path: Path, compute: str, checkpoint: bool):
@@ -70,7 +71,8 @@ def _pact(art_path: Path, compute: str, checkpoint: bool):
     from pact.runtime.lora import LoraConfig
     from pact.runtime.model import PactModel
 
-    return PactModel(open_artifact(art_path), LoraConfig(r=16, alpha=32), device="cuda", compute=COMPUTE[compute],
+    return PactModel(open_artifact(art_path), LoraConfig(r=16, alpha=32, layers=LAYERS["spec"]), device="cuda",
+                     compute=COMPUTE[compute],
                      checkpoint=checkpoint, fp8_weights="resident" if compute == "fp8res" else "per-call",
                      activations=ACTIVATIONS["spec"])
 
@@ -215,7 +217,8 @@ def measure(method: str, art: Path, src: Path, shape: str, bs: int, seq: int, wa
     gc.collect()
     torch.cuda.empty_cache()
     row = {"model": shape, "method": method, "bs": bs, "seq": seq,
-           "recipe": ACTIVATIONS["spec"] if method.startswith("pact") else ""}
+           "recipe": ACTIVATIONS["spec"] if method.startswith("pact") else "",
+           "lora_layers": LAYERS["spec"] if method.startswith("pact") else "all"}
     try:
         ckpt = method.endswith("-ckpt")
         if method.startswith("pact"):
@@ -235,7 +238,7 @@ def measure(method: str, art: Path, src: Path, shape: str, bs: int, seq: int, wa
 
 
 @click.command()
-@click.option("--model", "shape", type=click.Choice(["llama-1b", "llama-3b"]), default="llama-1b")
+@click.option("--model", "shape", type=click.Choice(["llama-1b", "llama-3b", "llama-8b"]), default="llama-1b")
 @click.option("--batch", "batches", default="4", show_default=True, help="Comma-separated batch sizes (no cap).")
 @click.option("--methods", default="pact-fp8,peft", show_default=True,
               help=f"Comma-separated, from {', '.join(METHODS)}.")
@@ -252,13 +255,16 @@ def measure(method: str, art: Path, src: Path, shape: str, bs: int, seq: int, wa
 @click.option("--profile", is_flag=True, help="Also print a CUDA-time breakdown of one step of each pact method.")
 @click.option("--activations", default=None,
               help="pact's precision recipe (pact-train --activations; default: its default).")
+@click.option("--lora-layers", default="all", show_default=True,
+              help="Decoder blocks of pact's adapters (pact-train --lora-layers: all, top:N, A-B); peers adapt all.")
 def main(shape, batches, methods, memory_cap_gib, seq, workdir, warmup, iters, cap_batches, json_out, csv_out,
-         profile, activations) -> None:
+         profile, activations, lora_layers) -> None:
     from pact.convert import convert
     from pact.runtime.recipe import parse_recipe
 
     ACTIVATIONS["spec"] = parse_recipe(activations).spec()
-    print(f"pact recipe: --activations {ACTIVATIONS['spec']}")
+    LAYERS["spec"] = lora_layers
+    print(f"pact recipe: --activations {ACTIVATIONS['spec']} --lora-layers {lora_layers}")
 
     print(f"gpu={torch.cuda.get_device_name()} torch={torch.__version__}")
     src, art = workdir / f"src-{shape}", workdir / f"art-{shape}-2d"
@@ -295,8 +301,8 @@ def main(shape, batches, methods, memory_cap_gib, seq, workdir, warmup, iters, c
     if json_out:
         json_out.write_text(json.dumps(rows, indent=1))
     if csv_out:
-        fields = ["model", "method", "recipe", "bs", "seq", "step_ms", "tok_s", "peak_gib", "cap_gib", "largest_bs",
-                  "oom", "error"]
+        fields = ["model", "method", "recipe", "lora_layers", "bs", "seq", "step_ms", "tok_s", "peak_gib", "cap_gib",
+                  "largest_bs", "oom", "error"]
         with open(csv_out, "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=fields)
             w.writeheader()

