@@ -74,7 +74,11 @@ def cli() -> None:
 @click.option("--max-len", default=128, show_default=True)
 @click.option("--limit", default=0, show_default=True, help="Score the first N held-out examples (0: all).")
 @click.option("--json-out", type=click.Path(dir_okay=False, path_type=Path), default=None)
-def run(name, artifact, train_f, test_f, workdir, seeds, steps, lr, max_len, limit, json_out) -> None:
+@click.option("--reuse-runs", is_flag=True, help="A seed whose run folder holds an adapter is not trained again.")
+@click.option("--variants", default="rtn,gptq,bf16,hf", show_default=True,
+              help="Merges scored: rtn (plain), gptq, bf16, hf (the GPTQ export read by transformers).")
+def run(name, artifact, train_f, test_f, workdir, seeds, steps, lr, max_len, limit, json_out, reuse_runs,
+        variants) -> None:
     """Train each seed, then score zero-shot, unmerged and every merge of its adapter."""
     import importlib.util
 
@@ -99,14 +103,16 @@ def run(name, artifact, train_f, test_f, workdir, seeds, steps, lr, max_len, lim
     for seed in (int(s) for s in seeds.split(",")):
         d = workdir / f"seed{seed}"
         run = d / "run"
-        shutil.rmtree(run, ignore_errors=True)
         t = time.perf_counter()
-        train(TrainConfig(artifact=str(artifact), data=str(train_f), out=str(run), steps=steps, batch_size=8,
-                          max_len=max_len, lr=lr, lora_r=16, lora_alpha=32, warmup_ratio=0.1, seed=seed),
-              progress=False)
-        row = {"task": name, "lr": lr, "seed": seed, "zero_shot": zero, "train_s": round(time.perf_counter() - t, 1),
-               "unmerged": acc(artifact, str(run))}
-        for how in ("rtn", "gptq"):
+        reuse = reuse_runs and (run / "adapter_model.safetensors").is_file()
+        if not reuse:
+            shutil.rmtree(run, ignore_errors=True)
+            train(TrainConfig(artifact=str(artifact), data=str(train_f), out=str(run), steps=steps, batch_size=8,
+                              max_len=max_len, lr=lr, lora_r=16, lora_alpha=32, warmup_ratio=0.1, seed=seed),
+                  progress=False)
+        row = {"task": name, "lr": lr, "seed": seed, "zero_shot": zero,
+               "train_s": None if reuse else round(time.perf_counter() - t, 1), "unmerged": acc(artifact, str(run))}
+        for how in [h for h in ("rtn", "gptq") if h in variants.split(",")]:
             t = time.perf_counter()
             solver = None if how == "rtn" else (lambda a, r: gptq_merge(a, r, train_f))
             summary = export(str(artifact), d / f"ct-{how}", adapter=str(run), merge=True, overwrite=True,
@@ -114,16 +120,18 @@ def run(name, artifact, train_f, test_f, workdir, seeds, steps, lr, max_len, lim
             row[f"{how}_merge_s"] = round(time.perf_counter() - t, 1)
             back = convert(str(d / f"ct-{how}"), d / f"art-{how}", overwrite=True, progress=False)
             row[f"merged_{how}"] = acc(back)
-            if how == "gptq" and importlib.util.find_spec("compressed_tensors"):  # as a client loads it
+            row[f"{how}_total_s"] = round(time.perf_counter() - t, 1)
+            if how == "gptq" and "hf" in variants and importlib.util.find_spec("compressed_tensors"):  # as served
                 row["merged_gptq_hf"] = _score_hf(d / "ct-gptq", test, max_len, 0)
             if "output_error" in summary:
                 errs = summary["output_error"].values()
                 row["layer_error_plain_vs_gptq"] = [statistics.median(e["plain"] for e in errs),
                                                     statistics.median(e["gptq"] for e in errs)]
-        export(str(artifact), d / "bf16", fmt="bf16", adapter=str(run), overwrite=True)
-        row["merged_bf16"] = _score_hf(d / "bf16", test, max_len, 0)
+        if "bf16" in variants.split(","):
+            export(str(artifact), d / "bf16", fmt="bf16", adapter=str(run), overwrite=True)
+            row["merged_bf16"] = _score_hf(d / "bf16", test, max_len, 0)
         gain = row["unmerged"] - zero
-        for k in ("merged_rtn", "merged_gptq", "merged_bf16"):
+        for k in (k for k in ("merged_rtn", "merged_gptq", "merged_bf16") if k in row):
             row[k.replace("merged", "kept")] = round((row[k] - zero) / gain, 3) if gain else None
         rows.append(row)
         click.echo(json.dumps(row))

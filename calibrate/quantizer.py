@@ -21,6 +21,7 @@ from pact.formats.nvfp4 import (
     NVFP4Tensor,
     block_scales,
     encode_with_scales,
+    repeat_rows16,
     round_e2m1,
     search_block_scales,
 )
@@ -50,7 +51,7 @@ class NVFP4Quantizer:
             sc = search_block_scales(W, amax, self.g, self.scaling)
         else:
             sc = block_scales(amax, self.g)
-        return sc if self.scaling == "1d" else sc.repeat_interleave(BLOCK, dim=0)
+        return sc if self.scaling == "1d" else repeat_rows16(sc)
 
     def _fix(self, grp: slice | int, sc: torch.Tensor) -> None:
         """Store e4m3 scales [N, m] for group(s) ``grp`` and their fp32 factors (as formats.nvfp4 computes them)."""

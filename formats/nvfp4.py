@@ -291,7 +291,7 @@ def quantize(
         else:
             sc = block_scales(amax, global_scale)
         if scaling == "2d":
-            sc = sc.repeat_interleave(BLOCK, dim=0)
+            sc = repeat_rows16(sc)
         scales[r : r + n] = sc
         packed[r : r + n] = encode_with_scales(xc, sc, global_scale)
     return NVFP4Tensor(packed, scales, global_scale)
@@ -353,6 +353,12 @@ def dequantize_rows(t: NVFP4Rows, dtype: torch.dtype = torch.float32) -> torch.T
     return x.reshape(rows, cols).to(dtype)
 
 
+def repeat_rows16(scales: torch.Tensor) -> torch.Tensor:
+    """e4m3 block scales [n, m] -> [16 n, m], each row repeated 16 times (a 2d block's scale over its
+    rows). Through uint8: float8 index kernels are not built on every device."""
+    return scales.view(torch.uint8).repeat_interleave(BLOCK, dim=0).view(scales.dtype)
+
+
 def transpose_2d(t: NVFP4Tensor) -> NVFP4Tensor:
     """The exact re-pack of a 2d-scaled [N, K] tensor as [K, N] (the backward layout)."""
     n, k = t.shape
@@ -362,7 +368,7 @@ def transpose_2d(t: NVFP4Tensor) -> NVFP4Tensor:
     if not torch.equal(block.repeat_interleave(BLOCK, 0).view(torch.uint8), t.scales.view(torch.uint8)):
         raise ValueError("transpose_2d: scales are not constant over 16-row blocks (not 2d-scaled)")
     codes_t = unpack_e2m1(t.packed).t().contiguous()
-    scales_t = block.t().contiguous().repeat_interleave(BLOCK, dim=0)
+    scales_t = repeat_rows16(block.t().contiguous())
     return NVFP4Tensor(pack_e2m1(codes_t), scales_t, t.global_scale)
 
 
