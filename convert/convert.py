@@ -8,6 +8,7 @@ import logging
 import math
 import os
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -182,7 +183,10 @@ def _convert(source: Source, out: Path, *, scaling: str, block_scales: str, keep
                         "drop --scaling 2d")
     units = _plan(source, scaling)
     errors: dict[str, float] = {}
-    with ArtifactWriter(out, overwrite=overwrite) as writer:
+    # the source's bytes are hashed by a thread while the main one quantizes (hashlib releases the GIL)
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="pact-source-hash") as pool, \
+            ArtifactWriter(out, overwrite=overwrite) as writer:
+        source_sha256 = pool.submit(source.content_sha256)
         for unit in tqdm(units, desc=f"convert -> {out.name}", unit="group", disable=not progress):
             loaded = {name: _load_checked(source, name) for name in unit}
             tensors = {name: t for name, (t, _) in loaded.items()}
@@ -230,7 +234,7 @@ def _convert(source: Source, out: Path, *, scaling: str, block_scales: str, keep
                 **source.provenance,
                 **({"source_quantization": source.quantization} if source.quantization else {}),
                 "source_fingerprint": source.fingerprint(),
-                "source_sha256": source.content_sha256(),  # the weights' bytes: calibration checks its source by it
+                "source_sha256": source_sha256.result(),  # the weights' bytes: calibration checks its source by it
                 "scaling": scaling,
                 "block_scales": block_scales,
                 "keep_bf16": keep_bf16,

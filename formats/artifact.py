@@ -23,6 +23,7 @@ error, arrays: {part: {path, dtype, shape, sha256}}}}``.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -32,6 +33,7 @@ import re
 import shutil
 import sys
 import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
@@ -220,12 +222,43 @@ def check_output(out: str | os.PathLike, overwrite: bool) -> Path:
     return out
 
 
+@functools.cache
+def _zarr_json(shape: tuple[int, ...] | None, dtype: np.dtype | None) -> bytes:
+    """The zarr.json zarr itself writes for a one-chunk uncompressed array of ``shape`` and ``dtype``
+    (None: for a group), made in a memory store."""
+    import zarr
+    from zarr.storage import MemoryStore
+
+    files: dict = {}
+    if shape is None:
+        zarr.open_group(store=MemoryStore(store_dict=files), mode="w-")
+    else:
+        zarr.create_array(store=MemoryStore(store_dict=files), shape=shape, dtype=dtype, chunks=shape,
+                          compressors=None, filters=None, fill_value=0)
+    return files["zarr.json"].to_bytes()
+
+
+def _write_chunk(chunk: Path, data: np.ndarray) -> str:
+    """One array's chunk file (exactly its bytes: codec `bytes`, no compression) -> its sha256."""
+    view = memoryview(np.ascontiguousarray(data)).cast("B")
+    with open(chunk, "wb") as f:
+        f.write(view)
+    return hashlib.sha256(view).hexdigest()
+
+
 class ArtifactWriter:
     """Writes an artifact into a temp dir beside ``out``; ``commit()`` renames it into place.
 
     Use as a context manager: leaving the block by an exception removes the temp dir, so
     no half-written artifact is ever left at ``out``.
+
+    Chunk files are written and hashed by background threads (file writes and sha256 release the
+    GIL) while the caller produces the next tensor; at most ``PENDING_BYTES`` wait at a time. The
+    writer keeps a reference to each tensor it is given: callers must not change one in place after
+    handing it over. ``commit()`` waits for every chunk and raises the first write error.
     """
+
+    PENDING_BYTES = 1 << 29  # chunk bytes queued for the writer threads before add_* waits
 
     def __init__(self, out: str | os.PathLike, *, overwrite: bool = False):
         import zarr
@@ -241,35 +274,48 @@ class ArtifactWriter:
         self.root.create_group(HF_DIR, attributes={"contents": "HF config, tokenizer and processor files"})
         self.tensors: dict[str, dict[str, Any]] = {}
         self.files: dict[str, str] = {}
+        self._groups: set[str] = set()  # group folders whose zarr.json is written
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="pact-writer")
+        self._pending: list[tuple[dict[str, Any], Future, int]] = []  # (array entry, its sha256, bytes)
 
     def __enter__(self) -> "ArtifactWriter":
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is not None:
+            for _, fut, _ in self._pending:  # no thread may still write into what is removed
+                fut.cancel()
+            self._pool.shutdown(wait=True)
             shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def _drain(self, keep_bytes: int = 0) -> None:
+        """Wait for queued chunks, oldest first, until at most ``keep_bytes`` are queued; each
+        finished chunk's sha256 goes into its entry (a write error is raised here)."""
+        queued = sum(n for _, _, n in self._pending)
+        while self._pending and queued > keep_bytes:
+            entry, fut, n = self._pending.pop(0)
+            entry["sha256"] = fut.result()
+            queued -= n
 
     def _array(self, name: str, part: str, t: torch.Tensor) -> dict[str, Any]:
         data, dtype = _to_storage(t)
         path = f"tensors/{name}/{part}"
-        # zarr writes the array's metadata; the one chunk is written here, straight from
-        # the tensor's memory: with codec `bytes` (little endian, no compression) the chunk
-        # file is exactly those bytes, and zarr's own write would copy the array twice.
-        self.root.create_array(
-            path,
-            shape=data.shape,
-            dtype=data.dtype,
-            chunks=data.shape,  # one chunk: the file is the array, mappable as is
-            compressors=None,
-            filters=None,
-            fill_value=0,
-        )
+        # The array's metadata is zarr's own (made once per shape and dtype in memory, then written as
+        # a file; zarr's create_array per array costs ~7 ms of its event loop). The one chunk is
+        # written straight from the tensor's memory: with codec `bytes` (little endian, no
+        # compression) the chunk file is exactly those bytes.
+        for group in ("tensors", f"tensors/{name}"):
+            if group not in self._groups:
+                (self.tmp / group).mkdir(parents=True, exist_ok=True)
+                (self.tmp / group / "zarr.json").write_bytes(_zarr_json(None, None))
+                self._groups.add(group)
         chunk = _chunk_path(self.tmp / path, len(data.shape))
         chunk.parent.mkdir(parents=True, exist_ok=True)
-        view = memoryview(np.ascontiguousarray(data)).cast("B")
-        with open(chunk, "wb") as f:
-            f.write(view)
-        return {"path": path, "dtype": dtype, "shape": list(data.shape), "sha256": hashlib.sha256(view).hexdigest()}
+        (self.tmp / path / "zarr.json").write_bytes(_zarr_json(data.shape, data.dtype))
+        entry = {"path": path, "dtype": dtype, "shape": list(data.shape), "sha256": None}
+        self._drain(self.PENDING_BYTES - data.nbytes)
+        self._pending.append((entry, self._pool.submit(_write_chunk, chunk, data), data.nbytes))
+        return entry
 
     def add_nvfp4(self, name: str, fwd: NVFP4Tensor, bwd: NVFP4Tensor, **info: Any) -> None:
         """A frozen projection W [N, K]: forward layout and the backward (W^T) layout."""
@@ -296,6 +342,7 @@ class ArtifactWriter:
         }
 
     def remove(self, name: str) -> None:
+        self._drain()
         self.tensors.pop(name)
         shutil.rmtree(self.tmp / "tensors" / name)
 
@@ -317,6 +364,8 @@ class ArtifactWriter:
 
     def commit(self, **meta: Any) -> Path:
         """Write the manifest and rename the temp dir to ``out`` (replacing it if allowed)."""
+        self._drain()
+        self._pool.shutdown(wait=True)
         manifest = {
             "format": FORMAT_NAME,
             "format_version": FORMAT_VERSION,

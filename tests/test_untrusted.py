@@ -1,6 +1,7 @@
 """An artifact from someone else is the normal case: opening one never follows a path outside its
 folder, never runs code it ships, and the converter ships only the files a model needs."""
 
+import errno
 import json
 import os
 import shutil
@@ -418,6 +419,30 @@ def test_full_disk_during_convert_is_one_error(base, tmp_path, monkeypatch):
     with pytest.raises(PactError, match=r"could not write \(the disk is full\).*nothing was written to"):
         convert(str(base / "src"), tmp_path / "art", progress=False)
     assert list(tmp_path.iterdir()) == []  # no temp folder, no half artifact
+
+
+def test_full_disk_in_a_background_chunk_write_is_one_error(base, tmp_path, monkeypatch):
+    """Chunk files are written by the writer's threads: a failure there surfaces as the same one
+    error, and neither the temp folder nor a half artifact is left."""
+    from pact.formats import PactError
+    from pact.formats import artifact as A
+
+    real, calls = A._write_chunk, []
+
+    def full(chunk, data):
+        calls.append(chunk)
+        if len(calls) > 5:
+            raise OSError(errno.ENOSPC, "No space left on device", str(chunk))
+        return real(chunk, data)
+
+    monkeypatch.setattr(A, "_write_chunk", full)
+    with pytest.raises(PactError, match=r"could not write \(the disk is full\).*nothing was written to"):
+        convert(str(base / "src"), tmp_path / "art", progress=False)
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.undo()
+    # the same conversion without the fault: every chunk's sha256 in the manifest matches its file
+    art = open_artifact(convert(str(base / "src"), tmp_path / "art", progress=False))
+    art.verify()
 
 
 def test_calibrate_checks_its_output_before_work(base, tmp_path):
