@@ -34,7 +34,7 @@ from pact.formats.errors import write_error
 
 from .data import HUB_ID, batches, collate, pad_id, read_records, tokenize
 from .distributed import Dist, from_env, leave
-from .evaluate import evaluate
+from .evaluate import evaluate, label_candidates
 from .lora import ALL_TARGETS, LoraConfig, load_peft_adapter, parse_layers, reserve_peft_adapter, save_peft_adapter
 from .model import PactModel
 from .ops import COMPUTE, FP8_WEIGHTS, KERNELS
@@ -113,6 +113,13 @@ class TrainConfig:
     lora_layers: str = _opt("all", "Decoder blocks that get adapters: all, top:N (the N last), A-B (0-based, "
                                    "inclusive) or a comma list. Backward stops below the lowest one.")
     save_every: int = _opt(0, "Checkpoint every N steps (0: none).")
+    eval_every: int = _opt(0, "Evaluate --eval-data every N steps (0: at the end only); the best adapter so far is "
+                              "kept in OUT/best/.", aliases=("--eval-steps",))
+    metric_for_best: str = _opt("auto", "What --eval-every ranks by: eval_loss (lower is better), eval_accuracy "
+                                        "(label data) or auto (accuracy when the data has labels, else loss).",
+                                choices=("auto", "eval_loss", "eval_accuracy"), aliases=("--metric-for-best-model",))
+    early_stopping_patience: int = _opt(0, "With --eval-every: stop after N evaluations without improvement "
+                                           "(0: never).")
     kernels: str | None = _opt(None, "Default: triton on GPU, torch on CPU.", choices=KERNELS)
     compute: str | None = _opt(
         None, "Frozen-GEMM backend. auto = bf16-decode (exact NVFP4 products: learns as BF16 LoRA does). "
@@ -150,6 +157,9 @@ class TrainConfig:
              "> 0 (the adapter's scale is alpha / r; 0 trains nothing)"),
             ("lora-dropout", self.lora_dropout, 0 <= self.lora_dropout < 1, "in [0, 1)"),
             ("save-every", self.save_every, self.save_every >= 0, ">= 0 (0: no checkpoints)"),
+            ("eval-every", self.eval_every, self.eval_every >= 0, ">= 0 (0: evaluate at the end only)"),
+            ("early-stopping-patience", self.early_stopping_patience, self.early_stopping_patience >= 0,
+             ">= 0 (0: never stop early)"),
             ("max-len", self.max_len, self.max_len >= 2, ">= 2 (a prompt token and a completion token)"),
         )
         for flag, value, ok, want in checks:
@@ -157,6 +167,12 @@ class TrainConfig:
                 raise PactError(f"--{flag} must be {want}, got {value}")
         if self.lr_scheduler not in SCHEDULERS:
             raise PactError(f"--lr-scheduler must be one of {', '.join(SCHEDULERS)}, got {self.lr_scheduler!r}")
+        if self.eval_every and not self.eval_data:
+            raise PactError("--eval-every needs --eval-data (the held-out file it evaluates)")
+        if self.early_stopping_patience and not self.eval_every:
+            raise PactError("--early-stopping-patience needs --eval-every N (how often to evaluate)")
+        if self.metric_for_best not in ("auto", "eval_loss", "eval_accuracy"):
+            raise PactError(f"--metric-for-best must be auto, eval_loss or eval_accuracy, got {self.metric_for_best!r}")
         if self.overlong not in ("truncate", "refuse"):
             raise PactError(f"--overlong must be truncate or refuse, got {self.overlong!r}")
         self.activations = parse_recipe(self.activations).spec()  # canonical: resume compares it
@@ -255,6 +271,11 @@ def _write_checkpoint(tmp: Path, model: PactModel, opt: torch.optim.Optimizer, s
     (tmp / "state.json").write_text(json.dumps({**state, "config": cfg.as_json()}, indent=2))
 
 
+# settings a resumed run may change: how long it trains (a finished run with checkpoints is extended by
+# --resume with more --steps / --epochs; the schedule is recomputed for the new length), when it saves and evaluates
+RESUME_MAY_CHANGE = ("steps", "epochs", "save_every", "eval_every", "early_stopping_patience", "metric_for_best")
+
+
 def _config_diff(saved: dict, now: dict, saved_world: int = 1, world: int = 1) -> list[str]:
     # a setting newer than the checkpoint counts as its default there (the run used that behaviour)
     saved = {**{f.name: f.default for f in fields(TrainConfig) if f.name not in saved
@@ -263,7 +284,7 @@ def _config_diff(saved: dict, now: dict, saved_world: int = 1, world: int = 1) -
     if saved.get("batch_size", 0) * saved_world == now.get("batch_size", 0) * world:
         saved["batch_size"] = now.get("batch_size")  # the same global batch on another number of ranks
     return [f"  {k}: checkpoint {saved.get(k)!r} -> now {now.get(k)!r}" for k in sorted(set(saved) | set(now))
-            if saved.get(k) != now.get(k)]
+            if saved.get(k) != now.get(k) and k not in RESUME_MAY_CHANGE]
 
 
 MAX_STEP = 10**9
@@ -405,7 +426,8 @@ def _prepare_run(run: Path, resume: bool) -> None:
     if resume and files and not _usable_checkpoints(run):
         if (run / "adapter_model.safetensors").is_file():
             raise PactError(f"--resume: {run} is a finished run (its adapter is saved) with no checkpoint to resume "
-                            "from; nothing to do: train more in a new --out (its adapter stays as it is)")
+                            "from (a run extends with --resume and more --steps when it saved checkpoints: "
+                            "--save-every N); train more in a new --out (its adapter stays as it is)")
         raise PactError(f"--resume: {run} has no usable checkpoint (train with --save-every N); "
                         "start again in an empty --out")
     try:
@@ -471,6 +493,7 @@ class _Run:
     state: dict
     last_good: Path | None
     dist: Dist = field(default_factory=Dist)
+    held: list | None = None  # --eval-data, tokenized
 
 
 def _setup(cfg: TrainConfig, run: Path, resume: bool, dist: Dist, device: str | None) -> _Run:
@@ -494,9 +517,20 @@ def _setup(cfg: TrainConfig, run: Path, resume: bool, dist: Dist, device: str | 
     if resume and (good := _usable_checkpoints(run)):
         last_good = good[0]
         state = _load_checkpoint(run, last_good, model, opt, cfg, inputs, dist.world)
+        best = state.get("best")
+        if best is not None and not (isinstance(best, dict) and isinstance(best.get("step"), int)
+                                     and best.get("metric") in ("eval_loss", "eval_accuracy")
+                                     and isinstance(best.get("value"), float) and math.isfinite(best["value"])):
+            log.warning("%s: its best-evaluation record is damaged: the best adapter is tracked anew", last_good)
+            state.pop("best")
+        if not isinstance(state.get("bad_evals", 0), int):
+            state["bad_evals"] = 0
         if dist.main:
             _truncate_metrics(run / "metrics.jsonl", state["step"])  # steps after the checkpoint are redone
-        if state["step"] >= total:
+        if state["step"] > total:
+            raise PactError(f"--resume: {last_good} is at step {state['step']}, beyond this run's {total} steps: "
+                            f"pass --steps above {state['step']} to train further")
+        if state["step"] == total:
             log.info("%s: the checkpoint is at the last step (%d); writing the adapter", last_good, total)
     state["inputs"] = inputs
     state["world_size"] = dist.world
@@ -508,7 +542,15 @@ def _setup(cfg: TrainConfig, run: Path, resume: bool, dist: Dist, device: str | 
         (run / "train_config.json").write_text(json.dumps({
             **cfg.as_json(), "recipe": model.recipe.as_json(), "world_size": dist.world,
             "global_batch": cfg.batch_size * dist.world * cfg.grad_accum, "inputs_sha256": inputs}, indent=2) + "\n")
-    return _Run(model, ses.tokenizer, examples, pad_id(ses.tokenizer), total, params, opt, state, last_good, dist)
+    held = None
+    if cfg.eval_data:
+        held = tokenize(read_records(cfg.eval_data), ses.tokenizer, max_len=cfg.max_len, overlong=cfg.overlong,
+                        vocab_size=vocab)
+        if cfg.metric_for_best == "eval_accuracy" and label_candidates(held) is None:
+            raise PactError(f"--metric-for-best eval_accuracy: {cfg.eval_data} is not label data (its completions are "
+                            "not a small set of answers); use eval_loss")
+    return _Run(model, ses.tokenizer, examples, pad_id(ses.tokenizer), total, params, opt, state, last_good, dist,
+                held)
 
 
 def _step(r: _Run, cfg: TrainConfig, micro: list) -> dict:
@@ -561,12 +603,56 @@ def _finish(r: _Run, cfg: TrainConfig, run: Path, last: dict) -> dict:
     except OSError as e:
         raise _disk_error(e, run / "adapter_model.safetensors") from None
     result = dict(last)
-    if cfg.eval_data:
-        held = tokenize(read_records(cfg.eval_data), r.tokenizer, max_len=cfg.max_len, overlong=cfg.overlong,
-                        vocab_size=r.model.embed.shape[0])
-        result.update(evaluate(r.model, held, batch_size=cfg.batch_size, pad_id=r.pad))
+    if r.held is not None:
+        if "eval_loss" not in last:  # (an early stop has just evaluated these weights)
+            result.update(evaluate(r.model, r.held, batch_size=cfg.batch_size, pad_id=r.pad))
+            if cfg.eval_every:
+                _keep_best(r, cfg, run, result)
+        if "best" in r.state:
+            result.update(best_step=r.state["best"]["step"], best_metric=r.state["best"]["metric"],
+                          best_value=r.state["best"]["value"])
         (run / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
     return result
+
+
+def _periodic_eval(r: _Run, cfg: TrainConfig, run: Path) -> tuple[dict, bool]:
+    """--eval-every: evaluate on rank 0, keep OUT/best/ when the metric improves, count evaluations
+    without improvement; returns (the evaluation's metrics, stop now) — the same decision on every rank."""
+    out, stop, error = {}, False, None
+    if r.dist.main:
+        try:
+            out = evaluate(r.model, r.held, batch_size=cfg.batch_size, pad_id=r.pad)
+            _keep_best(r, cfg, run, out)
+            stop = bool(cfg.early_stopping_patience) and r.state["bad_evals"] >= cfg.early_stopping_patience
+        except PactError as e:
+            error = e
+    r.dist.check(error, r.model.device)
+    stop = r.dist.sum([float(stop)], r.model.device)[0] > 0
+    return out, stop
+
+
+def _keep_best(r: _Run, cfg: TrainConfig, run: Path, out: dict) -> None:
+    """The adapter into OUT/best/ (through a temp folder) when ``out`` improves on the best evaluation
+    so far; else one more evaluation without improvement. State kept in r.state (checkpointed)."""
+    metric = cfg.metric_for_best
+    if metric == "auto":
+        metric = "eval_accuracy" if "eval_accuracy" in out else "eval_loss"
+    value, best = out[metric], r.state.get("best")
+    if best is not None and not (value > best["value"] if metric == "eval_accuracy" else value < best["value"]):
+        r.state["bad_evals"] = r.state.get("bad_evals", 0) + 1
+        return
+    r.state["best"] = {"step": r.state["step"], "metric": metric, "value": value}
+    r.state["bad_evals"] = 0
+    final, tmp = run / "best", run / "best.tmp"
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        save_peft_adapter(tmp, r.model.adapter_state(), cfg.lora(), base_model(r.model.artifact))
+        (tmp / "best.json").write_text(json.dumps({**r.state["best"], **out}, indent=2) + "\n")
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise _disk_error(e, final) from None
 
 
 def _train(cfg: TrainConfig, run: Path, resume: bool, progress: bool, stop_after: int | None,
@@ -591,6 +677,12 @@ def _train(cfg: TrainConfig, run: Path, resume: bool, progress: bool, stop_after
             last.update(tokens_per_s=last["tokens"] / dt, epoch=state["epoch"],
                         peak_mem_gb=round(_peak_memory_gb(device), 3),
                         elapsed_s=round(time.perf_counter() - t_start, 3))
+            stop = False
+            if cfg.eval_every and state["step"] % cfg.eval_every == 0 and state["step"] < r.total:
+                ev, stop = _periodic_eval(r, cfg, run)
+                last.update(ev)
+                if stop:
+                    last["stopped_early"] = True
             metrics_f.write(json.dumps(last) + "\n")
             metrics_f.flush()
             bar.update(1)
@@ -606,6 +698,10 @@ def _train(cfg: TrainConfig, run: Path, resume: bool, progress: bool, stop_after
                 dist.check(error, device)
             if stop_after is not None and state["step"] >= stop_after:
                 return last
+            if stop:
+                log.info("early stopping at step %d: %d evaluations without improvement of %s (best: step %d)",
+                         state["step"], state["bad_evals"], state["best"]["metric"], state["best"]["step"])
+                break
     except torch.cuda.OutOfMemoryError:
         raise PactError(f"out of GPU memory at --batch-size {cfg.batch_size} and --max-len {cfg.max_len}: lower "
                         "--batch-size (raise --grad-accum to keep the effective batch) or --max-len, "

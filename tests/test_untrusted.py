@@ -145,7 +145,7 @@ def test_resume_never_overwrites_a_finished_run(base, tmp_path):
 
     train(_cfg(base, tmp_path), progress=False)
     adapter = (tmp_path / "run" / "adapter_model.safetensors").read_bytes()
-    with pytest.raises(PactError, match="is a finished run .* nothing to do"):
+    with pytest.raises(PactError, match="is a finished run .* no checkpoint"):
         train(_cfg(base, tmp_path), resume=True, progress=False)
     assert (tmp_path / "run" / "adapter_model.safetensors").read_bytes() == adapter
     assert [json.loads(x)["step"] for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()] == [1, 2]

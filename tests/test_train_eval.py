@@ -1,0 +1,124 @@
+"""pact-train --eval-every (OUT/best/, --early-stopping-patience) and extending a finished run
+with --resume and more --steps."""
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from conftest import make_model, make_sentiment_jsonl
+from pact.convert import convert
+from pact.formats import PactError
+from pact.pipelines.train import main as train_cli
+from pact.runtime import trainer
+from pact.runtime.lora import load_peft_adapter
+from pact.runtime.trainer import TrainConfig, train
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory):
+    d = tmp_path_factory.mktemp("evaltask")
+    make_model(d / "src", "llama", initializer_range=0.15)
+    convert(str(d / "src"), d / "art", progress=False)
+    make_sentiment_jsonl(d / "train.jsonl", 128, seed=0)
+    make_sentiment_jsonl(d / "test.jsonl", 32, seed=1)
+    (d / "text.jsonl").write_text("".join(json.dumps({"prompt": f"say {i}", "completion": f" word{i} and more"}) + "\n"
+                                          for i in range(16)))
+    return d
+
+
+def _cfg(task, out, **kw):
+    base = dict(artifact=str(task / "art"), data=str(task / "train.jsonl"), out=str(out), max_len=64, batch_size=16,
+                lr=5e-3, lora_r=4, lora_alpha=8, steps=8, seed=0, kernels="torch", eval_data=str(task / "test.jsonl"))
+    return TrainConfig(**{**base, **kw})
+
+
+def _metrics(run):
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def _adapter(run):
+    return load_peft_adapter(str(run))[1]
+
+
+def test_eval_every_keeps_the_best_adapter(task, tmp_path):
+    run = tmp_path / "run"
+    result = train(_cfg(task, run, eval_every=2), progress=False)
+    m = _metrics(run)
+    assert [r["step"] for r in m if "eval_loss" in r] == [2, 4, 6]  # the last step's evaluation is eval.json's
+    assert all("eval_accuracy" in r for r in m if "eval_loss" in r)
+    best = json.loads((run / "best" / "best.json").read_text())
+    assert best["metric"] == "eval_accuracy"  # auto: label data
+    evals = {r["step"]: r["eval_accuracy"] for r in m if "eval_loss" in r} | {8: result["eval_accuracy"]}
+    assert best["value"] == max(evals.values()) and evals[best["step"]] == best["value"]
+    assert best["step"] == min(s for s, v in evals.items() if v == best["value"])  # the first to reach it
+    assert result["best_step"] == best["step"] == json.loads((run / "eval.json").read_text())["best_step"]
+    assert set(_adapter(run / "best")) == set(_adapter(run))  # a whole PEFT adapter
+    assert not (run / "best.tmp").exists()
+
+
+def test_early_stopping_after_patience(task, tmp_path, monkeypatch):
+    """Scripted evaluations (loss 1.0, 0.9, then worse): with patience 2 the run stops at the 4th
+    evaluation, its best/ is the adapter of the 2nd, the final adapter the stopping step's."""
+    losses = iter([1.0, 0.9, 0.95, 0.97, 0.99, 1.0])
+    monkeypatch.setattr(trainer, "evaluate", lambda *a, **k: {"eval_loss": next(losses), "eval_tokens": 1})
+    run = tmp_path / "run"
+    result = train(_cfg(task, run, steps=20, eval_every=2, early_stopping_patience=2, metric_for_best="eval_loss"),
+                   progress=False)
+    m = _metrics(run)
+    assert m[-1]["step"] == 8 and m[-1]["stopped_early"] and result["step"] == 8
+    best = json.loads((run / "best" / "best.json").read_text())
+    assert best["step"] == 4 and best["value"] == 0.9 and result["best_step"] == 4
+    best_a, final_a = _adapter(run / "best"), _adapter(run)
+    assert any(not torch.equal(best_a[k][1], final_a[k][1]) for k in best_a)
+
+
+def test_best_survives_a_resume(task, tmp_path, monkeypatch):
+    losses = iter([0.5, 0.7, 0.8, 0.9])  # best at the first evaluation, then worse
+    monkeypatch.setattr(trainer, "evaluate", lambda *a, **k: {"eval_loss": next(losses), "eval_tokens": 1})
+    cfg = _cfg(task, tmp_path / "run", steps=10, eval_every=2, save_every=2, early_stopping_patience=3,
+               metric_for_best="eval_loss")
+    train(cfg, progress=False, stop_after=4)  # killed after step 4: best = step 2, one bad evaluation
+    result = train(cfg, resume=True, progress=False)
+    assert result["step"] == 8 and result["best_step"] == 2  # 2 more bad evaluations (6, 8): stopped at patience 3
+
+
+def test_eval_options_refuse_bad_combinations(task, tmp_path):
+    with pytest.raises(PactError, match="--eval-every needs --eval-data"):
+        _cfg(task, tmp_path / "r", eval_data=None, eval_every=2)
+    with pytest.raises(PactError, match="--early-stopping-patience needs --eval-every"):
+        _cfg(task, tmp_path / "r", early_stopping_patience=2)
+    with pytest.raises(PactError, match="--eval-every must be >= 0"):
+        _cfg(task, tmp_path / "r", eval_every=-1)
+    with pytest.raises(PactError, match="eval_accuracy: .*text.jsonl is not label data"):
+        train(_cfg(task, tmp_path / "r", eval_data=str(task / "text.jsonl"), eval_every=2,
+                   metric_for_best="eval_accuracy"), progress=False)
+    assert not (tmp_path / "r").exists()
+
+
+def test_cli_spellings(task, tmp_path):
+    run = tmp_path / "run"
+    r = CliRunner().invoke(train_cli, [str(task / "art"), "--data", str(task / "train.jsonl"), "--out", str(run),
+                                       "--eval-data", str(task / "test.jsonl"), "--eval-steps", "3",
+                                       "--metric-for-best-model", "eval_loss", "--early-stopping-patience", "5",
+                                       "--max-steps", "6", "--batch-size", "16", "--max-len", "64", "--quiet"])
+    assert r.exit_code == 0, r.output
+    saved = json.loads((run / "train_config.json").read_text())
+    assert (saved["eval_every"], saved["metric_for_best"], saved["early_stopping_patience"]) == (3, "eval_loss", 5)
+    assert json.loads((run / "best" / "best.json").read_text())["metric"] == "eval_loss"
+
+
+def test_extend_a_finished_run(task, tmp_path):
+    """A finished run that saved checkpoints trains further with --resume and more --steps (its
+    metrics continue, the adapter moves on); fewer steps than its checkpoint, or other settings, are refused."""
+    run = tmp_path / "run"
+    train(_cfg(task, run, eval_data=None, steps=4, save_every=2), progress=False)
+    first = _adapter(run)
+    result = train(_cfg(task, run, eval_data=None, steps=6, save_every=2), resume=True, progress=False)
+    assert result["step"] == 6 and [r["step"] for r in _metrics(run)] == [1, 2, 3, 4, 5, 6]
+    assert any(not torch.equal(first[k][1], _adapter(run)[k][1]) for k in first)
+    with pytest.raises(PactError, match=r"step 6, beyond this run's 5 steps: pass --steps above 6"):
+        train(_cfg(task, run, eval_data=None, steps=5, save_every=2), resume=True, progress=False)
+    with pytest.raises(PactError, match=r"(?s)other settings.*lr: checkpoint"):  # anything else still has to match
+        train(_cfg(task, run, eval_data=None, steps=8, save_every=2, lr=1e-3), resume=True, progress=False)
