@@ -39,6 +39,7 @@ class Example:
     labels: list[int]  # IGNORE on prompt tokens
     completion: str  # the raw target text (labels for classification-style evaluation)
     prompt_ids: list[int]
+    segments: list[int] | None = None  # a packed row (--packing): each token's sequence number in the row
 
 
 TABLE_FORMATS = {".parquet": "parquet", ".csv": "csv", ".json": "json"}  # read through datasets.load_dataset
@@ -177,7 +178,8 @@ def _text(value, where: str, what: str) -> str:
     return value
 
 
-OTHER_FORMS = "Alpaca {instruction, input, output} or ShareGPT {conversations: [{from, value}]} records"
+OTHER_FORMS = ("Alpaca {instruction, input, output} or ShareGPT {conversations: [{from, value}]} records, or "
+               "{text} for raw text")
 # the Stanford Alpaca prompt (tatsu-lab/stanford_alpaca, train.py), with and without an input
 ALPACA_INPUT = ("Below is an instruction that describes a task, paired with an input that provides further context. "
                 "Write a response that appropriately completes the request.\n\n"
@@ -344,6 +346,9 @@ def tokenize(records: list[dict], tokenizer, *, max_len: int, overlong: str = "t
         raise PactError(f"--overlong must be truncate or refuse, got {overlong!r}")
     out, cut = [], 0
     for rec in records:
+        if isinstance(rec.get("text"), str) and not {"prompt", "messages", "conversations", "instruction"} & set(rec):
+            out.extend(_raw_text(tokenizer, rec, max_len, vocab_size))
+            continue
         rec = parse_record(rec)
         ids, labels, start, completion = (_chat if "messages" in rec else _pair)(tokenizer, rec)
         if len(ids) > max_len:
@@ -362,6 +367,81 @@ def tokenize(records: list[dict], tokenizer, *, max_len: int, overlong: str = "t
     if cut:
         log.warning("truncated %d of %d examples to --max-len %d", cut, len(out), max_len)
     return out
+
+
+def _raw_text(tokenizer, rec: dict, max_len: int, vocab_size: int | None) -> list[Example]:
+    """A {"text"} record (continued pretraining): every token is a target, the end-of-sequence token
+    after the last; a text longer than ``max_len`` becomes consecutive pieces of ``max_len`` tokens."""
+    w = rec["_where"]
+    text = _text(rec["text"], w, "text")
+    if not text:
+        raise PactError(f"{w}: the text is empty: nothing to train on")
+    ids = tokenizer(text, add_special_tokens=True)["input_ids"]
+    eos = tokenizer.eos_token_id
+    if eos is not None and (not ids or ids[-1] != eos):
+        ids = ids + [eos]
+    if vocab_size is not None and max(ids) >= vocab_size:
+        raise PactError(f"{w}: token id {max(ids)} >= the model's vocabulary {vocab_size}: "
+                        "the artifact's tokenizer does not match its weights")
+    pieces = [ids[i : i + max_len] for i in range(0, len(ids), max_len)]
+    return [Example(p, list(p), text, []) for p in pieces if len(p) >= 2]
+
+
+def pack(examples: list[Example], max_len: int) -> list[Example]:
+    """--packing: whole examples into rows of at most ``max_len`` tokens (best fit, longest first; the
+    same rows every time). Each keeps its tokens, its targets and its positions from 0
+    (``collate_packed``): no token attends across examples, and an example's first token is never a
+    target of the one before it."""
+    import bisect
+
+    order = sorted(range(len(examples)), key=lambda i: (-len(examples[i].ids), i))
+    rows: list[list[int]] = []
+    free: list[tuple[int, int]] = []  # (room left, row), sorted: the tightest row that fits is found by bisect
+    for i in order:
+        n = len(examples[i].ids)
+        k = bisect.bisect_left(free, (n, -1))
+        if k == len(free):
+            rows.append([i])
+            room, r = max_len - n, len(rows) - 1
+        else:
+            room, r = free.pop(k)
+            rows[r].append(i)
+            room -= n
+        if room > 0:
+            bisect.insort(free, (room, r))
+    packed = []
+    for row in rows:
+        ids, labels, segments = [], [], []
+        for s, i in enumerate(row):
+            e = examples[i]
+            ids += e.ids
+            labels += [IGNORE] + e.labels[1:]  # (the first token is only ever a target of the previous example)
+            segments += [s] * len(e.ids)
+        packed.append(Example(ids, labels, "", [], segments))
+    return packed
+
+
+def collate_packed(examples: list[Example], index: list[int], pad_id: int, device
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Packed rows -> ids, labels, positions [B, S] (from 0 in each example) and the attention mask
+    [B, 1, S, S] (True: may attend): causal inside each example, nothing across them; padding
+    attends to itself (never a target)."""
+    ids, labels = collate(examples, index, pad_id, "cpu")
+    B, S = ids.shape
+    seg = torch.full((B, S), -1, dtype=torch.long)
+    pos = torch.zeros((B, S), dtype=torch.long)
+    for r, i in enumerate(index):
+        segs = examples[i].segments or [0] * len(examples[i].ids)
+        seg[r, : len(segs)] = torch.tensor(segs)
+        start = 0
+        for k in range(1, len(segs) + 1):
+            if k == len(segs) or segs[k] != segs[start]:
+                pos[r, start:k] = torch.arange(k - start)
+                start = k
+    causal = torch.ones(S, S, dtype=torch.bool).tril()
+    mask = (seg[:, :, None] == seg[:, None, :]) & causal
+    mask |= torch.eye(S, dtype=torch.bool)
+    return ids.to(device), labels.to(device), pos.to(device), mask[:, None].to(device)
 
 
 def batches(examples: list[Example], batch_size: int, *, seed: int, epoch: int,

@@ -190,9 +190,11 @@ class PactModel(nn.Module):
         return x + MlpFn.apply(x, L.mlp_norm, self.eps, L.gate_up, L.down, self.ops, (recipe.gate_up, recipe.down),
                                *L.gate_up.lora_params(), *L.down.lora_params())
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """Summed next-token loss over positions whose label is not -100, and their count."""
-        h = self.hidden_states(input_ids)
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor | None = None,
+                mask: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
+        """Summed next-token loss over positions whose label is not -100, and their count (``positions``
+        and ``mask``: as hidden_states takes them; packed rows)."""
+        h = self.hidden_states(input_ids, positions, mask)
         targets = labels[:, 1:]
         sel = targets != -100
         hs = rmsnorm(h[:, :-1][sel], self.final_norm, self.eps)

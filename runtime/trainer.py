@@ -32,7 +32,7 @@ from pact.formats import PactError
 from pact.formats.artifact import pid_alive, save_safetensors, sha256_file
 from pact.formats.errors import write_error
 
-from .data import HUB_ID, batches, collate, pad_id, read_records, tokenize
+from .data import HUB_ID, batches, collate, collate_packed, pack, pad_id, read_records, tokenize
 from .distributed import Dist, from_env, leave
 from .evaluate import evaluate, label_candidates
 from .lora import ALL_TARGETS, LoraConfig, load_peft_adapter, parse_layers, reserve_peft_adapter, save_peft_adapter
@@ -120,6 +120,8 @@ class TrainConfig:
                                 choices=("auto", "eval_loss", "eval_accuracy"), aliases=("--metric-for-best-model",))
     early_stopping_patience: int = _opt(0, "With --eval-every: stop after N evaluations without improvement "
                                            "(0: never).")
+    packing: bool = _opt(False, "Several examples per --max-len row, each attending only to itself, positions "
+                                "from 0 (fewer padding tokens; the same loss).")
     kernels: str | None = _opt(None, "Default: triton on GPU, torch on CPU.", choices=KERNELS)
     compute: str | None = _opt(
         None, "Frozen-GEMM backend. auto = bf16-decode (exact NVFP4 products: learns as BF16 LoRA does). "
@@ -508,6 +510,10 @@ def _setup(cfg: TrainConfig, run: Path, resume: bool, dist: Dist, device: str | 
     vocab = model.embed.shape[0]
     examples = tokenize(read_records(cfg.data), ses.tokenizer, max_len=cfg.max_len, overlong=cfg.overlong,
                         vocab_size=vocab)
+    if cfg.packing:
+        n = len(examples)
+        examples = pack(examples, cfg.max_len)
+        log.info("--packing: %d examples in %d rows of <= %d tokens", n, len(examples), cfg.max_len)
     per_epoch = math.ceil(math.ceil(len(examples) / (cfg.batch_size * dist.world)) / cfg.grad_accum)
     total = cfg.steps or max(1, math.ceil(cfg.epochs * per_epoch))
     params = list(model.lora_params.values())
@@ -558,17 +564,18 @@ def _step(r: _Run, cfg: TrainConfig, micro: list) -> dict:
     each); returns the step's metrics (global, without timing)."""
     device, state, dist = r.model.device, r.state, r.dist
     shares = [idx[dist.share(len(idx))] for _, _, idx in micro]
-    loaded = [collate(r.examples, share, r.pad, device) for share in shares if share]
-    local_targets = sum(int((labels[:, 1:] != -100).sum()) for _, labels in loaded)
-    local_tokens = sum(int(ids.numel()) for ids, _ in loaded)
+    make = collate_packed if cfg.packing else collate
+    loaded = [make(r.examples, share, r.pad, device) for share in shares if share]
+    local_targets = sum(int((b[1][:, 1:] != -100).sum()) for b in loaded)
+    local_tokens = sum(int(b[0].numel()) for b in loaded)
     n_targets, tokens = (int(v) for v in dist.sum([local_targets, local_tokens], device))
     if n_targets == 0:
         raise PactError(f"step {state['step'] + 1}: the batch has no completion tokens within --max-len "
                         f"{cfg.max_len}: raise --max-len")
     loss_sum, error = 0.0, None
     try:
-        for ids, labels in loaded:
-            loss, _ = r.model(ids, labels)
+        for batch in loaded:
+            loss, _ = r.model(*batch)
             (loss / n_targets).backward()
             loss_sum += float(loss.detach())
     except Exception as e:  # every rank stops with it (a failed rank never leaves the others waiting)
