@@ -156,19 +156,11 @@ def evaluate(model, examples: list[Example], *, batch_size: int, pad_id: int, pr
 
 @torch.no_grad()
 def greedy_generate(model, prompt_ids: list[int], max_new_tokens: int, stop_ids: set[int]) -> list[int]:
-    """Greedy continuation of one prompt (no KV cache: each step reruns the prefix; fine for the
-    short answers evaluation asks for). Stops at a token in ``stop_ids``, which is not returned."""
-    ids = list(prompt_ids)
-    out: list[int] = []
-    for _ in range(max_new_tokens):
-        x = torch.tensor([ids], device=model.device)
-        h = rmsnorm(model.hidden_states(x)[:, -1], model.final_norm, model.eps)
-        nxt = int((h @ model.lm_head.t()).argmax(-1))
-        if nxt in stop_ids:
-            break
-        out.append(nxt)
-        ids.append(nxt)
-    return out
+    """Greedy continuation of one prompt (with a key/value cache: runtime/generate.py). Stops at a
+    token in ``stop_ids``, which is not returned."""
+    from .generate import generate
+
+    return generate(model, prompt_ids, max_new_tokens=max_new_tokens, stop_ids=stop_ids)
 
 
 _PUNCTUATION = set(string.punctuation)
@@ -210,6 +202,24 @@ def evaluate_generation(model, examples: list[Example], tokenizer, *, max_new_to
     return {"eval_exact_match": em / n, "eval_f1": f1 / n, "eval_generated": len(examples)}
 
 
+def load_adapted(artifact: str, adapter: str | None, *, device: str | None = None, activations: str | None = None,
+                 compute: str | None = None, tool: str = "pact-eval"):
+    """(model, tokenizer): the verified artifact with a PEFT adapter folder loaded (or none).
+    ``activations`` None: the recipe the adapter's run recorded (its train_config.json), else the default."""
+    from .lora import load_peft_adapter
+    from .session import open_session
+
+    ses = open_session(artifact, device=device, tool=tool)  # a damaged artifact never runs
+    lora_cfg, weights = load_peft_adapter(adapter) if adapter else (None, None)
+    run_cfg = Path(adapter) / "train_config.json" if adapter else None
+    if activations is None and run_cfg is not None and run_cfg.is_file():  # the recipe the adapter was trained with
+        activations = json.loads(run_cfg.read_text()).get("activations")
+    model = ses.model(lora_cfg, activations=activations, compute=compute)
+    if weights is not None:
+        model.load_adapter_state(weights)
+    return model, ses.tokenizer
+
+
 def evaluate_artifact(artifact: str, data: str, *, adapter: str | None = None, max_len: int = 1024, batch_size: int = 8,
                       device: str | None = None, activations: str | None = None, generate: bool | None = None,
                       max_new_tokens: int | None = None, compute: str | None = None, progress: bool = False,
@@ -221,21 +231,12 @@ def evaluate_artifact(artifact: str, data: str, *, adapter: str | None = None, m
     from pact.formats import PactError
 
     from .data import pad_id, read_records, tokenize
-    from .lora import load_peft_adapter
-    from .session import open_session
 
     for flag, value, low in (("--batch-size", batch_size, 1), ("--max-len", max_len, 2)):
         if value < low:
             raise PactError(f"{flag} must be >= {low}, got {value}")
-    ses = open_session(artifact, device=device, tool="pact-eval")  # a damaged artifact never scores
-    tokenizer = ses.tokenizer
-    lora_cfg, weights = load_peft_adapter(adapter) if adapter else (None, None)
-    run_cfg = Path(adapter) / "train_config.json" if adapter else None
-    if activations is None and run_cfg is not None and run_cfg.is_file():  # the recipe the adapter was trained with
-        activations = json.loads(run_cfg.read_text()).get("activations")
-    model = ses.model(lora_cfg, activations=activations, compute=compute)
-    if weights is not None:
-        model.load_adapter_state(weights)
+    model, tokenizer = load_adapted(artifact, adapter, device=device, activations=activations, compute=compute,
+                                    tool="pact-eval")
     examples = tokenize(read_records(data, flag="--data"), tokenizer, max_len=max_len, vocab_size=model.embed.shape[0])
     result = {"adapter": adapter, **evaluate(model, examples, batch_size=batch_size, pad_id=pad_id(tokenizer),
                                              progress=progress, drop_eos=None if score_eos else tokenizer.eos_token_id)}

@@ -117,7 +117,9 @@ class PactModel(nn.Module):
     def _recipe(self):
         return self.recipe if torch.is_grad_enabled() else self._no_backward
 
-    def _attention(self, L: Layer, x: torch.Tensor, cos, sin, B: int, S: int, mask=None) -> torch.Tensor:
+    def _attention(self, L: Layer, x: torch.Tensor, cos, sin, B: int, S: int, mask=None, cache=None) -> torch.Tensor:
+        """Self-attention of x [B * S, H]. ``cache`` (generation): (a list with one (k, v) per layer or
+        None, this layer's index): the earlier tokens' keys and values are read from it, these are added."""
         nh, nkv, hd = self.n_heads, self.n_kv, self.head_dim
         qkv = NormProjectionFn.apply(x, L.attn_norm, self.eps, L.qkv, self.ops, self._recipe().qkv,
                                      *L.qkv.lora_params())
@@ -127,7 +129,18 @@ class PactModel(nn.Module):
             k = rmsnorm(k.view(B * S, nkv, hd), L.k_norm, self.eps).view(B * S, nkv * hd)
         q, k = RopeFn.apply(q, cos, sin, self.ops), RopeFn.apply(k, cos, sin, self.ops)
         q, k, v = (t.view(B, S, -1, hd).transpose(1, 2) for t in (q, k, v))
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=nkv != nh)
+        causal = mask is None
+        if cache is not None:
+            store, i = cache
+            if store[i] is not None:  # S new tokens after P cached ones: each sees the cache and its own past
+                k, v = torch.cat([store[i][0], k], dim=2), torch.cat([store[i][1], v], dim=2)
+                P = k.shape[2] - S
+                causal = False
+                if S > 1:
+                    seen = torch.arange(P + S, device=x.device)
+                    mask = seen[None, :] <= seen[P:, None]
+            store[i] = (k, v)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=nkv != nh)
         o = o.transpose(1, 2).reshape(B * S, nh * hd)
         return ProjectionFn.apply(o, L.o, self.ops, self._recipe().o, *L.o.lora_params())
 
@@ -181,11 +194,11 @@ class PactModel(nn.Module):
                 x = self.layer(L, x, cos, sin, B, S, mask)
         return x.view(B, S, self.hidden)
 
-    def layer(self, L: Layer, x: torch.Tensor, cos, sin, B: int, S: int, mask: torch.Tensor | None = None
-              ) -> torch.Tensor:
-        """Decoder layer L on rows x [B * S, H] (RoPE tables cos/sin; ``mask`` None: causal): the
-        public hook calibration runs."""
-        x = x + self._attention(L, x, cos, sin, B, S, mask)
+    def layer(self, L: Layer, x: torch.Tensor, cos, sin, B: int, S: int, mask: torch.Tensor | None = None,
+              cache=None) -> torch.Tensor:
+        """Decoder layer L on rows x [B * S, H] (RoPE tables cos/sin; ``mask`` None: causal; ``cache``:
+        generation's keys and values, see _attention): the public hook calibration runs."""
+        x = x + self._attention(L, x, cos, sin, B, S, mask, cache)
         recipe = self._recipe()
         return x + MlpFn.apply(x, L.mlp_norm, self.eps, L.gate_up, L.down, self.ops, (recipe.gate_up, recipe.down),
                                *L.gate_up.lora_params(), *L.down.lora_params())

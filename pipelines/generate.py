@@ -1,0 +1,131 @@
+"""`pact generate ARTIFACT [--adapter RUN] --prompt TEXT` and `pact chat ARTIFACT [--adapter RUN]`:
+text from the NVFP4 model (with a trained adapter), a key/value cache, greedy unless
+--temperature > 0. On a CPU they run on the PyTorch twins."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from pact.formats import PactError
+from pact.runtime.trainer import TrainConfig
+
+from .common import cli_errors, config_options
+
+
+def _sampling(fn):
+    for opt in reversed((
+        click.option("--adapter", default=None, type=click.Path(file_okay=False),
+                     help="A pact-train run folder (PEFT adapter); none = the base model."),
+        click.option("--max-new-tokens", type=int, default=256, show_default=True),
+        click.option("--temperature", type=float, default=0.0, show_default=True, help="0: greedy."),
+        click.option("--top-p", type=float, default=1.0, show_default=True, help="Nucleus sampling (temperature > 0)."),
+        click.option("--seed", type=int, default=None, help="Sampling seed (default: a fresh one)."),
+    )):
+        fn = opt(fn)
+    return config_options(TrainConfig, only=("activations", "compute", "device"))(fn)
+
+
+class _Printer:
+    """Prints generated tokens as they come: the decoded text's new characters each time (a token
+    may complete a character only with the next one)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.ids, self.shown = tokenizer, [], ""
+
+    def __call__(self, token: int) -> None:
+        self.ids.append(token)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if text.startswith(self.shown) and not text.endswith("\ufffd"):
+            click.echo(text[len(self.shown):], nl=False)
+            sys.stdout.flush()
+            self.shown = text
+
+
+def _stops(tokenizer) -> set[int]:
+    stops = {t for t in (tokenizer.eos_token_id, tokenizer.pad_token_id) if t is not None}
+    for name in ("<|im_end|>", "<|eot_id|>", "<end_of_turn>"):  # chat templates' end-of-turn tokens
+        tid = tokenizer.convert_tokens_to_ids(name)
+        if isinstance(tid, int) and tid != tokenizer.unk_token_id and tid >= 0:
+            stops.add(tid)
+    return stops
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("artifact", type=click.Path(file_okay=False))
+@click.option("--prompt", required=True, help="The text to continue ('-': read it from standard input).")
+@click.option("--chat", "use_chat", is_flag=True,
+              help="Wrap --prompt as a user message in the artifact's chat template (as pact-train renders messages).")
+@_sampling
+@cli_errors
+def generate_cmd(artifact, prompt, use_chat, adapter, max_new_tokens, temperature, top_p, seed, activations, compute,
+                 device) -> None:
+    """Continue --prompt with ARTIFACT (and --adapter), printing tokens as they come."""
+    from pact.runtime.evaluate import load_adapted
+    from pact.runtime.generate import generate
+
+    text = sys.stdin.read() if prompt == "-" else prompt
+    model, tok = load_adapted(artifact, adapter, device=device, activations=activations, compute=compute,
+                              tool="pact generate")
+    if use_chat:
+        ids = _chat_ids(tok, [{"role": "user", "content": text}])
+    else:
+        ids = tok(text, add_special_tokens=True)["input_ids"]
+    generate(model, ids, max_new_tokens=max_new_tokens, stop_ids=_stops(tok), temperature=temperature, top_p=top_p,
+             seed=seed, on_token=_Printer(tok))
+    click.echo()
+
+
+def _chat_ids(tok, messages: list[dict]) -> list[int]:
+    from pact.runtime.data import render_chat
+
+    if not getattr(tok, "chat_template", None):
+        raise PactError("the artifact's tokenizer has no chat template: use pact generate --prompt without --chat")
+    return tok(render_chat(tok, messages, "chat", add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("artifact", type=click.Path(file_okay=False))
+@click.option("--system", default=None, help="A system message first.")
+@_sampling
+@cli_errors
+def chat_cmd(artifact, system, adapter, max_new_tokens, temperature, top_p, seed, activations, compute,
+             device) -> None:
+    """Talk with ARTIFACT (and --adapter) through its chat template. Each turn reuses the cached
+    keys and values of the conversation so far. /reset starts over, /exit (or end of input) ends."""
+    from pact.runtime.evaluate import load_adapted
+    from pact.runtime.generate import generate, truncate
+
+    model, tok = load_adapted(artifact, adapter, device=device, activations=activations, compute=compute,
+                              tool="pact chat")
+    _chat_ids(tok, [{"role": "user", "content": "check"}])  # no template: fails now, before the first turn
+    history = [{"role": "system", "content": system}] if system else []
+    cache, cached = None, []
+    interactive = sys.stdin.isatty()
+    while True:
+        if interactive:
+            click.echo("> ", nl=False)
+        line = sys.stdin.readline()
+        if not line or line.strip() == "/exit":
+            break
+        if line.strip() == "/reset":
+            history, cache, cached = history[:1] if system else [], None, []
+            continue
+        if not line.strip():
+            continue
+        history.append({"role": "user", "content": line.rstrip("\n")})
+        ids = _chat_ids(tok, history)
+        keep = 0  # the cached tokens this rendering starts with
+        while keep < min(len(cached), len(ids) - 1) and cached[keep] == ids[keep]:
+            keep += 1
+        if cache is not None:
+            truncate(cache, keep)
+        else:
+            cache = [None] * len(model.layers)
+        printer = _Printer(tok)
+        out = generate(model, ids[keep:], max_new_tokens=max_new_tokens, stop_ids=_stops(tok),
+                       temperature=temperature, top_p=top_p, seed=seed, on_token=printer, cache=cache, pos=keep)
+        click.echo()
+        cached = ids + out
+        history.append({"role": "assistant", "content": tok.decode(out, skip_special_tokens=True)})

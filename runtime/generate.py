@@ -1,0 +1,74 @@
+"""Text generation over a PactModel with a key/value cache: the prompt runs once, then each new
+token runs alone against the cached keys and values of every layer. Greedy by default;
+``temperature`` and ``top_p`` sample (seeded)."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from pact.formats import PactError
+
+from .model import rmsnorm
+
+
+@torch.no_grad()
+def next_logits(model, ids: list[int], cache: list, pos: int) -> torch.Tensor:
+    """fp32 logits [V] after ``ids`` (new tokens at positions pos, pos + 1, ...), the cache extended."""
+    x_ids = torch.tensor([ids], device=model.device)
+    S = len(ids)
+    x = F.embedding(x_ids, model.embed).reshape(S, model.hidden)
+    cos, sin = model.rope_at(x, torch.arange(pos, pos + S, device=model.device))
+    for i, L in enumerate(model.layers):
+        x = model.layer(L, x, cos, sin, 1, S, None, cache=(cache, i))
+    h = rmsnorm(x[-1:], model.final_norm, model.eps)
+    return (h @ model.lm_head.t()).float()[0]
+
+
+def truncate(cache: list, n: int) -> None:
+    """Keep the first ``n`` tokens' keys and values (a chat whose next rendering differs after them)."""
+    for i, kv in enumerate(cache):
+        if kv is not None:
+            cache[i] = (kv[0][:, :, :n], kv[1][:, :, :n]) if n else None
+
+
+def _pick(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator | None) -> int:
+    if temperature <= 0:
+        return int(logits.argmax())
+    probs = torch.softmax(logits / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_p, order = probs.sort(descending=True)
+        keep = sorted_p.cumsum(0) - sorted_p < top_p  # the smallest head whose mass reaches top_p
+        probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_p[keep])
+    return int(torch.multinomial(probs.cpu(), 1, generator=gen))
+
+
+def generate(model, prompt_ids: list[int], *, max_new_tokens: int, stop_ids: set[int], temperature: float = 0.0,
+             top_p: float = 1.0, seed: int | None = None, on_token: Callable[[int], None] | None = None,
+             cache: list | None = None, pos: int = 0) -> list[int]:
+    """Tokens after ``prompt_ids`` until one in ``stop_ids`` (not returned) or ``max_new_tokens``.
+    ``cache``/``pos``: continue an earlier call's cache (a chat's next turn: ``prompt_ids`` are then
+    only the new tokens, at position ``pos``). ``on_token`` sees each token as it is chosen."""
+    if max_new_tokens < 1:
+        raise PactError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+    if temperature < 0 or not 0 < top_p <= 1:
+        raise PactError(f"--temperature must be >= 0 and --top-p in (0, 1], got {temperature} and {top_p}")
+    if not prompt_ids:
+        raise PactError("the prompt is empty: nothing to continue")
+    cache = [None] * len(model.layers) if cache is None else cache
+    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    out: list[int] = []
+    logits = next_logits(model, list(prompt_ids), cache, pos)
+    pos += len(prompt_ids)
+    for _ in range(max_new_tokens):
+        nxt = _pick(logits, temperature, top_p, gen)
+        if nxt in stop_ids:
+            break
+        out.append(nxt)
+        if on_token is not None:
+            on_token(nxt)
+        logits = next_logits(model, [nxt], cache, pos)
+        pos += 1
+    return out

@@ -1,0 +1,126 @@
+"""Generation with a key/value cache (runtime/generate.py), `pact generate` and `pact chat`."""
+
+import pytest
+import torch
+from click.testing import CliRunner
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from conftest import make_converted_llama
+from pact.formats import PactError
+from pact.pipelines.cli import main as pact_cli
+from pact.runtime.export import export
+from pact.runtime.generate import generate, next_logits, truncate
+from pact.runtime.model import rmsnorm
+from pact.runtime.trainer import TrainConfig, train
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    d = make_converted_llama(tmp_path_factory.mktemp("gen"), 64)
+    train(TrainConfig(artifact=str(d / "art"), data=str(d / "train.jsonl"), out=str(d / "run"), max_len=64,
+                      batch_size=16, steps=6, lr=5e-3, lora_r=4, lora_alpha=8, kernels="torch"), progress=False)
+    return d
+
+
+def _model(d, adapter=True):
+    from pact.runtime.evaluate import load_adapted
+
+    return load_adapted(str(d / "art"), str(d / "run") if adapter else None)
+
+
+def _full_logits(model, ids):
+    """The last position's logits with no cache: the whole prefix run again."""
+    with torch.no_grad():
+        h = rmsnorm(model.hidden_states(torch.tensor([ids]))[:, -1], model.final_norm, model.eps)
+        return (h @ model.lm_head.t()).float()[0]
+
+
+def test_cached_logits_equal_a_full_rerun(trained):
+    model, tok = _model(trained)
+    prompt = tok("review: fresh bright keep\nverdict:")["input_ids"]
+    out = generate(model, prompt, max_new_tokens=10, stop_ids=set())
+    assert len(out) == 10
+    cache, pos, seq = [None] * len(model.layers), 0, list(prompt)
+    got = next_logits(model, prompt, cache, 0)
+    pos = len(prompt)
+    for t in out:
+        ref = _full_logits(model, seq)
+        assert torch.allclose(got, ref, atol=2e-2, rtol=2e-2), float((got - ref).abs().max())
+        assert int(got.argmax()) == t  # greedy: the token the full rerun picks too
+        seq.append(t)
+        got = next_logits(model, [t], cache, pos)
+        pos += 1
+    # a cache cut back to the prompt continues as a fresh one does (a chat whose rendering changed)
+    truncate(cache, len(prompt) - 2)
+    again = next_logits(model, prompt[-2:], cache, len(prompt) - 2)
+    assert torch.allclose(again, next_logits(model, prompt, [None] * len(model.layers), 0), atol=1e-3)
+
+
+def test_generation_follows_transformers_on_the_bf16_export(trained, tmp_path):
+    """Teacher-forced along transformers' greedy continuation of the bf16 export (base + adapter,
+    merged in bf16): pact's cached logits stay close at every step and pick the same tokens."""
+    export(str(trained / "art"), tmp_path / "bf16", fmt="bf16", adapter=str(trained / "run"))
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "bf16", dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(tmp_path / "bf16")
+    prompt = tok("review: rotten low plot\nverdict:")["input_ids"]
+    seq = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, min_new_tokens=8,
+                      pad_token_id=tok.pad_token_id)[0].tolist()
+    with torch.no_grad():
+        ref = hf(torch.tensor([seq])).logits[0].float()
+    model, _ = _model(trained)
+    cache, agree = [None] * len(model.layers), 0
+    got = next_logits(model, prompt, cache, 0)
+    for k, t in enumerate(seq[len(prompt):]):
+        r = ref[len(prompt) - 1 + k]
+        assert (got - r).norm() / r.norm() < 0.05
+        agree += int(got.argmax()) == t
+        got = next_logits(model, [t], cache, len(prompt) + k)
+    assert agree >= 7
+
+
+def test_sampling_is_seeded_and_bounded(trained):
+    model, tok = _model(trained)
+    prompt = tok("review: the movie\nverdict:")["input_ids"]
+    a = generate(model, prompt, max_new_tokens=6, stop_ids=set(), temperature=1.0, top_p=0.9, seed=3)
+    b = generate(model, prompt, max_new_tokens=6, stop_ids=set(), temperature=1.0, top_p=0.9, seed=3)
+    assert a == b and len(a) == 6
+    with pytest.raises(PactError, match="--temperature must be >= 0"):
+        generate(model, prompt, max_new_tokens=2, stop_ids=set(), temperature=-1)
+    with pytest.raises(PactError, match="--max-new-tokens must be >= 1"):
+        generate(model, prompt, max_new_tokens=0, stop_ids=set())
+
+
+def test_generate_and_chat_commands(trained):
+    model, tok = _model(trained)
+    prompt = "review: fresh bright keep\nverdict:"
+    expect = tok.decode(generate(model, tok(prompt)["input_ids"], max_new_tokens=5,
+                                 stop_ids={tok.eos_token_id, tok.pad_token_id}), skip_special_tokens=True)
+    art, run = str(trained / "art"), str(trained / "run")
+    r = CliRunner().invoke(pact_cli, ["generate", art, "--adapter", run, "--prompt", prompt, "--max-new-tokens", "5"])
+    assert r.exit_code == 0, r.output
+    assert r.output.rstrip("\n").endswith(expect.rstrip("\n")) or expect.strip() in r.output
+    r = CliRunner().invoke(pact_cli, ["chat", art, "--adapter", run, "--max-new-tokens", "4"],
+                           input="hello there\nand again\n/reset\nonce more\n/exit\n")
+    assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(pact_cli, ["generate", art, "--prompt", "x", "--temperature", "-1"])
+    assert r.exit_code == 1 and "Error: --temperature must be >= 0" in r.output
+
+
+def test_chat_needs_a_template(trained, tmp_path):
+    import shutil
+
+    from conftest import rehash_artifact
+
+    art = tmp_path / "art"
+    shutil.copytree(trained / "art", art)
+    cfg = art / "hf" / "tokenizer_config.json"
+    import json
+
+    c = json.loads(cfg.read_text())
+    c.pop("chat_template", None)
+    cfg.write_text(json.dumps(c))
+    for f in art.glob("hf/chat_template.*"):
+        f.unlink()
+    rehash_artifact(art)
+    r = CliRunner().invoke(pact_cli, ["chat", str(art)], input="hi\n")
+    assert r.exit_code == 1 and "has no chat template" in r.output, r.output
