@@ -8,6 +8,7 @@ from .demo import demo
 from .eval import main as evaluate
 from .export import main as export
 from .generate import chat_cmd, generate_cmd
+from .harness import main as lm_eval_cmd
 from .push import main as push
 from .train import main as train
 
@@ -25,6 +26,7 @@ main.add_command(evaluate, "eval")
 main.add_command(export, "export")
 main.add_command(generate_cmd, "generate")
 main.add_command(chat_cmd, "chat")
+main.add_command(lm_eval_cmd, "lm-eval")
 main.add_command(push, "push")
 
 if __name__ == "__main__":

@@ -47,10 +47,12 @@ def _pick(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Gen
 
 def generate(model, prompt_ids: list[int], *, max_new_tokens: int, stop_ids: set[int], temperature: float = 0.0,
              top_p: float = 1.0, seed: int | None = None, on_token: Callable[[int], None] | None = None,
-             cache: list | None = None, pos: int = 0) -> list[int]:
+             cache: list | None = None, pos: int = 0, stop_when: Callable[[list[int]], bool] | None = None
+             ) -> list[int]:
     """Tokens after ``prompt_ids`` until one in ``stop_ids`` (not returned) or ``max_new_tokens``.
     ``cache``/``pos``: continue an earlier call's cache (a chat's next turn: ``prompt_ids`` are then
-    only the new tokens, at position ``pos``). ``on_token`` sees each token as it is chosen."""
+    only the new tokens, at position ``pos``). ``on_token`` sees each token as it is chosen;
+    ``stop_when(tokens so far)`` True ends it (e.g. a stop string appeared)."""
     if max_new_tokens < 1:
         raise PactError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
     if temperature < 0 or not 0 < top_p <= 1:
@@ -69,6 +71,8 @@ def generate(model, prompt_ids: list[int], *, max_new_tokens: int, stop_ids: set
         out.append(nxt)
         if on_token is not None:
             on_token(nxt)
+        if stop_when is not None and stop_when(out):
+            break
         logits = next_logits(model, [nxt], cache, pos)
         pos += 1
     return out

@@ -1,0 +1,61 @@
+"""`pact lm-eval ARTIFACT [--adapter RUN] --tasks a,b`: lm-evaluation-harness tasks through
+lm_eval.simple_evaluate with pact's model (runtime/harness.py, registered there as "pact")."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import click
+
+from pact.formats import PactError, require
+from pact.runtime.trainer import TrainConfig
+
+from .common import cli_errors, config_options
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("artifact", type=click.Path(file_okay=False))
+@click.option("--adapter", default=None, type=click.Path(file_okay=False),
+              help="A pact-train run folder (PEFT adapter); none = the base model.")
+@click.option("--tasks", required=True, help="Comma-separated lm-eval task names (or groups).")
+@click.option("--include-path", default=None, type=click.Path(exists=True, file_okay=False),
+              help="A folder of task YAMLs (local tasks; offline, tasks whose data sits on the hub cannot run).")
+@click.option("--num-fewshot", type=int, default=None)
+@click.option("--limit", type=float, default=None, help="Examples per task (a fraction if < 1).")
+@click.option("--batch-size", type=int, default=8, show_default=True)
+@click.option("--max-length", type=int, default=None, help="Context tokens (default: the model's, at most 4096).")
+@click.option("--output", "output", default=None, type=click.Path(dir_okay=False),
+              help="Write the results as JSON here (temp file + rename).")
+@config_options(TrainConfig, only=("activations", "compute", "device"))
+@cli_errors
+def main(artifact, adapter, tasks, include_path, num_fewshot, limit, batch_size, max_length, output, activations,
+         compute, device) -> None:
+    """Run lm-evaluation-harness TASKS on ARTIFACT (with --adapter); prints lm-eval's table."""
+    require("lm_eval", "harness", "pact lm-eval")
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+    from lm_eval.utils import make_table
+
+    from pact.runtime.harness import PactLM
+
+    names = [t.strip() for t in tasks.split(",") if t.strip()]
+    if not names:
+        raise PactError("--tasks is empty: name at least one lm-eval task")
+    manager = TaskManager(include_path=include_path)
+    unknown = [t for t in names if t not in manager.all_tasks]
+    if unknown:
+        raise PactError(f"--tasks: unknown {', '.join(unknown)}: lm-eval has no such task"
+                        + ("" if include_path else " (local task YAMLs: pass --include-path DIR)"))
+    lm = PactLM(artifact, adapter=adapter, batch_size=batch_size, max_length=max_length, device=device,
+                activations=activations, compute=compute)
+    results = simple_evaluate(model=lm, tasks=names, num_fewshot=num_fewshot, limit=limit, task_manager=manager,
+                              log_samples=False)
+    click.echo(make_table(results))
+    if output:
+        out = Path(output)
+        tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+        tmp.write_text(json.dumps({k: results[k] for k in ("results", "versions", "n-shot", "config")
+                                   if k in results}, indent=2, default=str) + "\n")
+        tmp.replace(out)
