@@ -40,6 +40,7 @@ from .model import PactModel
 from .ops import COMPUTE, FP8_WEIGHTS, KERNELS
 from .recipe import HELP as RECIPE_HELP
 from .recipe import parse_recipe
+from .reporting import Reporter, check_available, parse_report_to
 from .session import open_session
 
 log = logging.getLogger(__name__)
@@ -120,6 +121,8 @@ class TrainConfig:
                                 choices=("auto", "eval_loss", "eval_accuracy"), aliases=("--metric-for-best-model",))
     early_stopping_patience: int = _opt(0, "With --eval-every: stop after N evaluations without improvement "
                                            "(0: never).")
+    report_to: str = _opt("none", "Also log metrics to: tensorboard (RUN/tensorboard/), wandb (W&B; "
+                                  "WANDB_MODE=offline needs no network), both comma-separated, or none.")
     packing: bool = _opt(False, "Several examples per --max-len row, each attending only to itself, positions "
                                 "from 0 (fewer padding tokens; the same loss).")
     kernels: str | None = _opt(None, "Default: triton on GPU, torch on CPU.", choices=KERNELS)
@@ -177,6 +180,7 @@ class TrainConfig:
             raise PactError(f"--metric-for-best must be auto, eval_loss or eval_accuracy, got {self.metric_for_best!r}")
         if self.overlong not in ("truncate", "refuse"):
             raise PactError(f"--overlong must be truncate or refuse, got {self.overlong!r}")
+        parse_report_to(self.report_to)
         self.activations = parse_recipe(self.activations).spec()  # canonical: resume compares it
         parse_layers(self.lora_layers, None)
         for name in PATH_FIELDS:  # absolute: --out ./run/ and --out run are the same run
@@ -275,7 +279,8 @@ def _write_checkpoint(tmp: Path, model: PactModel, opt: torch.optim.Optimizer, s
 
 # settings a resumed run may change: how long it trains (a finished run with checkpoints is extended by
 # --resume with more --steps / --epochs; the schedule is recomputed for the new length), when it saves and evaluates
-RESUME_MAY_CHANGE = ("steps", "epochs", "save_every", "eval_every", "early_stopping_patience", "metric_for_best")
+RESUME_MAY_CHANGE = ("steps", "epochs", "save_every", "eval_every", "early_stopping_patience", "metric_for_best",
+                     "report_to")
 
 
 def _config_diff(saved: dict, now: dict, saved_world: int = 1, world: int = 1) -> list[str]:
@@ -453,6 +458,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True, stop
     for path, flag in ((cfg.data, "--data"), (cfg.eval_data, "--eval-data")):
         if path is not None:
             read_records(path, flag)  # a missing or malformed file fails now, before any model loads
+    check_available(parse_report_to(cfg.report_to))
     lock, error, created, owned = contextlib.ExitStack(), None, dist.main and not run.exists(), False
     try:
         try:
@@ -673,6 +679,7 @@ def _train(cfg: TrainConfig, run: Path, resume: bool, progress: bool, stop_after
     state, device = r.state, r.model.device
     stream = _micro_batches(r.examples, cfg, state["epoch"], state["pos"], dist.world)
     metrics_f = open(run / "metrics.jsonl", "a") if dist.main else open(os.devnull, "w")
+    reporter = Reporter(parse_report_to(cfg.report_to), run, cfg.as_json()) if dist.main else None
     bar = tqdm(total=r.total, initial=state["step"], desc="train", unit="step", disable=not progress)
     t_start = time.perf_counter()
     last = {}
@@ -692,6 +699,8 @@ def _train(cfg: TrainConfig, run: Path, resume: bool, progress: bool, stop_after
                     last["stopped_early"] = True
             metrics_f.write(json.dumps(last) + "\n")
             metrics_f.flush()
+            if reporter is not None:
+                reporter.log(last, state["step"])
             bar.update(1)
             bar.set_postfix(loss=f"{last['loss']:.4f}", tok_s=f"{last['tokens_per_s']:.0f}",
                             mem=f"{last['peak_mem_gb']:.2f}G")
@@ -709,6 +718,10 @@ def _train(cfg: TrainConfig, run: Path, resume: bool, progress: bool, stop_after
                 log.info("early stopping at step %d: %d evaluations without improvement of %s (best: step %d)",
                          state["step"], state["bad_evals"], state["best"]["metric"], state["best"]["step"])
                 break
+        result = _finish(r, cfg, run, last)
+        if reporter is not None and "eval_loss" in result:
+            reporter.log({k: v for k, v in result.items() if k.startswith("eval_")}, state["step"])
+        return result
     except torch.cuda.OutOfMemoryError:
         raise PactError(f"out of GPU memory at --batch-size {cfg.batch_size} and --max-len {cfg.max_len}: lower "
                         "--batch-size (raise --grad-accum to keep the effective batch) or --max-len, "
@@ -716,4 +729,5 @@ def _train(cfg: TrainConfig, run: Path, resume: bool, progress: bool, stop_after
     finally:
         bar.close()
         metrics_f.close()
-    return _finish(r, cfg, run, last)
+        if reporter is not None:
+            reporter.close()
