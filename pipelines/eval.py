@@ -24,17 +24,19 @@ from .common import cli_errors, config_options
 @click.option("--max-new-tokens", type=int, default=None, help="Generation length (default: longest completion + 8).")
 @click.option("--score-eos/--no-score-eos", default=True, show_default=True,
               help="A label's likelihood includes the end-of-sequence token training appends after every completion.")
+@click.option("--data-split", default=None, help="The split of a datasets folder (default: test, else validation).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @cli_errors
 def main(artifact, data, adapter, max_len, batch_size, activations, compute, device, generate, max_new_tokens,
-         score_eos, quiet) -> None:
+         score_eos, data_split, quiet) -> None:
     """Evaluate ARTIFACT (with --adapter) on --data: loss; accuracy by label likelihood when the
     completions are class labels, else exact match and token F1 of greedy generations."""
     if max_new_tokens is not None and max_new_tokens < 1:
         raise click.BadParameter(f"must be >= 1, got {max_new_tokens}", param_hint="--max-new-tokens")
     result = evaluate_artifact(artifact, data, adapter=adapter, max_len=max_len, batch_size=batch_size, device=device,
                                activations=activations, generate=generate, max_new_tokens=max_new_tokens,
-                               compute=compute, progress=not quiet, score_eos=score_eos)
+                               compute=compute, progress=not quiet, score_eos=score_eos,
+                               split=data_split)
     click.echo(json.dumps(result, indent=2))
 
 

@@ -46,11 +46,20 @@ TABLE_FORMATS = {".parquet": "parquet", ".csv": "csv", ".json": "json"}  # read 
 HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")  # "org/name": what a missing --data that looks like a hub dataset id is
 
 
-def read_records(path: str | Path, flag: str = "--data") -> list[dict]:
+DEFAULT_SPLITS = {"--data": ("train",), "--eval-data": ("test", "validation")}  # a DatasetDict's split, first found
+
+
+def read_records(path: str | Path, flag: str = "--data", split: str | None = None,
+                 default_splits: tuple[str, ...] | None = None) -> list[dict]:
     """Records from a .jsonl file, a .parquet / .csv / .json table (datasets' loaders; .json: an
-    array of objects or JSON lines) or a `datasets.save_to_disk` folder; errors name the line (and
-    ``flag``, the option the path came from). Each record gets "_where" (file:line or row)."""
+    array of objects or JSON lines) or a `datasets.save_to_disk` folder (of a DatasetDict: ``split``,
+    else the first of DEFAULT_SPLITS[flag] it has); errors name the line (and ``flag``, the option
+    the path came from). Each record gets "_where" (file:line or row)."""
     p = Path(path)
+    split_flag = {"--eval-data": "--eval-split"}.get(flag, "--data-split")
+    if split is not None and not p.is_dir():
+        raise PactError(f"{split_flag} {split}: {p} is a file; a split names a part of a datasets.save_to_disk "
+                        "folder (DatasetDict)")
     if not p.exists():
         hub = HUB_ID.fullmatch(str(path)) is not None
         raise PactError(f"{flag} {p}: no such file or folder" + (
@@ -67,9 +76,15 @@ def read_records(path: str | Path, flag: str = "--data") -> list[dict]:
         except Exception as e:
             raise PactError(f"{flag} {p}: not a datasets.save_to_disk folder ({e})") from None
         if isinstance(ds, datasets.DatasetDict):
-            if "train" not in ds:
-                raise PactError(f"{flag} {p}: a DatasetDict without a 'train' split ({list(ds)})")
-            ds = ds["train"]
+            wanted = (split,) if split is not None else default_splits or DEFAULT_SPLITS.get(flag, ("train",))
+            found = next((w for w in wanted if w in ds), None)
+            if found is None:
+                raise PactError(f"{flag} {p}: a DatasetDict without a {' or '.join(map(repr, wanted))} split (it has "
+                                f"{', '.join(map(repr, ds))}): pass {split_flag} NAME")
+            ds = ds[found]
+        elif split is not None:
+            raise PactError(f"{split_flag} {split}: {p} holds one dataset, not a DatasetDict with splits: "
+                            f"drop {split_flag}")
         records = [dict(r) for r in ds]
         where = [f"{p} row {i}" for i in range(len(records))]
     else:

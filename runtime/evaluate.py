@@ -223,21 +223,23 @@ def load_adapted(artifact: str, adapter: str | None, *, device: str | None = Non
 def evaluate_artifact(artifact: str, data: str, *, adapter: str | None = None, max_len: int = 1024, batch_size: int = 8,
                       device: str | None = None, activations: str | None = None, generate: bool | None = None,
                       max_new_tokens: int | None = None, compute: str | None = None, progress: bool = False,
-                      score_eos: bool = True) -> dict:
+                      score_eos: bool = True, split: str | None = None) -> dict:
     """Held-out loss (and label accuracy) of an artifact, with a PEFT adapter folder or zero-shot.
     ``generate`` (default: when completions are not class labels) adds exact match / token F1.
     ``activations`` None: the recipe the adapter's run recorded (its train_config.json), else the default.
-    ``score_eos``: a label's likelihood includes the end-of-sequence token after it (training's target)."""
+    ``score_eos``: a label's likelihood includes the end-of-sequence token after it (training's target).
+    ``split``: of a datasets folder (default: test, else validation)."""
     from pact.formats import PactError
 
-    from .data import pad_id, read_records, tokenize
+    from .data import DEFAULT_SPLITS, pad_id, read_records, tokenize
 
     for flag, value, low in (("--batch-size", batch_size, 1), ("--max-len", max_len, 2)):
         if value < low:
             raise PactError(f"{flag} must be >= {low}, got {value}")
     model, tokenizer = load_adapted(artifact, adapter, device=device, activations=activations, compute=compute,
                                     tool="pact-eval")
-    examples = tokenize(read_records(data, flag="--data"), tokenizer, max_len=max_len, vocab_size=model.embed.shape[0])
+    records = read_records(data, "--data", split, default_splits=DEFAULT_SPLITS["--eval-data"])
+    examples = tokenize(records, tokenizer, max_len=max_len, vocab_size=model.embed.shape[0])
     result = {"adapter": adapter, **evaluate(model, examples, batch_size=batch_size, pad_id=pad_id(tokenizer),
                                              progress=progress, drop_eos=None if score_eos else tokenizer.eos_token_id)}
     if generate or (generate is None and "eval_accuracy" not in result):

@@ -94,6 +94,10 @@ class TrainConfig:
     data: str = _opt(help="Train .jsonl (prompt/completion, messages, Alpaca or ShareGPT records) or datasets folder.")
     out: str = _opt(help="Run folder (adapter, metrics, checkpoints).", path=True)
     eval_data: str | None = _opt(None, "Held-out .jsonl: loss, and accuracy when completions are labels.")
+    data_split: str | None = _opt(None, "The split of a datasets folder (DatasetDict) given as --data "
+                                        "(default: train).", aliases=("--dataset-train-split",))
+    eval_split: str | None = _opt(None, "The split of a datasets folder given as --eval-data (default: test, else "
+                                        "validation).", aliases=("--dataset-test-split",))
     max_len: int = _opt(1024, aliases=("--max-seq-length",))
     overlong: str = _opt("truncate", "What to do with sequences over --max-len.", choices=("truncate", "refuse"))
     batch_size: int = _opt(8, aliases=("--per-device-train-batch-size",))
@@ -455,9 +459,9 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True, stop
     """
     dist, device = from_env(cfg.device)
     run = Path(cfg.out)
-    for path, flag in ((cfg.data, "--data"), (cfg.eval_data, "--eval-data")):
+    for path, flag, split in ((cfg.data, "--data", cfg.data_split), (cfg.eval_data, "--eval-data", cfg.eval_split)):
         if path is not None:
-            read_records(path, flag)  # a missing or malformed file fails now, before any model loads
+            read_records(path, flag, split)  # a missing or malformed file fails now, before any model loads
     check_available(parse_report_to(cfg.report_to))
     lock, error, created, owned = contextlib.ExitStack(), None, dist.main and not run.exists(), False
     try:
@@ -514,8 +518,8 @@ def _setup(cfg: TrainConfig, run: Path, resume: bool, dist: Dist, device: str | 
     model = ses.model(cfg.lora(), kernels=cfg.kernels, compute=cfg.compute, activations=cfg.activations,
                       checkpoint=cfg.checkpoint, seed=cfg.seed, fp8_weights=cfg.fp8_weights)
     vocab = model.embed.shape[0]
-    examples = tokenize(read_records(cfg.data), ses.tokenizer, max_len=cfg.max_len, overlong=cfg.overlong,
-                        vocab_size=vocab)
+    examples = tokenize(read_records(cfg.data, "--data", cfg.data_split), ses.tokenizer, max_len=cfg.max_len,
+                        overlong=cfg.overlong, vocab_size=vocab)
     if cfg.packing:
         n = len(examples)
         examples = pack(examples, cfg.max_len)
@@ -556,7 +560,8 @@ def _setup(cfg: TrainConfig, run: Path, resume: bool, dist: Dist, device: str | 
             "global_batch": cfg.batch_size * dist.world * cfg.grad_accum, "inputs_sha256": inputs}, indent=2) + "\n")
     held = None
     if cfg.eval_data:
-        held = tokenize(read_records(cfg.eval_data), ses.tokenizer, max_len=cfg.max_len, overlong=cfg.overlong,
+        held = tokenize(read_records(cfg.eval_data, "--eval-data", cfg.eval_split), ses.tokenizer,
+                        max_len=cfg.max_len, overlong=cfg.overlong,
                         vocab_size=vocab)
         if cfg.metric_for_best == "eval_accuracy" and label_candidates(held) is None:
             raise PactError(f"--metric-for-best eval_accuracy: {cfg.eval_data} is not label data (its completions are "

@@ -49,3 +49,37 @@ def test_train_on_parquet(tmp_path):
     with pytest.raises(PactError, match="a hub dataset id"):
         train(TrainConfig(artifact=str(d / "art"), data="org/some-dataset", out=str(d / "run2"), steps=1),
               progress=False)
+
+
+# ---- splits of a datasets folder (--data-split, --eval-split, pact-eval --data-split)
+
+
+def test_dataset_dict_splits(tmp_path):
+    import datasets
+
+    from pact.runtime.data import read_records
+
+    def rows(tag, n):
+        return datasets.Dataset.from_list([{"prompt": f"{tag} {i}", "completion": " x"} for i in range(n)])
+
+    folder = tmp_path / "dd"
+    datasets.DatasetDict({"train": rows("tr", 3), "validation": rows("va", 2), "test": rows("te", 1)}
+                         ).save_to_disk(str(folder))
+    assert [r["prompt"] for r in read_records(folder)] == ["tr 0", "tr 1", "tr 2"]  # --data: train
+    assert [r["prompt"] for r in read_records(folder, "--eval-data")] == ["te 0"]  # held out: test first
+    assert [r["prompt"] for r in read_records(folder, "--data", "validation")] == ["va 0", "va 1"]
+    with pytest.raises(PactError, match=r"--data .*dd: a DatasetDict without a 'dev' split \(it has 'train', "
+                                        r"'validation', 'test'\): pass --data-split NAME"):
+        read_records(folder, "--data", "dev")
+    only = tmp_path / "only"
+    datasets.DatasetDict({"validation": rows("va", 2)}).save_to_disk(str(only))
+    assert len(read_records(only, "--eval-data")) == 2  # no test split: validation
+    with pytest.raises(PactError, match=r"without a 'train' split .*pass --data-split NAME"):
+        read_records(only, "--data")
+    with pytest.raises(PactError, match=r"--eval-split x: .*a.jsonl is a file"):
+        (tmp_path / "a.jsonl").write_text('{"prompt": "a", "completion": " b"}\n')
+        read_records(tmp_path / "a.jsonl", "--eval-data", "x")
+    single = tmp_path / "single"
+    rows("s", 2).save_to_disk(str(single))
+    with pytest.raises(PactError, match=r"--data-split train: .*single holds one dataset, not a DatasetDict"):
+        read_records(single, "--data", "train")

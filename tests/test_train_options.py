@@ -15,6 +15,8 @@ ALIASES = [  # (pact's name, the TRL/transformers name, a value)
     ("--max-len", "--max-seq-length", "128"),
     ("--batch-size", "--per-device-train-batch-size", "3"),
     ("--checkpoint", "--gradient-checkpointing", None),
+    ("--data-split", "--dataset-train-split", "validation"),
+    ("--eval-split", "--dataset-test-split", "dev"),
 ]
 
 
