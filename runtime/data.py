@@ -57,15 +57,15 @@ def read_records(path: str | Path, flag: str = "--data", split: str | None = Non
     the path came from). Each record gets "_where" (file:line or row)."""
     p = Path(path)
     split_flag = {"--eval-data": "--eval-split"}.get(flag, "--data-split")
-    if split is not None and not p.is_dir():
+    if split is not None and p.exists() and not p.is_dir():
         raise PactError(f"{split_flag} {split}: {p} is a file; a split names a part of a datasets.save_to_disk "
                         "folder (DatasetDict)")
     if not p.exists():
-        hub = HUB_ID.fullmatch(str(path)) is not None
-        raise PactError(f"{flag} {p}: no such file or folder" + (
-            " (a hub dataset id? pact reads local data: save it once where there is a network with "
-            f"datasets.load_dataset('{path}', split=...).save_to_disk(DIR) and pass DIR)" if hub else ""))
-    if p.is_file() and p.suffix.lower() in TABLE_FORMATS:
+        if HUB_ID.fullmatch(str(path)) is None:
+            raise PactError(f"{flag} {p}: no such file or folder")
+        records = _hub_records(str(path), flag, split, default_splits or DEFAULT_SPLITS.get(flag, ("train",)))
+        where = [f"{path} row {i}" for i in range(len(records))]
+    elif p.is_file() and p.suffix.lower() in TABLE_FORMATS:
         records = _table_records(p, flag)
         where = [f"{p} row {i}" for i in range(len(records))]
     elif p.is_dir():
@@ -117,6 +117,30 @@ def read_records(path: str | Path, flag: str = "--data", split: str | None = Non
     for rec, w in zip(records, where):
         rec["_where"] = w
     return records
+
+
+def _hub_records(repo: str, flag: str, split: str | None, defaults: tuple[str, ...]) -> list[dict]:
+    """A hub dataset id through datasets.load_dataset (``split``, else the first of ``defaults`` it has);
+    without a network, or for an id the hub does not have, one line saying how to use it locally."""
+    import datasets
+
+    local = (f"pact reads it through datasets.load_dataset, which could not get it ({{why}}); offline, save it "
+             f"once where there is a network with datasets.load_dataset('{repo}', split=...).save_to_disk(DIR) "
+             "and pass DIR")
+    try:
+        ds = datasets.load_dataset(repo, split=split) if split else datasets.load_dataset(repo)
+    except Exception as e:  # ConnectionError, DatasetNotFoundError, ... : the library's own types
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+        raise PactError(f"{flag} {repo}: no such file or folder, and as a hub dataset id: "
+                        + local.format(why=why)) from None
+    if isinstance(ds, datasets.DatasetDict):
+        found = next((w for w in defaults if w in ds), None)
+        if found is None:
+            split_flag = "--eval-split" if flag == "--eval-data" else "--data-split"
+            raise PactError(f"{flag} {repo}: the hub dataset has splits {', '.join(map(repr, ds))}, none of "
+                            f"{', '.join(map(repr, defaults))}: pass {split_flag} NAME")
+        ds = ds[found]
+    return [dict(r) for r in ds]
 
 
 def _table_records(p: Path, flag: str) -> list[dict]:

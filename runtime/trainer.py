@@ -385,11 +385,15 @@ def _truncate_metrics(path: Path, step: int) -> None:
 # ------------------------------------------------------------------------- run folder
 
 
-def data_fingerprint(path: str | os.PathLike) -> str:
-    """sha256 of a data file, or of a datasets folder's files (names and contents)."""
+def data_fingerprint(path: str | os.PathLike, records: list[dict] | None = None) -> str:
+    """sha256 of a data file, or of a datasets folder's files (names and contents); of a hub dataset
+    (no local path), of its ``records``."""
     p = Path(path)
     if p.is_file():
         return sha256_file(p)
+    if not p.exists() and records is not None:
+        rows = [{k: v for k, v in r.items() if k != "_where"} for r in records]
+        return hashlib.sha256(json.dumps(rows, sort_keys=True, default=str).encode()).hexdigest()
     h = hashlib.sha256()
     for f in sorted(q for q in p.rglob("*") if q.is_file()):
         h.update(f"{f.relative_to(p)}\0{sha256_file(f)}\n".encode())
@@ -514,11 +518,12 @@ def _setup(cfg: TrainConfig, run: Path, resume: bool, dist: Dist, device: str | 
     config, recipe and input fingerprints in train_config.json (rank 0)."""
     torch.manual_seed(cfg.seed)
     ses = open_session(cfg.artifact, device=device, flag="--artifact")  # from_env's: cfg.device, or this rank's
-    inputs = {"artifact": ses.artifact.fingerprint(), "data": data_fingerprint(cfg.data)}
+    records = read_records(cfg.data, "--data", cfg.data_split)
+    inputs = {"artifact": ses.artifact.fingerprint(), "data": data_fingerprint(cfg.data, records)}
     model = ses.model(cfg.lora(), kernels=cfg.kernels, compute=cfg.compute, activations=cfg.activations,
                       checkpoint=cfg.checkpoint, seed=cfg.seed, fp8_weights=cfg.fp8_weights)
     vocab = model.embed.shape[0]
-    examples = tokenize(read_records(cfg.data, "--data", cfg.data_split), ses.tokenizer, max_len=cfg.max_len,
+    examples = tokenize(records, ses.tokenizer, max_len=cfg.max_len,
                         overlong=cfg.overlong, vocab_size=vocab)
     if cfg.packing:
         n = len(examples)

@@ -32,8 +32,31 @@ def test_tables_read_as_jsonl(tmp_path):
     (tmp_path / "bad.parquet").write_bytes(b"not parquet at all")
     with pytest.raises(PactError, match=r"--data .*bad.parquet: not a readable parquet table .*give JSONL"):
         read_records(tmp_path / "bad.parquet")
-    with pytest.raises(PactError, match=r"a hub dataset id\? .*save_to_disk\(DIR\) and pass DIR"):
-        read_records("tatsu-lab/alpaca")
+    with pytest.raises(PactError, match=r"tatsu-lab/alpaca: no such file or folder, and as a hub dataset id: .*"
+                                        r"could not get it .*offline, save it once .*save_to_disk\(DIR\) and pass DIR"):
+        read_records("tatsu-lab/alpaca")  # the tests run with HF_HUB_OFFLINE=1
+
+
+def test_hub_dataset_id_online(monkeypatch):
+    """With a network a hub id is read through datasets.load_dataset (here a stand-in for the hub):
+    its train split, or the one --data-split names."""
+    import datasets
+
+    from pact.runtime.data import read_records
+
+    calls = []
+
+    def fake(repo, split=None):
+        calls.append((repo, split))
+        dd = datasets.DatasetDict({s: datasets.Dataset.from_list([{"instruction": f"{s} q", "input": "",
+                                                                   "output": " a"}]) for s in ("train", "test")})
+        return dd[split] if split else dd
+
+    monkeypatch.setattr(datasets, "load_dataset", fake)
+    assert read_records("org/data")[0]["instruction"] == "train q"
+    assert read_records("org/data", "--eval-data")[0]["instruction"] == "test q"
+    assert read_records("org/data", "--data", "test")[0]["_where"] == "org/data row 0"
+    assert calls == [("org/data", None), ("org/data", None), ("org/data", "test")]
 
 
 def test_train_on_parquet(tmp_path):
@@ -83,3 +106,16 @@ def test_dataset_dict_splits(tmp_path):
     rows("s", 2).save_to_disk(str(single))
     with pytest.raises(PactError, match=r"--data-split train: .*single holds one dataset, not a DatasetDict"):
         read_records(single, "--data", "train")
+
+
+def test_train_on_a_hub_id(tmp_path, monkeypatch):
+    import datasets
+
+    d = make_converted_llama(tmp_path, 16)
+    rows = [json.loads(line) for line in (d / "train.jsonl").read_text().splitlines()]
+    monkeypatch.setattr(datasets, "load_dataset", lambda repo, split=None: datasets.DatasetDict(
+        {"train": datasets.Dataset.from_list(rows)}) if split is None else datasets.Dataset.from_list(rows))
+    train(TrainConfig(artifact=str(d / "art"), data="org/sentiment", out=str(d / "run"), steps=2, batch_size=8,
+                      max_len=64, lora_r=4, lora_alpha=8, kernels="torch"), progress=False)
+    saved = json.loads((d / "run" / "train_config.json").read_text())
+    assert saved["data"] == "org/sentiment" and len(saved["inputs_sha256"]["data"]) == 64
