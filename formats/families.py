@@ -16,13 +16,14 @@ from .errors import PactError
 # HF `architectures[0]` -> family
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama",  # Llama 2/3.x, SmolLM2
+    "MistralForCausalLM": "mistral",  # Mistral 7B (a sliding window on v0.1), Ministral, Mistral Nemo
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Qwen2VLForConditionalGeneration": "qwen2_vl",
     "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
 }
 # `model_type` -> family, for configs saved without `architectures`
-FAMILIES = ("llama", "qwen2", "qwen3", "qwen2_vl", "qwen2_5_vl")  # every family converts and trains
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_vl", "qwen2_5_vl")  # every family converts and trains
 MODEL_TYPES = {family: family for family in FAMILIES}
 VISION_FAMILIES = ("qwen2_vl", "qwen2_5_vl")
 

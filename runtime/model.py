@@ -28,15 +28,25 @@ from .recipe import Recipe, parse_recipe
 TRAINABLE_FAMILIES = FAMILIES  # the language model of every family pact-convert reads
 
 
+# family -> transformers' rotary embedding (module, class); Qwen2-VL's M-RoPE is Qwen2's rotary per
+# position component (rope_at() picks the components)
+ROTARY = {
+    "llama": ("llama", "LlamaRotaryEmbedding"),
+    "mistral": ("mistral", "MistralRotaryEmbedding"),
+    "qwen2": ("qwen2", "Qwen2RotaryEmbedding"),
+    "qwen2_vl": ("qwen2", "Qwen2RotaryEmbedding"),
+    "qwen2_5_vl": ("qwen2", "Qwen2RotaryEmbedding"),
+    "qwen3": ("qwen3", "Qwen3RotaryEmbedding"),
+}
+
+
 def _rotary(family: str, cfg):
-    # Qwen2-VL's M-RoPE is Qwen2's rotary per position component (rope_at() picks the components)
-    if family in ("qwen2", "qwen2_vl", "qwen2_5_vl"):
-        from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding as R
-    elif family == "qwen3":
-        from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding as R
-    else:
-        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding as R
-    return R(cfg)
+    import importlib
+
+    if family not in ROTARY:  # a family added to formats without its rotary here: never a silent Llama
+        raise PactError(f"family {family!r} has no rotary embedding in runtime/model.py ROTARY")
+    module, name = ROTARY[family]
+    return getattr(importlib.import_module(f"transformers.models.{module}.modeling_{module}"), name)(cfg)
 
 
 def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -88,6 +98,8 @@ class PactModel(nn.Module):
         self.n_heads, self.n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or self.hidden // self.n_heads
         self.eps = cfg.rms_norm_eps
+        # Mistral v0.1: each token attends to the last `sliding_window` tokens only (None: no window)
+        self.window = getattr(cfg, "sliding_window", None) if self.family == "mistral" else None
         self.rotary = _rotary(self.family, cfg).to(self.device)
         rope_cfg = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
         self.mrope_section = rope_cfg.get("mrope_section")  # Qwen2-VL: frequencies per (t, h, w) component
@@ -140,6 +152,12 @@ class PactModel(nn.Module):
                     seen = torch.arange(P + S, device=x.device)
                     mask = seen[None, :] <= seen[P:, None]
             store[i] = (k, v)
+        T = k.shape[2]
+        if self.window and T > self.window:  # a sliding window the sequence exceeds: band of the last `window`
+            seen = torch.arange(T, device=x.device)
+            band = (seen[None, :] <= seen[T - S:, None]) & (seen[None, :] > seen[T - S:, None] - self.window)
+            mask = band if mask is None else mask & band
+            causal = False
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=nkv != nh)
         o = o.transpose(1, 2).reshape(B * S, nh * hd)
         return ProjectionFn.apply(o, L.o, self.ops, self._recipe().o, *L.o.lora_params())

@@ -72,6 +72,9 @@ def make_model(folder: Path, family: str = "llama", seed: int = 0, dtype=torch.b
     if family == "llama":
         cfg = tf.LlamaConfig(**dims, tie_word_embeddings=False)
         model = tf.LlamaForCausalLM(cfg)
+    elif family == "mistral":
+        cfg = tf.MistralConfig(**{"sliding_window": None, **dims}, tie_word_embeddings=False)
+        model = tf.MistralForCausalLM(cfg)
     elif family == "qwen2":
         cfg = tf.Qwen2Config(**dims, tie_word_embeddings=True)
         model = tf.Qwen2ForCausalLM(cfg)

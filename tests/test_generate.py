@@ -124,3 +124,24 @@ def test_chat_needs_a_template(trained, tmp_path):
     rehash_artifact(art)
     r = CliRunner().invoke(pact_cli, ["chat", str(art)], input="hi\n")
     assert r.exit_code == 1 and "has no chat template" in r.output, r.output
+
+
+def test_cache_keeps_mistrals_sliding_window(tmp_path):
+    """Past the window (8 tokens) the cached step attends to the last 8 only, as a full rerun does."""
+    from conftest import make_model
+    from pact.convert import convert
+    from pact.formats import open_artifact
+    from pact.runtime.model import PactModel
+
+    make_model(tmp_path / "src", "mistral", sliding_window=8)
+    model = PactModel(open_artifact(convert(str(tmp_path / "src"), tmp_path / "art", progress=False)), None)
+    prompt = list(range(10, 22))  # 12 tokens: already past the window
+    out = generate(model, prompt, max_new_tokens=6, stop_ids=set())
+    cache = [None] * len(model.layers)
+    got, seq = next_logits(model, prompt, cache, 0), list(prompt)
+    for t in out:
+        assert torch.allclose(got, _full_logits(model, seq), atol=2e-2, rtol=2e-2)
+        seq.append(t)
+        got = next_logits(model, [t], cache, len(seq) - 1)
+    model.window = None
+    assert not torch.allclose(_full_logits(model, seq), got, atol=2e-2, rtol=2e-2)

@@ -79,12 +79,35 @@ def _compare(tmp_path, family, activations, compute=None):
     return (loss / n).item(), ref.item(), _cosines(pairs)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
 def test_same_math_as_transformers(tmp_path, family):
     """With activations kept in bf16 the PACT path is transformers + PEFT, up to bf16 rounding."""
     ours, ref, cos = _compare(tmp_path, family, "bf16")
     assert ours == pytest.approx(ref, rel=2e-3)  # bf16 attention/MLP rounding in different places
     assert min(cos.values()) >= 0.999, min(cos.items(), key=lambda kv: kv[1])
+
+
+def test_mistral_sliding_window_as_transformers(tmp_path):
+    """A Mistral whose sliding window (16) is shorter than the sequence (48): the loss and LoRA
+    gradients are transformers' (which masks the same band); without the window they are not."""
+    make_model(tmp_path / "src", "mistral", sliding_window=16)
+    art = open_artifact(convert(str(tmp_path / "src"), tmp_path / "art", progress=False, scaling="2d",
+                                block_scales="amax"))
+    model = PactModel(art, LoraConfig(r=R, alpha=ALPHA), activations="bf16")
+    assert model.window == 16
+    _random_adapters(model)
+    ids, labels = _batch()
+    loss, n = model(ids, labels)
+    (loss / n).backward()
+    pm, pairs = _hf_peft(art, tmp_path / "src", model)
+    ref = pm(input_ids=ids, labels=labels).loss
+    ref.backward()
+    assert (loss / n).item() == pytest.approx(ref.item(), rel=2e-3)
+    assert min(_cosines(pairs).values()) >= 0.999
+    model.window = None  # the same weights attending to everything: another loss (the test can see the band)
+    with torch.no_grad():
+        full, n2 = model(ids, labels)
+    assert abs((full / n2).item() - ref.item()) > 10 * abs((loss / n).item() - ref.item())
 
 
 @pytest.mark.parametrize("family,compute", [("llama", "bf16-decode"), ("qwen2", "bf16-decode"), ("llama", "fp8")])
