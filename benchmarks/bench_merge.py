@@ -75,10 +75,11 @@ def cli() -> None:
 @click.option("--limit", default=0, show_default=True, help="Score the first N held-out examples (0: all).")
 @click.option("--json-out", type=click.Path(dir_okay=False, path_type=Path), default=None)
 @click.option("--reuse-runs", is_flag=True, help="A seed whose run folder holds an adapter is not trained again.")
+@click.option("--train-only", is_flag=True, help="Train each seed's run (kept in --workdir) and stop: no scores.")
 @click.option("--variants", default="rtn,gptq,bf16,hf", show_default=True,
               help="Merges scored: rtn (plain), gptq, bf16, hf (the GPTQ export read by transformers).")
 def run(name, artifact, train_f, test_f, workdir, seeds, steps, lr, max_len, limit, json_out, reuse_runs,
-        variants) -> None:
+        train_only, variants) -> None:
     """Train each seed, then score zero-shot, unmerged and every merge of its adapter."""
     import importlib.util
 
@@ -99,7 +100,7 @@ def run(name, artifact, train_f, test_f, workdir, seeds, steps, lr, max_len, lim
         return evaluate_artifact(str(art), str(test), adapter=adapter, max_len=max_len, batch_size=16)["eval_accuracy"]
 
     rows = []
-    zero = acc(artifact)
+    zero = None if train_only else acc(artifact)
     for seed in (int(s) for s in seeds.split(",")):
         d = workdir / f"seed{seed}"
         run = d / "run"
@@ -110,6 +111,9 @@ def run(name, artifact, train_f, test_f, workdir, seeds, steps, lr, max_len, lim
             train(TrainConfig(artifact=str(artifact), data=str(train_f), out=str(run), steps=steps, batch_size=8,
                               max_len=max_len, lr=lr, lora_r=16, lora_alpha=32, warmup_ratio=0.1, seed=seed),
                   progress=False)
+        if train_only:
+            click.echo(f"{name} seed {seed}: trained in {time.perf_counter() - t:.0f} s")
+            continue
         row = {"task": name, "lr": lr, "seed": seed, "zero_shot": zero,
                "train_s": None if reuse else round(time.perf_counter() - t, 1), "unmerged": acc(artifact, str(run))}
         for how in [h for h in ("rtn", "gptq") if h in variants.split(",")]:

@@ -146,16 +146,29 @@ merge)  # (carry .gg2 .fid) what merged exports keep of the adapter's gain: one 
   MT=${MERGE_TASKS:-rt,hyperbaton,navigate,epistemic_reasoning}
   python3 benchmarks/bench_fidelity.py prepare --workdir /tmp/wd --tasks $MT --methods pact=mixed --convert-only 2>&1 | grep -v Warn | tail -2
   ART=/tmp/wd/smollm2-135m-nvfp4-1d-mse; DEADLINE=$(( START + ${CALL_LIMIT:-600} - 40 ))
+  # MERGE_PHASE=train: every (task, seed) trains at once (one process each) and stops; then (the default,
+  # or MERGE_PHASE=merge in a later call on the warm machine) the runs are merged and scored,
+  # MERGE_WORKERS at a time (a GPTQ merge is CPU-heavy: 20 at once took ~5 min each), skipping done ones
+  : > /tmp/rows/merge-jobs.txt
   for t in ${MT//,/ }; do
     read -r tr te < <(cd benchmarks && python3 -c "from pathlib import Path; from bench_fidelity import task_files as f
 print(*f('$t', Path('/tmp/wd'), None))")
     for s in $SEEDS; do
-      CUDA_VISIBLE_DEVICES=$(( s % NGPU )) OMP_NUM_THREADS=1 timeout $(( DEADLINE - $(date +%s) )) python3 benchmarks/bench_merge.py run \
-        --name $t --artifact $ART --train $tr --test $te --workdir /tmp/mg/$t --seeds $s --lr ${LR:-5e-4} \
-        --json-out /tmp/rows/merge-$t-$s.json ${MERGE_ARGS:-} > /tmp/rows/merge-$t-$s.log 2>&1 &
+      args="--name $t --artifact $ART --train $tr --test $te --workdir /tmp/mg/$t --seeds $s --lr ${LR:-5e-4}"
+      if [ "${MERGE_PHASE:-all}" != merge ] && [ ! -f /tmp/mg/$t/seed$s/run/adapter_model.safetensors ]; then
+        CUDA_VISIBLE_DEVICES=$(( s % NGPU )) OMP_NUM_THREADS=1 timeout $(( DEADLINE - $(date +%s) )) python3 \
+          benchmarks/bench_merge.py run $args --train-only > /tmp/rows/train-$t-$s.log 2>&1 &
+      fi
+      [ -f /tmp/rows/merge-$t-$s.json ] || echo "OMP_NUM_THREADS=2 timeout \$(( $DEADLINE - \$(date +%s) )) python3 \
+benchmarks/bench_merge.py run $args --reuse-runs --json-out /tmp/rows/merge-$t-$s.json ${MERGE_ARGS:-} \
+> /tmp/rows/merge-$t-$s.log 2>&1" >> /tmp/rows/merge-jobs.txt
     done
   done
   wait
+  echo "trained: $(ls /tmp/mg/*/seed*/run/adapter_model.safetensors 2>/dev/null | wc -l) runs at $(( $(date +%s) - START )) s"
+  if [ "${MERGE_PHASE:-all}" != train ]; then
+    tr '\n' '\0' < /tmp/rows/merge-jobs.txt | xargs -0 -P ${MERGE_WORKERS:-8} -I{} bash -c {}
+  fi
   grep -h -i -B2 "error\|Traceback" /tmp/rows/merge-*.log | head -20
   mkdir -p $OUT/merge && cp /tmp/rows/merge-*.json $OUT/merge/ 2>/dev/null
   python3 benchmarks/bench_merge.py table /tmp/rows/merge-*.json | tee $OUT/merge_table.md
