@@ -166,6 +166,10 @@ def profile_pact(art_path: Path, bs: int, seq: int, compute: str, checkpoint: bo
     return sorted(sums.items(), key=lambda kv: -kv[1]), tops
 
 
+class LoadOOM(RuntimeError):
+    """A peer ran out of memory while loading (before any step)."""
+
+
 def bench_peft(shape: str, bs: int, seq: int, warmup: int, iters: int, checkpoint: bool = False,
                liger: bool = False, qlora_src: Path | None = None) -> tuple[float, float]:
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -175,8 +179,12 @@ def bench_peft(shape: str, bs: int, seq: int, warmup: int, iters: int, checkpoin
 
         q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16,
                                bnb_4bit_use_double_quant=True)
-        model = LlamaForCausalLM.from_pretrained(qlora_src, quantization_config=q, dtype=torch.bfloat16,
-                                                 device_map={"": 0}, attn_implementation="sdpa")
+        try:
+            model = LlamaForCausalLM.from_pretrained(qlora_src, quantization_config=q, dtype=torch.bfloat16,
+                                                     device_map={"": 0}, attn_implementation="sdpa")
+        except torch.OutOfMemoryError as e:  # loading, not the step: say so in the row
+            raise LoadOOM(f"loading: {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB peak") from e
+        print(f"qlora loaded: {torch.cuda.memory_allocated() / 2**30:.2f} GiB allocated", flush=True)
         return _peft_step(model, bs, seq, warmup, iters, checkpoint)
     if liger:  # patches transformers' Llama in place: run these last
         from liger_kernel.transformers import apply_liger_kernel_to_llama
@@ -229,6 +237,8 @@ def measure(method: str, art: Path, src: Path, shape: str, bs: int, seq: int, wa
         row.update(step_ms=round(ms, 1), tok_s=round(bs * seq / ms * 1e3), peak_gib=round(peak, 2))
     except torch.OutOfMemoryError:
         row["oom"] = True
+    except LoadOOM as e:
+        row.update(oom=True, error=f"out of memory while {e}")
     except Exception as e:  # a peer that cannot run here (e.g. bitsandbytes without its CUDA library)
         row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
     gc.collect()
