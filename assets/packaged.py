@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pact.formats import PactError, default_cache
-from pact.formats.artifact import sha256_file
+from pact.formats.files import sha256_file
 
 
 @dataclass(frozen=True)

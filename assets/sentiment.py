@@ -110,7 +110,7 @@ def cached_score(folder: Path, artifact: Path, data: Path, adapter: Path | None,
     demo reuses them."""
     import hashlib
 
-    from pact.formats.artifact import sha256_file
+    from pact.formats.files import sha256_file
 
     parts = [open_artifact(artifact).fingerprint(), sha256_file(data), parse_recipe(None).spec(), "score-1"]
     if adapter is not None:

@@ -23,8 +23,8 @@ from tqdm.auto import tqdm
 from pact import __version__
 from pact.convert.sources import open_source, remove_tree
 from pact.formats import ArtifactWriter, PactError, check_output
-from pact.formats.artifact import sha256_file, work_path
 from pact.formats.errors import write_error
+from pact.formats.files import sha256_file, work_path
 from pact.formats.nvfp4 import SCALE_RULES, NVFP4Tensor, dequantize, quantize, transpose_2d
 from pact.runtime.model import PactModel
 from pact.runtime.session import Session, open_session

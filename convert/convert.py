@@ -16,9 +16,10 @@ from tqdm.auto import tqdm
 
 from pact import __version__
 from pact.formats import ArtifactWriter, PactError, check_output, classify, family_of
-from pact.formats.artifact import check_config_shapes, work_path
+from pact.formats.artifact import check_config_shapes
 from pact.formats.errors import write_error
 from pact.formats.families import VISION_FAMILIES
+from pact.formats.files import work_path
 from pact.formats.nvfp4 import (
     BLOCK,
     SCALE_RULES,

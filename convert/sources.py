@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 
 from pact.formats import PactError
-from pact.formats.artifact import SIDE_FILES, read_json, sha256_file
+from pact.formats.files import read_json, sha256_file
+from pact.formats.layout import SIDE_FILES
 from pact.formats.nvfp4 import NVFP4Tensor, dequantize
 
 log = logging.getLogger(__name__)

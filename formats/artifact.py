@@ -32,7 +32,6 @@ import os
 import re
 import shutil
 import sys
-import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
@@ -42,91 +41,49 @@ import torch
 
 from .errors import ArtifactError, PactError
 from .families import PROJECTIONS, check_config, classify, text_config
+from .files import (  # noqa: F401 (re-exported: pact.formats.artifact.<helper> keeps working)
+    JSON_DEPTH,
+    JSON_MAX,
+    default_cache,
+    pid_alive,
+    read_json,
+    replace_by_rename,
+    save_safetensors,
+    sha256_file,
+    sweep_leftovers,
+    work_path,
+)
+from .layout import (  # noqa: F401
+    _STORAGE,
+    _TORCH_NAME,
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    HF_DIR,
+    LAYOUTS,
+    SIDE_FILES,
+    array_nbytes,
+)
+from .layout import is_artifact as _is_artifact
 from .nvfp4 import BLOCK, SCALE_RULES, SCALINGS, NVFP4Tensor
 from .nvfp4 import dequantize as _dequantize
 
-FORMAT_NAME = "pact-nvfp4"
-FORMAT_VERSION = 1
-# The files an artifact's hf/ folder may hold beside the weights (config, tokenizer, chat template,
-# processor): what pact-convert copies from a source and pact-export ships, nothing else.
-SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-              "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model",
-              "chat_template.jinja", "chat_template.json", "preprocessor_config.json", "processor_config.json",
-              "video_preprocessor_config.json")
-HF_DIR = "hf"
-LAYOUTS = ("fwd", "bwd")
-
 log = logging.getLogger(__name__)
 
-# logical dtype -> (numpy storage dtype, torch view dtype). e4m3 and bf16 have no zarr v3
-# core data type, so their bits are stored as uint8/uint16 and viewed back after mapping.
-_STORAGE = {
-    "uint8": (np.uint8, torch.uint8),
-    "float8_e4m3fn": (np.uint8, torch.float8_e4m3fn),
-    "bfloat16": (np.uint16, torch.bfloat16),
-    "float32": (np.float32, torch.float32),
-}
-_TORCH_NAME = {v[1]: k for k, v in _STORAGE.items()}
 
 
-def array_nbytes(spec: dict) -> int:
-    """Bytes of a manifest array's one chunk (its shape and stored dtype), in exact integers (numpy's
-    product wraps around at 2**63 and would let a crafted shape match a small file)."""
-    return math.prod(spec["shape"]) * np.dtype(_STORAGE[spec["dtype"]][0]).itemsize
 
 
 _NBYTES_MAX = 2**62  # an array larger than this is no model's (and would overflow int64 offsets)
-JSON_MAX = 64 << 20  # bytes: no manifest, config or tokenizer is larger (a 400B model's manifest is ~2 MB)
 # names what verify() checks: a stamp from a pact whose verify() checked less (before the scan for
 # non-finite values) does not let an artifact skip the current checks
 _VERIFY_CHECKS = "sha256+non-finite"
-JSON_DEPTH = 100  # nesting: configs and tokenizers stay under 10; the tokenizers library stops at 128
 _BYTES_CODEC_OK = ({"name": "bytes"}, {"name": "bytes", "configuration": {"endian": "little"}})
 
 
-def sha256_file(path: Path, chunk: int = 1 << 24) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
-def _depth(doc: Any, limit: int) -> int:
-    """How deeply lists and objects nest in a parsed JSON document, counted up to ``limit`` + 1: level
-    by level, without recursion (a 150k-token tokenizer.json takes ~0.07 s)."""
-    deepest, level = 0, [doc] if isinstance(doc, (dict, list)) else []
-    while level and deepest <= limit:
-        deepest += 1
-        nxt: list = []
-        for obj in level:
-            nxt += [v for v in (obj.values() if type(obj) is dict else obj) if type(v) is list or type(v) is dict]
-        level = nxt
-    return deepest
 
 
-def read_json(path: Path, fix: str, error: type[PactError] = ArtifactError) -> Any:
-    """``path`` parsed as JSON, or one ``error`` naming the file and ``fix``: a file larger than
-    JSON_MAX, not UTF-8, not JSON (NUL bytes included) or nested deeper than JSON_DEPTH is refused
-    here, not left to a RecursionError or a parser's traceback in whoever reads it next."""
-    try:
-        size = path.stat().st_size
-        data = path.read_bytes() if size <= JSON_MAX else None
-    except OSError as e:
-        raise error(f"{path}: unreadable ({e.strerror or e}): {fix}") from None
-    if data is None:
-        raise error(f"{path}: {size} bytes, more than the {JSON_MAX} bytes a JSON metadata file may hold: {fix}")
-    try:
-        doc = json.loads(data.decode("utf-8"))
-    except UnicodeDecodeError as e:
-        raise error(f"{path}: not UTF-8 text (byte {e.start} is {data[e.start]:#04x}): {fix}") from None
-    except RecursionError:
-        raise error(f"{path}: JSON nested too deeply to read: {fix}") from None
-    except ValueError as e:  # JSONDecodeError (NUL and other control bytes too), an over-long integer
-        raise error(f"{path}: not valid JSON ({e}): {fix}") from None
-    if _depth(doc, JSON_DEPTH) > JSON_DEPTH:
-        raise error(f"{path}: JSON nested deeper than {JSON_DEPTH} levels, which no config or tokenizer is: {fix}")
-    return doc
 
 
 def _to_storage(t: torch.Tensor) -> tuple[np.ndarray, str]:
@@ -144,59 +101,14 @@ def _to_storage(t: torch.Tensor) -> tuple[np.ndarray, str]:
 # writing
 
 
-def _is_artifact(path: Path) -> bool:
-    """A folder whose zarr.json carries a pact manifest (what --overwrite may replace)."""
-    try:
-        return json.loads((path / "zarr.json").read_text())["attributes"]["pact"]["format"] == FORMAT_NAME
-    except (OSError, ValueError, KeyError, TypeError):
-        return False
 
 
-def pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` exists on this machine."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's live process
-        return True
-    return True
 
 
-def work_path(out: Path, kind: str) -> Path:
-    """A temp path beside ``out`` (``kind``: tmp, old, gguf, src) named by this process, so a later
-    run can tell a killed run's leftovers from a live run's."""
-    return out.parent / f".{out.name}.{kind}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
-def replace_by_rename(tmp: Path, out: Path) -> None:
-    """The complete folder ``tmp`` becomes ``out`` by renames, never by deleting first: an existing
-    ``out`` is renamed aside (``work_path(out, "old")``), ``tmp`` renamed in, the old one removed
-    last; if the second rename fails the old one is renamed back. Stopped at any point, ``out`` is
-    the complete old folder or the complete new one, or (between the renames) absent with the old
-    one aside under this process's name."""
-    if not out.exists():
-        os.rename(tmp, out)
-        return
-    old = work_path(out, "old")
-    os.rename(out, old)
-    try:
-        os.rename(tmp, out)
-    except BaseException:
-        os.rename(old, out)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
 
 
-def sweep_leftovers(out: Path) -> None:
-    """Remove temp folders a killed run left beside ``out`` (their process is gone)."""
-    pattern = re.compile(rf"^\.{re.escape(out.name)}\.(tmp|old|gguf|src)-(\d+)-[0-9a-f]{{8}}$")
-    for p in out.parent.iterdir() if out.parent.is_dir() else []:
-        m = pattern.match(p.name)
-        if m and not p.is_symlink() and p.is_dir() and not pid_alive(int(m.group(2))):
-            size = sum(f.stat().st_size for f in p.rglob("*") if f.is_file() and not f.is_symlink())
-            log.warning("removing %s (%.1f MB), left by an interrupted run (pid %s)", p, size / 1e6, m.group(2))
-            shutil.rmtree(p, ignore_errors=True)
 
 
 def check_output(out: str | os.PathLike, overwrite: bool) -> Path:
@@ -384,22 +296,8 @@ class ArtifactWriter:
 # reading
 
 
-_UMASK = os.umask(0)
-os.umask(_UMASK)  # read once, at import (single-threaded): the mode ordinary files get
 
 
-def save_safetensors(tensors: dict, path: str | os.PathLike, metadata: dict | None = None) -> None:
-    """safetensors' save_file, with the file's mode as any other file pact writes (the library
-    creates 0600 files)."""
-    from safetensors.torch import save_file
-
-    save_file(tensors, path, metadata=metadata)
-    os.chmod(path, 0o666 & ~_UMASK)
-
-
-def default_cache() -> Path:
-    """pact's cache folder: $PACT_CACHE, else ~/.cache/pact (downloads, verified-artifact stamps)."""
-    return Path(os.environ.get("PACT_CACHE", Path.home() / ".cache" / "pact"))
 
 
 def _stat_key(f: Path) -> str:

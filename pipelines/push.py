@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import click
 
-from pact.formats.remote import push_artifact
+from pact.formats.push import push_artifact
 
 from .common import cli_errors
 

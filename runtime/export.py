@@ -36,9 +36,10 @@ import torch
 from safetensors import SafetensorError
 
 from pact.formats import PactError, default_cache, open_artifact
-from pact.formats.artifact import SIDE_FILES, pid_alive, replace_by_rename, save_safetensors, sweep_leftovers, work_path
 from pact.formats.errors import write_error
 from pact.formats.families import classify
+from pact.formats.files import pid_alive, replace_by_rename, save_safetensors, sweep_leftovers, work_path
+from pact.formats.layout import SIDE_FILES
 from pact.formats.nvfp4 import SCALE_RULES, NVFP4Tensor, dequantize, global_scale_from_amax, quantize
 
 from .lora import load_peft_adapter, peft_key, save_peft_adapter

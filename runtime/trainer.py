@@ -29,8 +29,8 @@ from safetensors.torch import load_file
 from tqdm.auto import tqdm
 
 from pact.formats import PactError
-from pact.formats.artifact import pid_alive, save_safetensors, sha256_file
 from pact.formats.errors import write_error
+from pact.formats.files import atomic_folder, pid_alive, save_safetensors, sha256_file
 
 from .data import HUB_ID, batches, collate, collate_packed, pack, pad_id, read_records, tokenize
 from .distributed import Dist, from_env, leave
@@ -655,7 +655,7 @@ def _periodic_eval(r: _Run, cfg: TrainConfig, run: Path) -> tuple[dict, bool]:
 
 
 def _keep_best(r: _Run, cfg: TrainConfig, run: Path, out: dict) -> None:
-    """The adapter into OUT/best/ (through a temp folder) when ``out`` improves on the best evaluation
+    """The adapter into OUT/best/ (``atomic_folder``) when ``out`` improves on the best evaluation
     so far; else one more evaluation without improvement. State kept in r.state (checkpointed)."""
     metric = cfg.metric_for_best
     if metric == "auto":
@@ -666,15 +666,12 @@ def _keep_best(r: _Run, cfg: TrainConfig, run: Path, out: dict) -> None:
         return
     r.state["best"] = {"step": r.state["step"], "metric": metric, "value": value}
     r.state["bad_evals"] = 0
-    final, tmp = run / "best", run / "best.tmp"
+    final = run / "best"
     try:
-        shutil.rmtree(tmp, ignore_errors=True)
-        save_peft_adapter(tmp, r.model.adapter_state(), cfg.lora(), base_model(r.model.artifact))
-        (tmp / "best.json").write_text(json.dumps({**r.state["best"], **out}, indent=2) + "\n")
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
+        with atomic_folder(final) as tmp:  # filled beside best/, then swapped in: never a half-written best/
+            save_peft_adapter(tmp, r.model.adapter_state(), cfg.lora(), base_model(r.model.artifact))
+            (tmp / "best.json").write_text(json.dumps({**r.state["best"], **out}, indent=2) + "\n")
     except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
         raise _disk_error(e, final) from None
 
 

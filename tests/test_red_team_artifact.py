@@ -356,10 +356,10 @@ def test_malformed_json_in_a_source(base, tmp_path, rel, kind):
 
 
 def test_oversized_json_is_refused_unread(base, tmp_path, monkeypatch):
-    from pact.formats import artifact
+    from pact.formats import files
 
     art = _copy(base, tmp_path)
-    monkeypatch.setattr(artifact, "JSON_MAX", 1000)
+    monkeypatch.setattr(files, "JSON_MAX", 1000)  # read_json's bound
     with pytest.raises(ArtifactError, match=r"art/zarr.json: \d+ bytes, more than the 1000 bytes a JSON metadata file"):
         open_artifact(art)
 

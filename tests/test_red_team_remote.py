@@ -19,7 +19,7 @@ from click.testing import CliRunner
 
 from conftest import make_model
 from pact.convert import convert
-from pact.formats import ArtifactError, PactError, open_artifact, remote
+from pact.formats import ArtifactError, PactError, open_artifact, push, remote
 from pact.pipelines.push import main as push_cli
 
 _CAP = 64 << 20  # an "endless" body stops here, so a broken client cannot fill the disk
@@ -356,7 +356,7 @@ def test_push_disk_full_remote(art, monkeypatch, failing):
     monkeypatch.setattr(MemoryFileSystem, "put_file", real)
     assert _push(art, dest).exit_code == 0  # a rerun finishes what the failed push left (its marker)
     open_artifact(dest).verify()
-    assert not fs.exists(f"/pact-red-team/full-{failing.replace('/', '-')}/{remote._MARK}")
+    assert not fs.exists(f"/pact-red-team/full-{failing.replace('/', '-')}/{push._MARK}")
 
 
 def test_push_remote_refuses_other_files(art):

@@ -55,7 +55,7 @@ def test_eval_every_keeps_the_best_adapter(task, tmp_path):
     assert best["step"] == min(s for s, v in evals.items() if v == best["value"])  # the first to reach it
     assert result["best_step"] == best["step"] == json.loads((run / "eval.json").read_text())["best_step"]
     assert set(_adapter(run / "best")) == set(_adapter(run))  # a whole PEFT adapter
-    assert not (run / "best.tmp").exists()
+    assert [p.name for p in run.iterdir() if p.name.startswith(".best")] == []  # no temp folder left
 
 
 def test_early_stopping_after_patience(task, tmp_path, monkeypatch):
