@@ -210,6 +210,18 @@ def make_sentiment_jsonl(path: Path, n: int, seed: int = 0) -> Path:
     return path
 
 
+def make_sentiment_task(d: Path, n_train: int, n_test: int) -> Path:
+    """A tiny Llama able to learn the sentiment task (a frozen random lm_head of std 0.02 cannot reach
+    confident logits: initializer_range 0.15), its artifact in d/art, d/train.jsonl and d/test.jsonl."""
+    from pact.convert import convert
+
+    make_model(d / "src", "llama", initializer_range=0.15)
+    convert(str(d / "src"), d / "art", progress=False)
+    make_sentiment_jsonl(d / "train.jsonl", n_train, seed=0)
+    make_sentiment_jsonl(d / "test.jsonl", n_test, seed=1)
+    return d
+
+
 def make_converted_llama(d: Path, n_examples: int) -> Path:
     """A tiny Llama in d/src, its artifact (the converter's defaults) in d/art and ``n_examples``
     sentiment examples in d/train.jsonl; returns d."""

@@ -66,17 +66,22 @@ def _cosines(pairs):
     return out
 
 
-def _compare(tmp_path, family, activations, compute=None):
-    art = _artifact(tmp_path, family)
-    model = PactModel(art, LoraConfig(r=R, alpha=ALPHA), activations=activations, compute=compute)
+def _against_hf(art, src, model):
+    """(pact's mean loss, transformers + PEFT's, LoRA gradient cosines) on one batch, random adapters."""
     _random_adapters(model)
     ids, labels = _batch()
     loss, n = model(ids, labels)
     (loss / n).backward()
-    pm, pairs = _hf_peft(art, tmp_path / "src", model)
+    pm, pairs = _hf_peft(art, src, model)
     ref = pm(input_ids=ids, labels=labels).loss
     ref.backward()
     return (loss / n).item(), ref.item(), _cosines(pairs)
+
+
+def _compare(tmp_path, family, activations, compute=None):
+    art = _artifact(tmp_path, family)
+    model = PactModel(art, LoraConfig(r=R, alpha=ALPHA), activations=activations, compute=compute)
+    return _against_hf(art, tmp_path / "src", model)
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
@@ -95,19 +100,12 @@ def test_mistral_sliding_window_as_transformers(tmp_path):
                                 block_scales="amax"))
     model = PactModel(art, LoraConfig(r=R, alpha=ALPHA), activations="bf16")
     assert model.window == 16
-    _random_adapters(model)
-    ids, labels = _batch()
-    loss, n = model(ids, labels)
-    (loss / n).backward()
-    pm, pairs = _hf_peft(art, tmp_path / "src", model)
-    ref = pm(input_ids=ids, labels=labels).loss
-    ref.backward()
-    assert (loss / n).item() == pytest.approx(ref.item(), rel=2e-3)
-    assert min(_cosines(pairs).values()) >= 0.999
+    ours, ref, cos = _against_hf(art, tmp_path / "src", model)
+    assert ours == pytest.approx(ref, rel=2e-3) and min(cos.values()) >= 0.999
     model.window = None  # the same weights attending to everything: another loss (the test can see the band)
     with torch.no_grad():
-        full, n2 = model(ids, labels)
-    assert abs((full / n2).item() - ref.item()) > 10 * abs((loss / n).item() - ref.item())
+        full, n = model(*_batch())
+    assert abs((full / n).item() - ref) > 10 * abs(ours - ref)
 
 
 @pytest.mark.parametrize("family,compute", [("llama", "bf16-decode"), ("qwen2", "bf16-decode"), ("llama", "fp8")])

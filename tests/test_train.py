@@ -7,8 +7,7 @@ import torch
 import torch.nn.functional as F
 from click.testing import CliRunner
 
-from conftest import make_model, make_sentiment_jsonl, rehash_artifact
-from pact.convert import convert
+from conftest import make_sentiment_task, rehash_artifact
 from pact.formats import PactError, open_artifact
 from pact.pipelines.train import main as train_cli
 from pact.runtime.lora import load_peft_adapter
@@ -18,13 +17,7 @@ from pact.runtime.trainer import TrainConfig, train
 
 @pytest.fixture(scope="module")
 def task(tmp_path_factory):
-    d = tmp_path_factory.mktemp("task")
-    # initializer_range 0.15: a frozen random lm_head of std 0.02 cannot reach confident logits
-    make_model(d / "src", "llama", initializer_range=0.15)
-    convert(str(d / "src"), d / "art", progress=False)
-    make_sentiment_jsonl(d / "train.jsonl", 256, seed=0)
-    make_sentiment_jsonl(d / "test.jsonl", 64, seed=1)
-    return d
+    return make_sentiment_task(tmp_path_factory.mktemp("task"), 256, 64)
 
 
 def _cfg(task, out, **kw):

@@ -7,8 +7,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from conftest import make_model, make_sentiment_jsonl
-from pact.convert import convert
+from conftest import make_sentiment_task
 from pact.formats import PactError
 from pact.pipelines.train import main as train_cli
 from pact.runtime import trainer
@@ -18,11 +17,7 @@ from pact.runtime.trainer import TrainConfig, train
 
 @pytest.fixture(scope="module")
 def task(tmp_path_factory):
-    d = tmp_path_factory.mktemp("evaltask")
-    make_model(d / "src", "llama", initializer_range=0.15)
-    convert(str(d / "src"), d / "art", progress=False)
-    make_sentiment_jsonl(d / "train.jsonl", 128, seed=0)
-    make_sentiment_jsonl(d / "test.jsonl", 32, seed=1)
+    d = make_sentiment_task(tmp_path_factory.mktemp("evaltask"), 128, 32)
     (d / "text.jsonl").write_text("".join(json.dumps({"prompt": f"say {i}", "completion": f" word{i} and more"}) + "\n"
                                           for i in range(16)))
     return d
