@@ -117,3 +117,32 @@ def test_extend_a_finished_run(task, tmp_path):
         train(_cfg(task, run, eval_data=None, steps=5, save_every=2), resume=True, progress=False)
     with pytest.raises(PactError, match=r"(?s)other settings.*lr: checkpoint"):  # anything else still has to match
         train(_cfg(task, run, eval_data=None, steps=8, save_every=2, lr=1e-3), resume=True, progress=False)
+
+
+def test_first_hour_commands(tmp_path):
+    """README "Train"'s first hour, on a tiny model: chat data with --eval-every and --save-every,
+    the best adapter in pact chat, pact-eval, then the run trained further through its own
+    train_config.json with --resume and more --max-steps."""
+    from conftest import make_converted_llama
+    from pact.pipelines.cli import main as pact_cli
+
+    d = make_converted_llama(tmp_path, 4)
+    chat = {"messages": [{"role": "user", "content": "Capital of France?"}, {"role": "assistant", "content": "Paris."}]}
+    (d / "chats.jsonl").write_text(json.dumps(chat) + "\n")
+    held = {"messages": [{"role": "user", "content": "Capital of Italy?"}, {"role": "assistant", "content": "Rome."}]}
+    (d / "held.jsonl").write_text(json.dumps(held) + "\n")
+    art, run = str(d / "art"), str(d / "run")
+    r = CliRunner().invoke(train_cli, [art, "--data", str(d / "chats.jsonl"), "--eval-data", str(d / "held.jsonl"),
+                                       "--out", run, "--max-steps", "6", "--learning-rate", "2e-4", "--eval-every",
+                                       "2", "--save-every", "3", "--quiet"])
+    assert r.exit_code == 0, r.output
+    assert json.loads((d / "run" / "best" / "best.json").read_text())["metric"] == "eval_loss"
+    r = CliRunner().invoke(pact_cli, ["chat", art, "--adapter", str(d / "run" / "best"), "--max-new-tokens", "3"],
+                           input="Capital of Spain?\n")
+    assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(pact_cli, ["eval", art, "--adapter", run, "--data", str(d / "held.jsonl"), "--quiet"])
+    assert r.exit_code == 0 and "eval_loss" in r.output, r.output
+    r = CliRunner().invoke(train_cli, ["--config", str(d / "run" / "train_config.json"), "--max-steps", "9",
+                                       "--resume", "--quiet"])
+    assert r.exit_code == 0, r.output
+    assert [json.loads(x)["step"] for x in (d / "run" / "metrics.jsonl").read_text().splitlines()] == list(range(1, 10))
