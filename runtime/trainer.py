@@ -10,44 +10,48 @@ a process trains into it. Nothing is pickled: checkpoints are safetensors + JSON
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
 import math
 import os
 import resource
 import shutil
-import socket
 import time
-from contextlib import contextmanager
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
 import torch
-from safetensors.torch import load_file
 from tqdm.auto import tqdm
 
 from pact.formats import PactError
-from pact.formats.errors import write_error
-from pact.formats.files import atomic_folder, pid_alive, save_safetensors, sha256_file
+from pact.formats.files import atomic_folder
 
-from .data import HUB_ID, batches, collate, collate_packed, pack, pad_id, read_records, tokenize
+from .checkpoints import (  # noqa: F401 (pact.runtime.trainer.<name> keeps working)
+    CHECKPOINT_FILES,
+    KEEP_CHECKPOINTS,
+    MAX_STEP,
+    RESUME_MAY_CHANGE,
+    _disk_error,
+    _load_checkpoint,
+    _save_checkpoint,
+    _truncate_metrics,
+    _usable_checkpoints,
+    base_model,
+)
+from .config import PATH_FIELDS, SCHEDULERS, TrainConfig, _absolute  # noqa: F401
+from .data import batches, collate, collate_packed, pack, pad_id, read_records, tokenize
 from .distributed import Dist, from_env, leave
 from .evaluate import evaluate, label_candidates
-from .lora import ALL_TARGETS, LoraConfig, load_peft_adapter, parse_layers, reserve_peft_adapter, save_peft_adapter
+from .lora import reserve_peft_adapter, save_peft_adapter
 from .model import PactModel
-from .ops import COMPUTE, FP8_WEIGHTS, KERNELS
-from .recipe import HELP as RECIPE_HELP
-from .recipe import parse_recipe
 from .reporting import Reporter, check_available, parse_report_to
+from .runfolder import _prepare_run, _trained, data_fingerprint, run_lock  # noqa: F401
 from .session import open_session
 
 log = logging.getLogger(__name__)
-KEEP_CHECKPOINTS = 3
 
 
-SCHEDULERS = ("cosine", "linear", "constant", "constant_with_warmup", "polynomial", "inverse_sqrt")
 POLYNOMIAL_END, POLYNOMIAL_POWER, INVERSE_SQRT_TIMESCALE = 1e-7, 1.0, 10_000  # transformers' get_scheduler defaults
 
 
@@ -77,137 +81,12 @@ def lr_at(step: int, total: int, base: float, warmup_ratio: float, schedule: str
     raise PactError(f"--lr-scheduler must be one of {', '.join(SCHEDULERS)}, got {schedule!r}")
 
 
-def _opt(default=MISSING, help: str | None = None, **cli):
-    """A TrainConfig field: its default, its help, and how pact-train spells it (pipelines/common.py
-    makes the options from these): ``choices``, ``metavar``, ``argument`` (positional),
-    ``cli_default`` (the CLI's default where it differs, e.g. "auto"), ``show_default``, ``aliases``
-    (other spellings, e.g. transformers' TrainingArguments names: ``("--learning-rate",)``)."""
-    kw = {"default_factory": default} if callable(default) else {"default": default}
-    return field(**kw, metadata={"help": help, **cli})
 
 
-@dataclass
-class TrainConfig:
-    """Every setting of a training run: pact-train's options, one field each (pipelines/train.py)."""
-
-    artifact: str = _opt(help="Artifact folder from pact-convert / pact-calibrate.", argument=True)
-    data: str = _opt(help="Train .jsonl (prompt/completion, messages, Alpaca or ShareGPT records) or datasets folder.")
-    out: str = _opt(help="Run folder (adapter, metrics, checkpoints).", path=True)
-    eval_data: str | None = _opt(None, "Held-out .jsonl: loss, and accuracy when completions are labels.")
-    data_split: str | None = _opt(None, "The split of a datasets folder (DatasetDict) given as --data "
-                                        "(default: train).", aliases=("--dataset-train-split",))
-    eval_split: str | None = _opt(None, "The split of a datasets folder given as --eval-data (default: test, else "
-                                        "validation).", aliases=("--dataset-test-split",))
-    max_len: int = _opt(1024, aliases=("--max-seq-length",))
-    overlong: str = _opt("truncate", "What to do with sequences over --max-len.", choices=("truncate", "refuse"))
-    batch_size: int = _opt(8, aliases=("--per-device-train-batch-size",))
-    grad_accum: int = _opt(1, aliases=("--gradient-accumulation-steps",))
-    steps: int | None = _opt(None, "Optimizer steps (default: --epochs).", aliases=("--max-steps",))
-    epochs: float = _opt(1.0, aliases=("--num-train-epochs",))
-    lr: float = _opt(2e-4, aliases=("--learning-rate",))
-    weight_decay: float = _opt(0.0)
-    warmup_ratio: float = _opt(0.03)
-    lr_scheduler: str = _opt("cosine", "After the warmup: transformers' get_scheduler names (constant: no warmup).",
-                             choices=SCHEDULERS, aliases=("--lr-scheduler-type",))
-    max_grad_norm: float = _opt(1.0)
-    seed: int = _opt(0)
-    lora_r: int = _opt(16)
-    lora_alpha: float = _opt(32.0)
-    lora_dropout: float = _opt(0.0)
-    targets: tuple[str, ...] = _opt(ALL_TARGETS, "Comma-separated projections.")
-    lora_layers: str = _opt("all", "Decoder blocks that get adapters: all, top:N (the N last), A-B (0-based, "
-                                   "inclusive) or a comma list. Backward stops below the lowest one.")
-    save_every: int = _opt(0, "Checkpoint every N steps (0: none).")
-    eval_every: int = _opt(0, "Evaluate --eval-data every N steps (0: at the end only); the best adapter so far is "
-                              "kept in OUT/best/.", aliases=("--eval-steps",))
-    metric_for_best: str = _opt("auto", "What --eval-every ranks by: eval_loss (lower is better), eval_accuracy "
-                                        "(label data) or auto (accuracy when the data has labels, else loss).",
-                                choices=("auto", "eval_loss", "eval_accuracy"), aliases=("--metric-for-best-model",))
-    early_stopping_patience: int = _opt(0, "With --eval-every: stop after N evaluations without improvement "
-                                           "(0: never).")
-    report_to: str = _opt("none", "Also log metrics to: tensorboard (RUN/tensorboard/), wandb (W&B; "
-                                  "WANDB_MODE=offline needs no network), both comma-separated, or none.")
-    packing: bool = _opt(False, "Several examples per --max-len row, each attending only to itself, positions "
-                                "from 0 (fewer padding tokens; the same loss).")
-    kernels: str | None = _opt(None, "Default: triton on GPU, torch on CPU.", choices=KERNELS)
-    compute: str | None = _opt(
-        None, "Frozen-GEMM backend. auto = bf16-decode (exact NVFP4 products: learns as BF16 LoRA does). "
-              "fp8 (Ada/Hopper) ~11% shorter steps, nvfp4-native (Blackwell, unverified on hardware): "
-              "faster, at a measured accuracy cost (BENCHMARKS.md).", choices=("auto", *COMPUTE), cli_default="auto")
-    fp8_weights: str = _opt(
-        "per-call", "With --compute fp8: resident keeps E4M3 copies of the frozen weights on the GPU (+2 bytes per "
-                    "parameter) instead of re-encoding them from NVFP4 at every GEMM; same numbers, faster steps.",
-        choices=FP8_WEIGHTS)
-    activations: str | None = _opt(None, RECIPE_HELP, metavar="RECIPE")
-    checkpoint: bool = _opt(False, "Recompute each decoder layer in backward (less memory, ~1/3 more compute).",
-                            aliases=("--gradient-checkpointing",))
-    device: str | None = _opt(None, "cuda, cuda:1, cpu (default: cuda if available).")
-
-    def __post_init__(self) -> None:
-        self.targets = tuple(self.targets)
-        for name in ("max_len", "batch_size", "grad_accum"):
-            if getattr(self, name) < 1:
-                raise PactError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        if self.steps is not None and self.steps < 1:
-            raise PactError(f"--steps must be >= 1, got {self.steps}")
-        if self.epochs <= 0:
-            raise PactError(f"--epochs must be > 0, got {self.epochs}")
-        if not 0 <= self.warmup_ratio < 1:
-            raise PactError(f"--warmup-ratio must be in [0, 1), got {self.warmup_ratio}")
-        # every number checked before anything loads: a bad one fails here, not after the model
-        checks = (
-            ("lr", self.lr, math.isfinite(self.lr) and self.lr > 0, "a finite number > 0 (e.g. 2e-4)"),
-            ("weight-decay", self.weight_decay, math.isfinite(self.weight_decay) and self.weight_decay >= 0,
-             "a finite number >= 0"),
-            ("max-grad-norm", self.max_grad_norm, math.isfinite(self.max_grad_norm) and self.max_grad_norm > 0,
-             "> 0 (the clipping threshold; a huge value effectively disables clipping)"),
-            ("lora-r", self.lora_r, self.lora_r >= 1, "an integer >= 1"),
-            ("lora-alpha", self.lora_alpha, math.isfinite(self.lora_alpha) and self.lora_alpha > 0,
-             "> 0 (the adapter's scale is alpha / r; 0 trains nothing)"),
-            ("lora-dropout", self.lora_dropout, 0 <= self.lora_dropout < 1, "in [0, 1)"),
-            ("save-every", self.save_every, self.save_every >= 0, ">= 0 (0: no checkpoints)"),
-            ("eval-every", self.eval_every, self.eval_every >= 0, ">= 0 (0: evaluate at the end only)"),
-            ("early-stopping-patience", self.early_stopping_patience, self.early_stopping_patience >= 0,
-             ">= 0 (0: never stop early)"),
-            ("max-len", self.max_len, self.max_len >= 2, ">= 2 (a prompt token and a completion token)"),
-        )
-        for flag, value, ok, want in checks:
-            if not ok:
-                raise PactError(f"--{flag} must be {want}, got {value}")
-        if self.lr_scheduler not in SCHEDULERS:
-            raise PactError(f"--lr-scheduler must be one of {', '.join(SCHEDULERS)}, got {self.lr_scheduler!r}")
-        if self.eval_every and not self.eval_data:
-            raise PactError("--eval-every needs --eval-data (the held-out file it evaluates)")
-        if self.early_stopping_patience and not self.eval_every:
-            raise PactError("--early-stopping-patience needs --eval-every N (how often to evaluate)")
-        if self.metric_for_best not in ("auto", "eval_loss", "eval_accuracy"):
-            raise PactError(f"--metric-for-best must be auto, eval_loss or eval_accuracy, got {self.metric_for_best!r}")
-        if self.overlong not in ("truncate", "refuse"):
-            raise PactError(f"--overlong must be truncate or refuse, got {self.overlong!r}")
-        parse_report_to(self.report_to)
-        self.activations = parse_recipe(self.activations).spec()  # canonical: resume compares it
-        parse_layers(self.lora_layers, None)
-        for name in PATH_FIELDS:  # absolute: --out ./run/ and --out run are the same run
-            setattr(self, name, _absolute(getattr(self, name)))
-
-    def lora(self) -> LoraConfig:
-        return LoraConfig(r=self.lora_r, alpha=self.lora_alpha, dropout=self.lora_dropout, targets=self.targets,
-                          layers=self.lora_layers)
-
-    def as_json(self) -> dict:
-        d = asdict(self)
-        d["targets"] = list(d["targets"])
-        return d
 
 
-PATH_FIELDS = ("artifact", "data", "out", "eval_data")
 
 
-def _absolute(path: str | None) -> str | None:
-    """A local path made absolute (symlinks resolved); URLs and None as given."""
-    if path is None or "://" in str(path) or not Path(path).expanduser().exists() and HUB_ID.fullmatch(str(path)):
-        return path  # a missing "org/name" stays as typed: the data reader names it as a hub id
-    return str(Path(path).expanduser().resolve())
 
 
 
@@ -231,224 +110,37 @@ def _peak_memory_gb(device: torch.device) -> float:
 # ------------------------------------------------------------------------- checkpoints
 
 
-CHECKPOINT_FILES = ("adapter_config.json", "adapter_model.safetensors", "optimizer.safetensors", "rng.safetensors",
-                    "state.json")
 
 
-def base_model(art) -> str:
-    """What an adapter's ``base_model_name_or_path`` names: the model the artifact was converted from
-    (a hub id or a folder transformers loads; PEFT's AutoPeftModel reads it), not the artifact. For a
-    .gguf source, the file's folder: transformers loads it given ``gguf_file=<the file's name>``,
-    which AutoPeftModelForCausalLM.from_pretrained(run, gguf_file=...) passes through."""
-    source = str(art.meta["provenance"].get("source") or art.path)
-    return str(Path(source).parent) if source.endswith(".gguf") else source
 
 
-def _disk_error(e: OSError, what: Path) -> PactError:
-    return write_error(e, what, "the run's earlier checkpoints are kept")
 
 
-def _save_checkpoint(run: Path, model: PactModel, opt: torch.optim.Optimizer, state: dict, cfg: TrainConfig) -> Path:
-    final = run / "checkpoints" / f"step-{state['step']:07d}"
-    tmp = final.with_name(final.name + ".tmp")
-    for stale in (run / "checkpoints").glob("step-*.tmp"):  # left by a killed or full-disk save (the lock is ours)
-        shutil.rmtree(stale, ignore_errors=True)
-    try:
-        _write_checkpoint(tmp, model, opt, state, cfg)
-    except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise _disk_error(e, tmp) from None
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
-    done = sorted((run / "checkpoints").glob("step-???????"))
-    for old in done[:-KEEP_CHECKPOINTS]:
-        shutil.rmtree(old, ignore_errors=True)
-    return final
 
 
-def _write_checkpoint(tmp: Path, model: PactModel, opt: torch.optim.Optimizer, state: dict, cfg: TrainConfig) -> None:
-    save_peft_adapter(tmp, model.adapter_state(), cfg.lora(), base_model(model.artifact))
-    params = list(model.lora_params.values())
-    tensors = {}
-    for i, p in enumerate(params):
-        for k, v in opt.state.get(p, {}).items():
-            tensors[f"{i}.{k}"] = v.detach().cpu().reshape(-1) if v.dim() == 0 else v.detach().cpu()
-    save_safetensors(tensors, tmp / "optimizer.safetensors")
-    rng = {"cpu": torch.random.get_rng_state()}
-    if torch.cuda.is_available():
-        rng["cuda"] = torch.cuda.get_rng_state()
-    save_safetensors(rng, tmp / "rng.safetensors")
-    (tmp / "state.json").write_text(json.dumps({**state, "config": cfg.as_json()}, indent=2))
 
 
-# settings a resumed run may change: how long it trains (a finished run with checkpoints is extended by
-# --resume with more --steps / --epochs; the schedule is recomputed for the new length), when it saves and evaluates
-RESUME_MAY_CHANGE = ("steps", "epochs", "save_every", "eval_every", "early_stopping_patience", "metric_for_best",
-                     "report_to")
 
 
-def _config_diff(saved: dict, now: dict, saved_world: int = 1, world: int = 1) -> list[str]:
-    # a setting newer than the checkpoint counts as its default there (the run used that behaviour)
-    saved = {**{f.name: f.default for f in fields(TrainConfig) if f.name not in saved
-                and f.default is not MISSING}, **saved}
-    saved.update({k: _absolute(saved[k]) for k in PATH_FIELDS if isinstance(saved.get(k), str)})  # older: as typed
-    if saved.get("batch_size", 0) * saved_world == now.get("batch_size", 0) * world:
-        saved["batch_size"] = now.get("batch_size")  # the same global batch on another number of ranks
-    return [f"  {k}: checkpoint {saved.get(k)!r} -> now {now.get(k)!r}" for k in sorted(set(saved) | set(now))
-            if saved.get(k) != now.get(k) and k not in RESUME_MAY_CHANGE]
 
 
-MAX_STEP = 10**9
 
 
-def _sane_state(state) -> bool:
-    """A checkpoint's state.json as this trainer writes it: counters are integers in range."""
-    return isinstance(state, dict) and isinstance(state.get("config"), dict) and all(
-        isinstance(state.get(k), int) and not isinstance(state.get(k), bool) and 0 <= state[k] <= MAX_STEP * 10**6
-        for k in ("step", "epoch", "pos", "tokens")) and state["step"] <= MAX_STEP
 
 
-def _usable_checkpoints(run: Path) -> list[Path]:
-    """Complete checkpoints, newest first; an emptied or half-copied one is skipped with a warning."""
-    good = []
-    for ck in sorted((run / "checkpoints").glob("step-???????"), reverse=True):
-        try:
-            ok = all((ck / f).is_file() and (ck / f).stat().st_size > 0 for f in CHECKPOINT_FILES)
-            ok = ok and _sane_state(json.loads((ck / "state.json").read_text()))
-        except (OSError, ValueError):
-            ok = False
-        if ok:
-            good.append(ck)
-        else:
-            log.warning("skipping checkpoint %s: incomplete or damaged", ck)
-    return good
 
 
-def _load_checkpoint(run: Path, ck: Path, model: PactModel, opt: torch.optim.Optimizer, cfg: TrainConfig,
-                     inputs: dict, world: int = 1) -> dict:
-    state = json.loads((ck / "state.json").read_text())
-    saved_inputs = state.pop("inputs", None)
-    if saved_inputs is not None and saved_inputs != inputs:
-        changed = [k for k in inputs if saved_inputs.get(k) != inputs[k]]
-        raise PactError(f"--resume: the {' and the '.join(changed)} changed since {ck} was saved (fingerprint "
-                        "differs): resuming would silently mix two trainings; restore the originals or start a "
-                        "new run in another --out")
-    diff = _config_diff(state.pop("config"), cfg.as_json(), state.pop("world_size", 1), world)
-    if diff:
-        raise PactError(f"--resume: {ck} was made with other settings; resume with the same flags or start a new run:\n"
-                        + "\n".join(diff))
-    _, adapters = load_peft_adapter(ck)
-    model.load_adapter_state(adapters)
-    try:
-        saved = load_file(ck / "optimizer.safetensors")
-    except Exception as e:  # safetensors' own error types
-        raise PactError(f"{ck}/optimizer.safetensors: unreadable ({e}): remove {ck} to resume from the one "
-                        "before it") from None
-    params = list(model.lora_params.values())
-    for i, p in enumerate(params):
-        st = {k.split(".", 1)[1]: v for k, v in saved.items() if k.split(".", 1)[0] == str(i)}
-        if st:
-            st["step"] = st["step"].reshape(())
-            opt.state[p] = {k: v.to(p.device) if k != "step" else v for k, v in st.items()}
-    try:
-        rng = load_file(ck / "rng.safetensors")
-        torch.random.set_rng_state(rng["cpu"])
-        if "cuda" in rng and torch.cuda.is_available():
-            torch.cuda.set_rng_state(rng["cuda"])
-    except Exception as e:  # safetensors' errors, a missing key, a state of the wrong size or dtype
-        raise PactError(f"{ck}/rng.safetensors: unreadable ({type(e).__name__}: {str(e)[:120]}): remove {ck} to "
-                        "resume from the checkpoint before it") from None
-    log.info("resumed from %s (step %d)", ck, state["step"])
-    return state
 
 
-def _truncate_metrics(path: Path, step: int) -> None:
-    """metrics.jsonl up to ``step``: later steps are redone; a line a kill tore, or any line that is
-    not a step's metrics, is dropped (the file is a log, rewritten through a temp file)."""
-    if not path.exists():
-        return
-
-    def step_of(line: str):
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            return None
-        return rec.get("step") if isinstance(rec, dict) and isinstance(rec.get("step"), int) else None
-
-    raw = path.read_bytes().decode("utf-8", errors="replace")
-    keep = [line for line in raw.splitlines() if (n := step_of(line)) is not None and n <= step]
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(line + "\n" for line in keep))
-    os.replace(tmp, path)
 
 
 # ------------------------------------------------------------------------- run folder
 
 
-def data_fingerprint(path: str | os.PathLike, records: list[dict] | None = None) -> str:
-    """sha256 of a data file, or of a datasets folder's files (names and contents); of a hub dataset
-    (no local path), of its ``records``."""
-    p = Path(path)
-    if p.is_file():
-        return sha256_file(p)
-    if not p.exists() and records is not None:
-        rows = [{k: v for k, v in r.items() if k != "_where"} for r in records]
-        return hashlib.sha256(json.dumps(rows, sort_keys=True, default=str).encode()).hexdigest()
-    h = hashlib.sha256()
-    for f in sorted(q for q in p.rglob("*") if q.is_file()):
-        h.update(f"{f.relative_to(p)}\0{sha256_file(f)}\n".encode())
-    return h.hexdigest()
 
 
-@contextmanager
-def run_lock(run: Path):
-    """One writer per run folder: ``.lock`` holds the owner's host and pid; a lock whose process is
-    gone (same host) is taken over, a live one is refused."""
-    lock = run / ".lock"
-    me = f"{socket.gethostname()} {os.getpid()}\n"
-    for _ in range(2):
-        try:
-            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            try:
-                host, pid = lock.read_text().split()
-                alive = host != socket.gethostname() or pid_alive(int(pid))
-            except (OSError, ValueError):
-                host, pid, alive = "?", "?", False
-            if alive:
-                raise PactError(f"--out {run} is in use by another pact-train (host {host}, pid {pid}): wait for it, "
-                                f"or choose another --out (if that process is gone, delete {lock})") from None
-            log.warning("removing a stale lock %s (pid %s has exited)", lock, pid)
-            lock.unlink(missing_ok=True)
-            continue
-        except OSError as e:
-            raise PactError(f"--out {run}: cannot write there ({e.strerror}): choose a writable folder") from None
-        with os.fdopen(fd, "w") as f:
-            f.write(me)
-        break
-    try:
-        yield
-    finally:
-        lock.unlink(missing_ok=True)
 
 
-def _prepare_run(run: Path, resume: bool) -> None:
-    """The run folder is new, or (``resume``) an unfinished run with a checkpoint; never one whose
-    results would be overwritten."""
-    files = [p for p in run.iterdir() if p.name != ".lock"] if run.is_dir() else []
-    if files and not resume:
-        raise PactError(f"--out {run} is not empty: pass --resume to continue that run, or choose another folder")
-    if resume and files and not _usable_checkpoints(run):
-        if (run / "adapter_model.safetensors").is_file():
-            raise PactError(f"--resume: {run} is a finished run (its adapter is saved) with no checkpoint to resume "
-                            "from (a run extends with --resume and more --steps when it saved checkpoints: "
-                            "--save-every N); train more in a new --out (its adapter stays as it is)")
-        raise PactError(f"--resume: {run} has no usable checkpoint (train with --save-every N); "
-                        "start again in an empty --out")
-    try:
-        run.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise PactError(f"--out {run}: cannot create it ({e.strerror}): choose a writable folder") from None
 
 
 # ------------------------------------------------------------------------------ loop
@@ -488,11 +180,6 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True, stop
         leave(dist)
 
 
-def _trained(run: Path) -> bool:
-    """The run took at least one step (its metrics or checkpoints exist), or finished."""
-    metrics = run / "metrics.jsonl"
-    return ((metrics.is_file() and metrics.stat().st_size > 0) or (run / "checkpoints").is_dir()
-            or (run / "adapter_model.safetensors").is_file())
 
 
 @dataclass

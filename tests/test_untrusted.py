@@ -224,20 +224,20 @@ def test_checkpoints_survive_a_full_disk_and_an_emptied_one(base, tmp_path, monk
     import errno
 
     from pact.formats import PactError
-    from pact.runtime import trainer
+    from pact.runtime import checkpoints, trainer
 
     cfg = _cfg(base, tmp_path, steps=6, save_every=2)
     trainer.train(cfg, progress=False, stop_after=4)
     ck = tmp_path / "run" / "checkpoints"
     assert sorted(p.name for p in ck.iterdir()) == ["step-0000002", "step-0000004"]
-    real = trainer.save_safetensors
+    real = checkpoints.save_safetensors
 
     def full(tensors, path, *a, **kw):
         if str(path).endswith("optimizer.safetensors"):
             raise OSError(errno.ENOSPC, "No space left on device")
         return real(tensors, path, *a, **kw)
 
-    monkeypatch.setattr(trainer, "save_safetensors", full)
+    monkeypatch.setattr(checkpoints, "save_safetensors", full)
     with pytest.raises(PactError, match=r"step-0000006.tmp: could not write \(the disk is full\)"):
         trainer.train(cfg, resume=True, progress=False)
     monkeypatch.undo()

@@ -1,0 +1,179 @@
+"""Checkpoints of a run (PEFT adapter + optimizer moments + RNG as safetensors, state as JSON; the
+last KEEP_CHECKPOINTS kept) and resuming from them: refused when the settings, the artifact or
+the data changed, except what RESUME_MAY_CHANGE names; a damaged checkpoint is skipped."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from dataclasses import MISSING, fields
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from pact.formats import PactError
+from pact.formats.errors import write_error
+from pact.formats.files import save_safetensors
+
+from .config import PATH_FIELDS, TrainConfig, _absolute
+from .lora import load_peft_adapter, save_peft_adapter
+from .model import PactModel
+
+log = logging.getLogger(__name__)
+
+
+KEEP_CHECKPOINTS = 3
+
+
+CHECKPOINT_FILES = ("adapter_config.json", "adapter_model.safetensors", "optimizer.safetensors", "rng.safetensors",
+                    "state.json")
+
+
+def base_model(art) -> str:
+    """What an adapter's ``base_model_name_or_path`` names: the model the artifact was converted from
+    (a hub id or a folder transformers loads; PEFT's AutoPeftModel reads it), not the artifact. For a
+    .gguf source, the file's folder: transformers loads it given ``gguf_file=<the file's name>``,
+    which AutoPeftModelForCausalLM.from_pretrained(run, gguf_file=...) passes through."""
+    source = str(art.meta["provenance"].get("source") or art.path)
+    return str(Path(source).parent) if source.endswith(".gguf") else source
+
+
+def _disk_error(e: OSError, what: Path) -> PactError:
+    return write_error(e, what, "the run's earlier checkpoints are kept")
+
+
+def _save_checkpoint(run: Path, model: PactModel, opt: torch.optim.Optimizer, state: dict, cfg: TrainConfig) -> Path:
+    final = run / "checkpoints" / f"step-{state['step']:07d}"
+    tmp = final.with_name(final.name + ".tmp")
+    for stale in (run / "checkpoints").glob("step-*.tmp"):  # left by a killed or full-disk save (the lock is ours)
+        shutil.rmtree(stale, ignore_errors=True)
+    try:
+        _write_checkpoint(tmp, model, opt, state, cfg)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise _disk_error(e, tmp) from None
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    done = sorted((run / "checkpoints").glob("step-???????"))
+    for old in done[:-KEEP_CHECKPOINTS]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def _write_checkpoint(tmp: Path, model: PactModel, opt: torch.optim.Optimizer, state: dict, cfg: TrainConfig) -> None:
+    save_peft_adapter(tmp, model.adapter_state(), cfg.lora(), base_model(model.artifact))
+    params = list(model.lora_params.values())
+    tensors = {}
+    for i, p in enumerate(params):
+        for k, v in opt.state.get(p, {}).items():
+            tensors[f"{i}.{k}"] = v.detach().cpu().reshape(-1) if v.dim() == 0 else v.detach().cpu()
+    save_safetensors(tensors, tmp / "optimizer.safetensors")
+    rng = {"cpu": torch.random.get_rng_state()}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state()
+    save_safetensors(rng, tmp / "rng.safetensors")
+    (tmp / "state.json").write_text(json.dumps({**state, "config": cfg.as_json()}, indent=2))
+
+
+# settings a resumed run may change: how long it trains (a finished run with checkpoints is extended by
+# --resume with more --steps / --epochs; the schedule is recomputed for the new length), when it saves and evaluates
+RESUME_MAY_CHANGE = ("steps", "epochs", "save_every", "eval_every", "early_stopping_patience", "metric_for_best",
+                     "report_to")
+
+
+def _config_diff(saved: dict, now: dict, saved_world: int = 1, world: int = 1) -> list[str]:
+    # a setting newer than the checkpoint counts as its default there (the run used that behaviour)
+    saved = {**{f.name: f.default for f in fields(TrainConfig) if f.name not in saved
+                and f.default is not MISSING}, **saved}
+    saved.update({k: _absolute(saved[k]) for k in PATH_FIELDS if isinstance(saved.get(k), str)})  # older: as typed
+    if saved.get("batch_size", 0) * saved_world == now.get("batch_size", 0) * world:
+        saved["batch_size"] = now.get("batch_size")  # the same global batch on another number of ranks
+    return [f"  {k}: checkpoint {saved.get(k)!r} -> now {now.get(k)!r}" for k in sorted(set(saved) | set(now))
+            if saved.get(k) != now.get(k) and k not in RESUME_MAY_CHANGE]
+
+
+MAX_STEP = 10**9
+
+
+def _sane_state(state) -> bool:
+    """A checkpoint's state.json as this trainer writes it: counters are integers in range."""
+    return isinstance(state, dict) and isinstance(state.get("config"), dict) and all(
+        isinstance(state.get(k), int) and not isinstance(state.get(k), bool) and 0 <= state[k] <= MAX_STEP * 10**6
+        for k in ("step", "epoch", "pos", "tokens")) and state["step"] <= MAX_STEP
+
+
+def _usable_checkpoints(run: Path) -> list[Path]:
+    """Complete checkpoints, newest first; an emptied or half-copied one is skipped with a warning."""
+    good = []
+    for ck in sorted((run / "checkpoints").glob("step-???????"), reverse=True):
+        try:
+            ok = all((ck / f).is_file() and (ck / f).stat().st_size > 0 for f in CHECKPOINT_FILES)
+            ok = ok and _sane_state(json.loads((ck / "state.json").read_text()))
+        except (OSError, ValueError):
+            ok = False
+        if ok:
+            good.append(ck)
+        else:
+            log.warning("skipping checkpoint %s: incomplete or damaged", ck)
+    return good
+
+
+def _load_checkpoint(run: Path, ck: Path, model: PactModel, opt: torch.optim.Optimizer, cfg: TrainConfig,
+                     inputs: dict, world: int = 1) -> dict:
+    state = json.loads((ck / "state.json").read_text())
+    saved_inputs = state.pop("inputs", None)
+    if saved_inputs is not None and saved_inputs != inputs:
+        changed = [k for k in inputs if saved_inputs.get(k) != inputs[k]]
+        raise PactError(f"--resume: the {' and the '.join(changed)} changed since {ck} was saved (fingerprint "
+                        "differs): resuming would silently mix two trainings; restore the originals or start a "
+                        "new run in another --out")
+    diff = _config_diff(state.pop("config"), cfg.as_json(), state.pop("world_size", 1), world)
+    if diff:
+        raise PactError(f"--resume: {ck} was made with other settings; resume with the same flags or start a new run:\n"
+                        + "\n".join(diff))
+    _, adapters = load_peft_adapter(ck)
+    model.load_adapter_state(adapters)
+    try:
+        saved = load_file(ck / "optimizer.safetensors")
+    except Exception as e:  # safetensors' own error types
+        raise PactError(f"{ck}/optimizer.safetensors: unreadable ({e}): remove {ck} to resume from the one "
+                        "before it") from None
+    params = list(model.lora_params.values())
+    for i, p in enumerate(params):
+        st = {k.split(".", 1)[1]: v for k, v in saved.items() if k.split(".", 1)[0] == str(i)}
+        if st:
+            st["step"] = st["step"].reshape(())
+            opt.state[p] = {k: v.to(p.device) if k != "step" else v for k, v in st.items()}
+    try:
+        rng = load_file(ck / "rng.safetensors")
+        torch.random.set_rng_state(rng["cpu"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])
+    except Exception as e:  # safetensors' errors, a missing key, a state of the wrong size or dtype
+        raise PactError(f"{ck}/rng.safetensors: unreadable ({type(e).__name__}: {str(e)[:120]}): remove {ck} to "
+                        "resume from the checkpoint before it") from None
+    log.info("resumed from %s (step %d)", ck, state["step"])
+    return state
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """metrics.jsonl up to ``step``: later steps are redone; a line a kill tore, or any line that is
+    not a step's metrics, is dropped (the file is a log, rewritten through a temp file)."""
+    if not path.exists():
+        return
+
+    def step_of(line: str):
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            return None
+        return rec.get("step") if isinstance(rec, dict) and isinstance(rec.get("step"), int) else None
+
+    raw = path.read_bytes().decode("utf-8", errors="replace")
+    keep = [line for line in raw.splitlines() if (n := step_of(line)) is not None and n <= step]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in keep))
+    os.replace(tmp, path)

@@ -1,0 +1,92 @@
+"""The run folder: one writer at a time (``run_lock``), never another run's results overwritten
+(``_prepare_run``), and the data's fingerprint that --resume compares."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import socket
+from contextlib import contextmanager
+from pathlib import Path
+
+from pact.formats import PactError
+from pact.formats.files import pid_alive, sha256_file
+
+from .checkpoints import _usable_checkpoints
+
+log = logging.getLogger(__name__)
+
+
+def data_fingerprint(path: str | os.PathLike, records: list[dict] | None = None) -> str:
+    """sha256 of a data file, or of a datasets folder's files (names and contents); of a hub dataset
+    (no local path), of its ``records``."""
+    p = Path(path)
+    if p.is_file():
+        return sha256_file(p)
+    if not p.exists() and records is not None:
+        rows = [{k: v for k, v in r.items() if k != "_where"} for r in records]
+        return hashlib.sha256(json.dumps(rows, sort_keys=True, default=str).encode()).hexdigest()
+    h = hashlib.sha256()
+    for f in sorted(q for q in p.rglob("*") if q.is_file()):
+        h.update(f"{f.relative_to(p)}\0{sha256_file(f)}\n".encode())
+    return h.hexdigest()
+
+
+@contextmanager
+def run_lock(run: Path):
+    """One writer per run folder: ``.lock`` holds the owner's host and pid; a lock whose process is
+    gone (same host) is taken over, a live one is refused."""
+    lock = run / ".lock"
+    me = f"{socket.gethostname()} {os.getpid()}\n"
+    for _ in range(2):
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            try:
+                host, pid = lock.read_text().split()
+                alive = host != socket.gethostname() or pid_alive(int(pid))
+            except (OSError, ValueError):
+                host, pid, alive = "?", "?", False
+            if alive:
+                raise PactError(f"--out {run} is in use by another pact-train (host {host}, pid {pid}): wait for it, "
+                                f"or choose another --out (if that process is gone, delete {lock})") from None
+            log.warning("removing a stale lock %s (pid %s has exited)", lock, pid)
+            lock.unlink(missing_ok=True)
+            continue
+        except OSError as e:
+            raise PactError(f"--out {run}: cannot write there ({e.strerror}): choose a writable folder") from None
+        with os.fdopen(fd, "w") as f:
+            f.write(me)
+        break
+    try:
+        yield
+    finally:
+        lock.unlink(missing_ok=True)
+
+
+def _prepare_run(run: Path, resume: bool) -> None:
+    """The run folder is new, or (``resume``) an unfinished run with a checkpoint; never one whose
+    results would be overwritten."""
+    files = [p for p in run.iterdir() if p.name != ".lock"] if run.is_dir() else []
+    if files and not resume:
+        raise PactError(f"--out {run} is not empty: pass --resume to continue that run, or choose another folder")
+    if resume and files and not _usable_checkpoints(run):
+        if (run / "adapter_model.safetensors").is_file():
+            raise PactError(f"--resume: {run} is a finished run (its adapter is saved) with no checkpoint to resume "
+                            "from (a run extends with --resume and more --steps when it saved checkpoints: "
+                            "--save-every N); train more in a new --out (its adapter stays as it is)")
+        raise PactError(f"--resume: {run} has no usable checkpoint (train with --save-every N); "
+                        "start again in an empty --out")
+    try:
+        run.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise PactError(f"--out {run}: cannot create it ({e.strerror}): choose a writable folder") from None
+
+
+def _trained(run: Path) -> bool:
+    """The run took at least one step (its metrics or checkpoints exist), or finished."""
+    metrics = run / "metrics.jsonl"
+    return ((metrics.is_file() and metrics.stat().st_size > 0) or (run / "checkpoints").is_dir()
+            or (run / "adapter_model.safetensors").is_file())
