@@ -13,6 +13,7 @@
 #   tasks2 (no carry):       the same at lr 2e-4; the table covers both calls' rows
 #   big (carry .gg1):       stash the first half; 3B and 8B shapes under a 16 GiB cap, pact vs its peers
 #   merge (carry .gg2 .fid): bench_merge.py on MERGE_TASKS x SEEDS, one process per (task, seed)
+#   packing (no carry, after tasks or merge): bench_packing.py on PACK_TASKS (comma-separated)
 set -uo pipefail
 stage=$1
 RUN=$stage${TAG:+-$TAG}  # TAG names a repeated stage's rows (a second tasks2 on the same machine keeps the first's)
@@ -172,6 +173,14 @@ benchmarks/bench_merge.py run $args --reuse-runs --json-out /tmp/rows/merge-$t-$
   grep -h -i -B2 "error\|Traceback" /tmp/rows/merge-*.log | head -20
   mkdir -p $OUT/merge && cp /tmp/rows/merge-*.json $OUT/merge/ 2>/dev/null
   python3 benchmarks/bench_merge.py table /tmp/rows/merge-*.json | tee $OUT/merge_table.md
+  ;;
+packing)  # (after tasks or merge on the warm machine: the GGUF's artifact is there) --packing vs one example per
+  # row: real tokens/s of one epoch, SmolLM2-135M, bs 8 rows of max-len 512, on a task's training texts
+  for t in $(echo ${PACK_TASKS:-epistemic_reasoning,logical_fallacy_detection} | tr , " "); do
+    timeout 200 python3 benchmarks/bench_packing.py --artifact /tmp/wd/smollm2-135m-nvfp4-1d-mse \
+      --data /tmp/wd/fidelity-data/$t-train.jsonl --batch-size 8 --max-len 512 --json-out $OUT/packing-$t.json \
+      2>&1 | grep -v Warn | tail -3
+  done
   ;;
 tasks|tasks2)  # tasks: lr LRS (5e-4); tasks2: LRS (2e-4) on the machine `tasks` left warm
   if [ $stage = tasks ]; then
