@@ -21,6 +21,7 @@ import torch
 
 from pact.formats import PactError
 from pact.formats.files import read_json, sha256_file
+from pact.formats.interop import CT_IGNORED, CT_NVFP4_FORMAT, CT_PARTS, MO_PARTS
 from pact.formats.layout import SIDE_FILES
 from pact.formats.nvfp4 import NVFP4Tensor, dequantize
 
@@ -29,17 +30,6 @@ log = logging.getLogger(__name__)
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".ckpt")
 _SIDE_FILE_MAX = 64 << 20  # tokenizer/config/processor files; anything larger is not one
-# what an artifact's hf/ may hold: config, tokenizer, chat template and image processor files
-# compressed-tensors' NVFP4 layout (llm-compressor's output, what vLLM loads): per quantized Linear,
-# weight_packed uint8 [N, K/2] (E2M1 codes, low nibble first, bit 3 the sign: pact's own packing),
-# weight_scale e4m3 [N, K/16] and weight_global_scale fp32 [1] in the encode direction (1 / pact's g);
-# the rest (input_global_scale, ...) concerns inference-time activations and is not read.
-CT_NVFP4_FORMAT = "nvfp4-pack-quantized"
-_CT_PARTS = ("weight_packed", "weight_scale", "weight_global_scale")
-# ModelOpt's NVFP4 export (TensorRT-LLM / vLLM "modelopt"): ``weight`` uint8 [N, K/2] (same packing),
-# ``weight_scale`` e4m3 [N, K/16] and ``weight_scale_2`` fp32 in the decode direction (pact's g itself)
-_MO_PARTS = ("weight", "weight_scale", "weight_scale_2")
-_CT_IGNORED = ("input_global_scale", "input_scale", "weight_zero_point", "output_scale", "k_scale", "v_scale")
 _ST_DTYPES = {
     "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
     "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "BOOL": torch.bool,
@@ -243,9 +233,9 @@ class Source:
             return
         method, fmt = q.get("quant_method"), q.get("format") or q.get("quant_algo")
         if method == "compressed-tensors" and fmt == CT_NVFP4_FORMAT:
-            suffix, parts_of, self.encode_global = "weight_packed", _CT_PARTS, True
+            suffix, parts_of, self.encode_global = "weight_packed", CT_PARTS, True
         elif method == "modelopt" and fmt == "NVFP4":
-            suffix, parts_of, self.encode_global = "weight_scale_2", _MO_PARTS, False
+            suffix, parts_of, self.encode_global = "weight_scale_2", MO_PARTS, False
         else:
             raise PactError(f"{cfg}: the checkpoint is already quantized ({method}, {fmt}): pact-convert reads "
                             f"bf16 / fp16 / fp32 weights, or NVFP4 as compressed-tensors ({CT_NVFP4_FORMAT}, "
@@ -286,7 +276,7 @@ class Source:
             base, _, part = name.rpartition(".")
             if name in parts and self.packed.get(f"{base}.weight", ())[:1] == (name,):
                 out.append(f"{base}.weight")  # the packed codes stand for the weight
-            elif name not in parts and part not in _CT_IGNORED:
+            elif name not in parts and part not in CT_IGNORED:
                 out.append(name)
         return out
 

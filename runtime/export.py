@@ -39,6 +39,7 @@ from pact.formats import PactError, default_cache, open_artifact
 from pact.formats.errors import write_error
 from pact.formats.families import classify
 from pact.formats.files import pid_alive, replace_by_rename, save_safetensors, sweep_leftovers, work_path
+from pact.formats.interop import ct_quantization_config, ct_tensors
 from pact.formats.layout import SIDE_FILES
 from pact.formats.nvfp4 import SCALE_RULES, NVFP4Tensor, dequantize, global_scale_from_amax, quantize
 
@@ -51,29 +52,6 @@ MARKER = "pact_export.json"  # written last into every export: what --overwrite 
 CODE_KEYS = ("auto_map", "custom_pipelines")
 
 log = logging.getLogger(__name__)
-
-# compressed-tensors' weight-only NVFP4 scheme (its preset "NVFP4A16"), as its own config serializer
-# writes it; `ignore` lists the Linear modules left unquantized (lm_head at least)
-_CT_WEIGHTS = {"num_bits": 4, "type": "float", "symmetric": True, "group_size": 16, "strategy": "tensor_group",
-               "block_structure": None, "dynamic": False, "actorder": None, "observer": "minmax",
-               "observer_kwargs": {}, "scale_dtype": "torch.float8_e4m3fn", "zp_dtype": None}
-
-
-def _ct_config(ignore: list[str]) -> dict:
-    return {
-        "quant_method": "compressed-tensors",
-        "format": "nvfp4-pack-quantized",
-        "quantization_status": "compressed",
-        "config_groups": {"group_0": {"targets": ["Linear"], "weights": _CT_WEIGHTS, "input_activations": None,
-                                      "output_activations": None, "format": "nvfp4-pack-quantized"}},
-        "ignore": sorted(ignore),
-        "kv_cache_scheme": None,
-        "global_compression_ratio": None,
-        "sparsity_config": {},
-        "transform_config": {},
-        "version": None,
-    }
-
 
 def export(artifact: str, out: str | os.PathLike, *, fmt: str = "compressed-tensors", adapter: str | None = None,
            merge: bool = False, overwrite: bool = False, progress: bool = False,
@@ -362,16 +340,16 @@ def _write(art, tmp: Path, fmt: str, lora_cfg, adapters: dict, merge: bool, prog
             for m, w in ws.items():
                 t = merged_weights[m] if merged_weights else quantize(w, global_scale=g, scaling="1d", scale_rule=rule)
                 added[m] = float((dequantize(t) - w).norm() / w.norm()) if float(w.norm()) > 0 else 0.0
-                _put_ct(tensors, m, t)
+                tensors.update(ct_tensors(m, t))
         else:
             for m in members:
-                _put_ct(tensors, m, _nvfp4(art, m))
+                tensors.update(ct_tensors(m, _nvfp4(art, m)))
         quantized += members
         done.update(members)
     _save_sharded(tensors, tmp, art)
     config = dict(art.meta["hf_config"])
     if fmt == "compressed-tensors":
-        config["quantization_config"] = _ct_config(ignore)
+        config["quantization_config"] = ct_quantization_config(ignore)
     (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     for rel in side:
         shutil.copyfile(art.hf_dir / rel, tmp / rel)
@@ -381,24 +359,6 @@ def _write(art, tmp: Path, fmt: str, lora_cfg, adapters: dict, merge: bool, prog
         vals = sorted(added.values())
         out["requantization_error"] = {"median": vals[len(vals) // 2], "max": vals[-1], "per_projection": added}
     return out
-
-
-def _put_ct(tensors: dict, name: str, t: NVFP4Tensor) -> None:
-    base = name.removesuffix(".weight")
-    tensors[f"{base}.weight_packed"] = t.packed.contiguous()
-    tensors[f"{base}.weight_scale"] = t.scales.contiguous()
-    tensors[f"{base}.weight_global_scale"] = encode_global_scale(t.global_scale).reshape(1)
-
-
-def encode_global_scale(g: torch.Tensor) -> torch.Tensor:
-    """compressed-tensors' global scale (encode direction) for pact's g: the fp32 value next to 1/g
-    whose reciprocal is g again, where one is (so export -> import keeps g bit for bit)."""
-    g = g.float().reshape(())
-    gs = torch.tensor(1.0) / g
-    for cand in (gs, torch.nextafter(gs, torch.tensor(0.0)), torch.nextafter(gs, torch.tensor(float("inf")))):
-        if torch.equal(torch.tensor(1.0) / cand, g):
-            return cand
-    return gs
 
 
 def _save(tensors: dict[str, torch.Tensor], path: Path) -> None:
