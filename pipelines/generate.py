@@ -17,7 +17,7 @@ from .common import cli_errors, config_options
 def _sampling(fn):
     for opt in reversed((
         click.option("--adapter", default=None, type=click.Path(file_okay=False),
-                     help="A pact-train run folder (PEFT adapter); none = the base model."),
+                     help="A pact-train run folder, or its best/ (PEFT adapter); none = the base model."),
         click.option("--max-new-tokens", type=int, default=256, show_default=True),
         click.option("--temperature", type=float, default=0.0, show_default=True, help="0: greedy."),
         click.option("--top-p", type=float, default=1.0, show_default=True, help="Nucleus sampling (temperature > 0)."),
@@ -77,11 +77,12 @@ def generate_cmd(artifact, prompt, use_chat, adapter, max_new_tokens, temperatur
     click.echo()
 
 
-def _chat_ids(tok, messages: list[dict]) -> list[int]:
+def _chat_ids(tok, messages: list[dict], command: str = "pact generate --chat") -> list[int]:
     from pact.runtime.data import render_chat
 
     if not getattr(tok, "chat_template", None):
-        raise PactError("the artifact's tokenizer has no chat template: use pact generate --prompt without --chat")
+        raise PactError(f"{command} needs a chat template, and the artifact's tokenizer has none: continue plain "
+                        "text with pact generate --prompt (no --chat)")
     return tok(render_chat(tok, messages, "chat", add_generation_prompt=True), add_special_tokens=False)["input_ids"]
 
 
@@ -99,7 +100,7 @@ def chat_cmd(artifact, system, adapter, max_new_tokens, temperature, top_p, seed
 
     model, tok = load_adapted(artifact, adapter, device=device, activations=activations, compute=compute,
                               tool="pact chat")
-    _chat_ids(tok, [{"role": "user", "content": "check"}])  # no template: fails now, before the first turn
+    _chat_ids(tok, [{"role": "user", "content": "check"}], "pact chat")  # no template: fails now, not at a turn
     history = [{"role": "system", "content": system}] if system else []
     cache, cached = None, []
     interactive = sys.stdin.isatty()

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from pact.formats import PactError
 
-from .data import HUB_ID
+from .data import looks_like_hub_id
 from .lora import ALL_TARGETS, LoraConfig, parse_layers
 from .ops import COMPUTE, FP8_WEIGHTS, KERNELS
 from .recipe import HELP as RECIPE_HELP
@@ -118,6 +118,8 @@ class TrainConfig:
                 raise PactError(f"--{flag} must be {want}, got {value}")
         if self.lr_scheduler not in SCHEDULERS:
             raise PactError(f"--lr-scheduler must be one of {', '.join(SCHEDULERS)}, got {self.lr_scheduler!r}")
+        if self.eval_split is not None and not self.eval_data:
+            raise PactError("--eval-split needs --eval-data (the datasets folder or hub id it picks a split of)")
         if self.eval_every and not self.eval_data:
             raise PactError("--eval-every needs --eval-data (the held-out file it evaluates)")
         if self.early_stopping_patience and not self.eval_every:
@@ -147,6 +149,6 @@ PATH_FIELDS = ("artifact", "data", "out", "eval_data")
 
 def _absolute(path: str | None) -> str | None:
     """A local path made absolute (symlinks resolved); URLs and None as given."""
-    if path is None or "://" in str(path) or not Path(path).expanduser().exists() and HUB_ID.fullmatch(str(path)):
+    if path is None or "://" in str(path) or not Path(path).expanduser().exists() and looks_like_hub_id(str(path)):
         return path  # a missing "org/name" stays as typed: the data reader names it as a hub id
     return str(Path(path).expanduser().resolve())

@@ -59,9 +59,9 @@ def read_records(path: str | Path, flag: str = "--data", split: str | None = Non
     split_flag = {"--eval-data": "--eval-split"}.get(flag, "--data-split")
     if split is not None and p.exists() and not p.is_dir():
         raise PactError(f"{split_flag} {split}: {p} is a file; a split names a part of a datasets.save_to_disk "
-                        "folder (DatasetDict)")
+                        f"folder (DatasetDict) or a hub dataset: drop {split_flag}")
     if not p.exists():
-        if HUB_ID.fullmatch(str(path)) is None:
+        if not looks_like_hub_id(str(path)):
             raise PactError(f"{flag} {p}: no such file or folder")
         records = _hub_records(str(path), flag, split, default_splits or DEFAULT_SPLITS.get(flag, ("train",)))
         where = [f"{path} row {i}" for i in range(len(records))]
@@ -119,6 +119,34 @@ def read_records(path: str | Path, flag: str = "--data", split: str | None = Non
     return records
 
 
+DATA_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet", ".txt", ".arrow", ".tsv")
+
+
+def looks_like_hub_id(path: str) -> bool:
+    """``org/name`` that is no local path: not a data file's name (``data/train.jsonl``), and its first
+    part not a folder here (a mistyped local path stays a missing file, never a download)."""
+    return (HUB_ID.fullmatch(path) is not None and not path.lower().endswith(DATA_SUFFIXES)
+            and not Path(path.split("/")[0]).is_dir())
+
+
+def _hub_unreachable() -> str | None:
+    """Why the hub cannot be reached (offline mode, or its host does not resolve), else None: checked
+    first, so an offline machine gets its one-line answer at once, not after the library's retries."""
+    import os
+    import socket
+    from urllib.parse import urlsplit
+
+    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on") or \
+            os.environ.get("HF_DATASETS_OFFLINE", "0").lower() in ("1", "true", "yes", "on"):
+        return "offline mode is set (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE)"
+    host = urlsplit(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname or "huggingface.co"
+    try:
+        socket.getaddrinfo(host, 443)
+    except OSError as e:
+        return f"{host} does not resolve: {e.strerror or e}"
+    return None
+
+
 def _hub_records(repo: str, flag: str, split: str | None, defaults: tuple[str, ...]) -> list[dict]:
     """A hub dataset id through datasets.load_dataset (``split``, else the first of ``defaults`` it has);
     without a network, or for an id the hub does not have, one line saying how to use it locally."""
@@ -127,10 +155,13 @@ def _hub_records(repo: str, flag: str, split: str | None, defaults: tuple[str, .
     local = (f"pact reads it through datasets.load_dataset, which could not get it ({{why}}); offline, save it "
              f"once where there is a network with datasets.load_dataset('{repo}', split=...).save_to_disk(DIR) "
              "and pass DIR")
-    try:
-        ds = datasets.load_dataset(repo, split=split) if split else datasets.load_dataset(repo)
-    except Exception as e:  # ConnectionError, DatasetNotFoundError, ... : the library's own types
-        why = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+    why = _hub_unreachable()
+    if why is None:
+        try:
+            ds = datasets.load_dataset(repo, split=split) if split else datasets.load_dataset(repo)
+        except Exception as e:  # ConnectionError, DatasetNotFoundError, ... : the library's own types
+            why = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+    if why is not None:
         raise PactError(f"{flag} {repo}: no such file or folder, and as a hub dataset id: "
                         + local.format(why=why)) from None
     if isinstance(ds, datasets.DatasetDict):

@@ -4,6 +4,7 @@ exact match and token F1 of greedy generations otherwise (``generate``)."""
 from __future__ import annotations
 
 import json
+import logging
 import re
 import string
 from collections import Counter
@@ -35,6 +36,8 @@ def sequence_logprobs(model, ids: torch.Tensor, labels: torch.Tensor) -> torch.T
     sel = targets != IGNORE
     hs = rmsnorm(h[:, :-1][sel], model.final_norm, model.eps)
     return _target_logprobs(model, hs, targets[sel], torch.nonzero(sel)[:, 0], ids.shape[0])
+
+log = logging.getLogger(__name__)
 
 
 def label_candidates(examples: list[Example], max_labels: int = 32, drop_eos: int | None = None
@@ -209,6 +212,7 @@ def load_adapted(artifact: str, adapter: str | None, *, device: str | None = Non
     from .lora import load_peft_adapter
     from .session import open_session
 
+    log.info("loading %s%s (its checksums are verified on first use)", artifact, f" with {adapter}" if adapter else "")
     ses = open_session(artifact, device=device, tool=tool)  # a damaged artifact never runs
     lora_cfg, weights = load_peft_adapter(adapter) if adapter else (None, None)
     run_cfg = Path(adapter) / "train_config.json" if adapter else None

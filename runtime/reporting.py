@@ -46,8 +46,14 @@ class Reporter:
             run_id = id_file.read_text().strip() if id_file.is_file() else secrets.token_hex(4)
             id_file.write_text(run_id + "\n")
             (run / "wandb").mkdir(exist_ok=True)
-            self.wb = wandb.init(project=os.environ.get("WANDB_PROJECT", "pact"), name=run.name, id=run_id,
-                                 resume="allow", dir=str(run), config=config)
+            try:
+                self.wb = wandb.init(project=os.environ.get("WANDB_PROJECT", "pact"), name=run.name, id=run_id,
+                                     resume="allow", dir=str(run), config=config)
+            except Exception as e:  # wandb's own errors (no API key, no network): one line
+                why = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+                self.close()
+                raise PactError(f"--report-to wandb: could not start a W&B run ({why}): log in with `wandb login` "
+                                "(or set WANDB_API_KEY), or set WANDB_MODE=offline to keep the run local") from None
 
     def log(self, metrics: dict, step: int) -> None:
         scalars = {(k if k.startswith("eval_") else f"train/{k}"): float(v) for k, v in metrics.items()

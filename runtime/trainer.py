@@ -224,6 +224,11 @@ def _setup(cfg: TrainConfig, run: Path, resume: bool, dist: Dist, device: str | 
     last_good = None
     if resume and (good := _usable_checkpoints(run)):
         last_good = good[0]
+        at = json.loads((last_good / "state.json").read_text())["step"]  # (checked by _usable_checkpoints)
+        if at > total:  # refused before anything is loaded or cut: the run stays as it is
+            raise PactError(f"--resume: the newest checkpoint of {run} is at step {at}, beyond this run's {total} "
+                            f"steps: pass --max-steps (--steps) of at least {at + 1} to train further; nothing "
+                            "was changed")
         state = _load_checkpoint(run, last_good, model, opt, cfg, inputs, dist.world)
         best = state.get("best")
         if best is not None and not (isinstance(best, dict) and isinstance(best.get("step"), int)
@@ -235,9 +240,6 @@ def _setup(cfg: TrainConfig, run: Path, resume: bool, dist: Dist, device: str | 
             state["bad_evals"] = 0
         if dist.main:
             _truncate_metrics(run / "metrics.jsonl", state["step"])  # steps after the checkpoint are redone
-        if state["step"] > total:
-            raise PactError(f"--resume: {last_good} is at step {state['step']}, beyond this run's {total} steps: "
-                            f"pass --steps above {state['step']} to train further")
         if state["step"] == total:
             log.info("%s: the checkpoint is at the last step (%d); writing the adapter", last_good, total)
     state["inputs"] = inputs

@@ -42,6 +42,7 @@ def test_hub_dataset_id_online(monkeypatch):
     its train split, or the one --data-split names."""
     import datasets
 
+    from pact.runtime import data
     from pact.runtime.data import read_records
 
     calls = []
@@ -53,6 +54,7 @@ def test_hub_dataset_id_online(monkeypatch):
         return dd[split] if split else dd
 
     monkeypatch.setattr(datasets, "load_dataset", fake)
+    monkeypatch.setattr(data, "_hub_unreachable", lambda: None)  # (the tests run offline)
     assert read_records("org/data")[0]["instruction"] == "train q"
     assert read_records("org/data", "--eval-data")[0]["instruction"] == "test q"
     assert read_records("org/data", "--data", "test")[0]["_where"] == "org/data row 0"
@@ -113,9 +115,29 @@ def test_train_on_a_hub_id(tmp_path, monkeypatch):
 
     d = make_converted_llama(tmp_path, 16)
     rows = [json.loads(line) for line in (d / "train.jsonl").read_text().splitlines()]
+    from pact.runtime import data
+
+    monkeypatch.setattr(data, "_hub_unreachable", lambda: None)
     monkeypatch.setattr(datasets, "load_dataset", lambda repo, split=None: datasets.DatasetDict(
         {"train": datasets.Dataset.from_list(rows)}) if split is None else datasets.Dataset.from_list(rows))
     train(TrainConfig(artifact=str(d / "art"), data="org/sentiment", out=str(d / "run"), steps=2, batch_size=8,
                       max_len=64, lora_r=4, lora_alpha=8, kernels="torch"), progress=False)
     saved = json.loads((d / "run" / "train_config.json").read_text())
     assert saved["data"] == "org/sentiment" and len(saved["inputs_sha256"]["data"]) == 64
+
+
+def test_missing_local_paths_are_not_hub_ids(tmp_path, monkeypatch):
+    """A mistyped local path never goes to the hub: a data file's name, or a first part that is a
+    folder here, is a missing file at once; offline, a hub id is refused before any retry."""
+    from pact.runtime.data import looks_like_hub_id, read_records
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    assert looks_like_hub_id("tatsu-lab/alpaca") and not looks_like_hub_id("data/chats.jsonl")
+    assert not looks_like_hub_id("data/chats") and not looks_like_hub_id("org/train.parquet")
+    for p in ("data/chats.jsonl", "data/chats", "org/train.parquet"):
+        with pytest.raises(PactError, match=rf"--data {p}: no such file or folder$"):
+            read_records(p)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(PactError, match=r"could not get it \(offline mode is set"):
+        read_records("tatsu-lab/alpaca")

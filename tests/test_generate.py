@@ -123,7 +123,8 @@ def test_chat_needs_a_template(trained, tmp_path):
         f.unlink()
     rehash_artifact(art)
     r = CliRunner().invoke(pact_cli, ["chat", str(art)], input="hi\n")
-    assert r.exit_code == 1 and "has no chat template" in r.output, r.output
+    assert r.exit_code == 1 and "pact chat needs a chat template, and the artifact's tokenizer has none" in r.output, \
+        r.output
 
 
 def test_cache_keeps_mistrals_sliding_window(tmp_path):

@@ -54,3 +54,15 @@ def test_bad_report_to(task, tmp_path):
         _cfg(task, tmp_path / "r", report_to="mlflow")
     with pytest.raises(PactError, match=r"--report-to 'none,wandb'"):
         _cfg(task, tmp_path / "r", report_to="none,wandb")
+
+
+def test_wandb_without_a_login_is_one_line(task, tmp_path, monkeypatch):
+    wandb = pytest.importorskip("wandb")
+
+    def no_key(**kw):
+        raise wandb.errors.UsageError("No API key configured. Use `wandb login` to log in.")
+
+    monkeypatch.setattr(wandb, "init", no_key)
+    with pytest.raises(PactError, match=r"--report-to wandb: could not start a W&B run \(No API key configured.*"
+                                        r"wandb login.*WANDB_MODE=offline"):
+        train(_cfg(task, tmp_path / "run", report_to="wandb"), progress=False)

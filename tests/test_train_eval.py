@@ -113,8 +113,11 @@ def test_extend_a_finished_run(task, tmp_path):
     result = train(_cfg(task, run, eval_data=None, steps=6, save_every=2), resume=True, progress=False)
     assert result["step"] == 6 and [r["step"] for r in _metrics(run)] == [1, 2, 3, 4, 5, 6]
     assert any(not torch.equal(first[k][1], _adapter(run)[k][1]) for k in first)
-    with pytest.raises(PactError, match=r"step 6, beyond this run's 5 steps: pass --steps above 6"):
+    metrics = (run / "metrics.jsonl").read_bytes()
+    with pytest.raises(PactError, match=r"newest checkpoint of .*run is at step 6, beyond this run's 5 steps: pass "
+                                        r"--max-steps \(--steps\) of at least 7 to train further; nothing was changed"):
         train(_cfg(task, run, eval_data=None, steps=5, save_every=2), resume=True, progress=False)
+    assert (run / "metrics.jsonl").read_bytes() == metrics  # a refused resume cuts nothing
     with pytest.raises(PactError, match=r"(?s)other settings.*lr: checkpoint"):  # anything else still has to match
         train(_cfg(task, run, eval_data=None, steps=8, save_every=2, lr=1e-3), resume=True, progress=False)
 

@@ -16,7 +16,6 @@ ALIASES = [  # (pact's name, the TRL/transformers name, a value)
     ("--batch-size", "--per-device-train-batch-size", "3"),
     ("--checkpoint", "--gradient-checkpointing", None),
     ("--data-split", "--dataset-train-split", "validation"),
-    ("--eval-split", "--dataset-test-split", "dev"),
 ]
 
 
@@ -36,6 +35,13 @@ def test_alias_gives_the_same_config(name, alias, value, monkeypatch, tmp_path):
     ours, theirs = parse([name, *extra], monkeypatch), parse([alias, *extra], monkeypatch)
     assert ours == theirs
     assert ours != parse([], monkeypatch)  # the option took effect
+
+
+def test_eval_split_alias(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    ours = parse(["--eval-data", "held", "--eval-split", "dev"], monkeypatch)
+    assert ours.eval_split == "dev"
+    assert ours == parse(["--eval-data", "held", "--dataset-test-split", "dev"], monkeypatch)
 
 
 def test_all_aliases_at_once(monkeypatch, tmp_path):
