@@ -143,7 +143,7 @@ def atomic_folder(out: Path, kind: str = "tmp") -> Iterator[Path]:
     tmp.mkdir(parents=True)
     try:
         yield tmp
+        replace_by_rename(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    replace_by_rename(tmp, out)

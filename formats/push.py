@@ -14,7 +14,7 @@ from pathlib import Path
 from . import remote
 from .artifact import open_artifact
 from .errors import PactError, write_error
-from .files import replace_by_rename, sweep_leftovers, work_path
+from .files import atomic_folder, sweep_leftovers
 from .layout import FORMAT_NAME
 from .layout import is_artifact as _is_artifact
 from .remote import _META_MAX, PUSH_SCHEMES, _plan, _why
@@ -76,14 +76,13 @@ def _push_local(art, d: Path, dest: str) -> None:
     """Copy every file into a temp folder beside ``d`` (the manifest last), then rename it into place;
     a failure removes the temp folder and leaves ``d`` as it was."""
     sweep_leftovers(d)
-    tmp, rel = work_path(d, "tmp"), "zarr.json"
+    rel = "zarr.json"
     try:
-        for rel in [r for r, _, _ in _plan(art.meta)] + ["zarr.json"]:
-            (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(art.path / rel, tmp / rel)
-        replace_by_rename(tmp, d)  # d: absent, empty or an artifact (checked by _local_dest)
+        with atomic_folder(d) as tmp:  # d: absent, empty or an artifact (checked by _local_dest)
+            for rel in [r for r, _, _ in _plan(art.meta)] + ["zarr.json"]:
+                (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(art.path / rel, tmp / rel)
     except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
         raise write_error(e, d / rel, f"nothing at {dest} was changed") from None
 
 

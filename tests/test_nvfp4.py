@@ -273,3 +273,4 @@ def test_stochastic_rounding_is_unbiased_and_on_the_grid():
     assert ((draws - x).abs() <= step).all()
     rtn_bias = (dequantize_rows(rtn) - x).abs().mean()
     assert (draws.mean(0) - x).abs().mean() < 0.25 * rtn_bias
+
