@@ -10,6 +10,7 @@ import hashlib
 import json
 import logging
 import math
+import os
 import re
 import shutil
 import struct
@@ -19,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from pact.formats import PactError
-from pact.formats.files import read_json, sha256_file
+from pact.formats import PactError, default_cache
+from pact.formats.files import read_json, sha256_file, sweep_leftovers, work_path
 from pact.formats.interop import CT_IGNORED, CT_NVFP4_FORMAT, CT_PARTS, MO_PARTS
 from pact.formats.layout import SIDE_FILES
 from pact.formats.nvfp4 import NVFP4Tensor, dequantize
@@ -418,6 +419,48 @@ def _from_gguf(path: Path, workdir: Path) -> tuple[Path, dict]:
     return workdir, {"source_kind": "gguf", "gguf_sha256": sha256_file(path)}
 
 
+GGUF_CACHE_GB = 1.0  # default PACT_GGUF_CACHE_GB: GGUF files up to this size keep their dequantized folder
+
+
+def _gguf_cached(path: Path) -> tuple[Path, dict] | None:
+    """The dequantized HF folder of the GGUF file ``path`` from ``$PACT_CACHE/gguf/<sha256>/``, made
+    there on first use, so pact-convert, pact-calibrate and later conversions of the same file read it
+    once through transformers' GGUF loader (which spends ~30 s on SmolLM2-135M's, most of it parsing
+    the file's metadata three times). Files larger than PACT_GGUF_CACHE_GB (default 1; 0: never) are
+    dequantized into a temp folder each time instead (None)."""
+    try:
+        limit = float(os.environ.get("PACT_GGUF_CACHE_GB", GGUF_CACHE_GB))
+    except ValueError:
+        raise PactError(f"PACT_GGUF_CACHE_GB={os.environ['PACT_GGUF_CACHE_GB']!r}: give a size in GB "
+                        "(0 turns the GGUF cache off)") from None
+    if path.stat().st_size > limit * 1e9:
+        return None
+    sha = sha256_file(path)
+    entry = default_cache() / "gguf" / sha
+    prov = {"source_kind": "gguf", "gguf_sha256": sha}
+    if (entry / "done").is_file():
+        return entry / "hf", prov
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        sweep_leftovers(entry)
+        tmp = work_path(entry, "tmp")
+        try:
+            _from_gguf(path, tmp / "hf")
+            (tmp / "done").write_text(sha + "\n")
+            if (entry / "done").is_file():  # another process made it meanwhile
+                shutil.rmtree(tmp, ignore_errors=True)
+            else:
+                shutil.rmtree(entry, ignore_errors=True)  # (a half entry without its marker)
+                os.rename(tmp, entry)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    except OSError as e:  # an unwritable or full cache: no cache, the conversion goes on without it
+        log.warning("could not keep the dequantized GGUF in %s (%s): reading it without the cache", entry, e)
+        return None
+    return entry / "hf", prov
+
+
 def open_source(src: str, *, revision: str | None = None, workdir: Path | None = None) -> Source:
     """Resolve SRC (folder, .gguf, or hub id) to a streaming Source.
 
@@ -435,9 +478,13 @@ def open_source(src: str, *, revision: str | None = None, workdir: Path | None =
                 f"source {path} is a file but not .gguf: give a model folder (config.json + *.safetensors), "
                 "a .gguf file or a hub id"
             )
-        if workdir is None:
-            workdir = Path(tempfile.mkdtemp(prefix="pact-gguf-"))
-        folder, prov = _from_gguf(path, workdir)
+        cached = _gguf_cached(path)
+        if cached is not None:
+            folder, prov = cached
+        else:
+            if workdir is None:
+                workdir = Path(tempfile.mkdtemp(prefix="pact-gguf-"))
+            folder, prov = _from_gguf(path, workdir)
         return Source(folder, {"source": str(path.resolve()), **prov})
     if _HUB_ID.match(src) and not src.startswith((".", "/")):
         folder, prov = _from_hub(src, revision)

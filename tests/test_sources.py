@@ -35,6 +35,33 @@ def test_gguf_source(tmp_path):
     assert (art.hf_dir / "tokenizer.json").is_file()
 
 
+def test_gguf_read_once(tmp_path, monkeypatch):
+    """A GGUF file's dequantized folder is kept in $PACT_CACHE/gguf/<sha256>/: a second conversion (and
+    pact-calibrate) skips transformers' reader and stores the same bytes; PACT_GGUF_CACHE_GB=0 keeps
+    nothing; a bad value is one line."""
+    from pact.convert import sources
+
+    monkeypatch.setenv("PACT_CACHE", str(tmp_path / "cache"))
+    gguf_path = tmp_path / "m" / "tiny.gguf"
+    gguf_path.parent.mkdir()
+    make_gguf(gguf_path, seed=3)
+    a = open_artifact(convert(str(gguf_path), tmp_path / "a", progress=False))
+    entry = tmp_path / "cache" / "gguf" / a.meta["provenance"]["gguf_sha256"]
+    assert (entry / "done").is_file() and (entry / "hf" / "config.json").is_file()
+    real, calls = sources._from_gguf, []
+    monkeypatch.setattr(sources, "_from_gguf", lambda *args: calls.append(args) or real(*args))
+    b = open_artifact(convert(str(gguf_path), tmp_path / "b", progress=False))
+    assert calls == []  # read from the cache
+    assert a.meta["provenance"]["source_sha256"] == b.meta["provenance"]["source_sha256"]
+    assert all(a.entry(n)["arrays"] == b.entry(n)["arrays"] for n in a.names())
+    monkeypatch.setenv("PACT_GGUF_CACHE_GB", "0")
+    convert(str(gguf_path), tmp_path / "c", progress=False)
+    assert len(calls) == 1 and not list(tmp_path.glob(".c.gguf-*"))
+    monkeypatch.setenv("PACT_GGUF_CACHE_GB", "lots")
+    with pytest.raises(PactError, match=r"PACT_GGUF_CACHE_GB='lots': give a size in GB"):
+        convert(str(gguf_path), tmp_path / "d", progress=False)
+
+
 def test_bad_gguf(tmp_path):
     bad = tmp_path / "broken.gguf"
     bad.write_bytes(b"GGUF not really")
