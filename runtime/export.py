@@ -38,7 +38,7 @@ from safetensors import SafetensorError
 from pact.formats import PactError, default_cache, open_artifact
 from pact.formats.errors import write_error
 from pact.formats.families import classify
-from pact.formats.files import pid_alive, replace_by_rename, save_safetensors, sweep_leftovers, work_path
+from pact.formats.files import atomic_folder, pid_alive, save_safetensors, sweep_leftovers
 from pact.formats.interop import ct_quantization_config, ct_tensors
 from pact.formats.layout import SIDE_FILES
 from pact.formats.nvfp4 import SCALE_RULES, NVFP4Tensor, dequantize, global_scale_from_amax, quantize
@@ -85,22 +85,18 @@ def export(artifact: str, out: str | os.PathLike, *, fmt: str = "compressed-tens
     merged_weights, how = (merge_solver(art.path, adapter) if requantized and merge_solver
                            else (None, {"method": "rtn"} if requantized else None))
     existed = out.exists()
-    tmp = work_path(out, "tmp")
     try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        summary = _write(art, tmp, fmt, lora_cfg, adapters, merged, progress, merged_weights)
-        if adapters and not merged:  # served beside the quantized base (vLLM LoRA)
-            save_peft_adapter(tmp / "adapter", adapters, lora_cfg, str(out.resolve()))
-        _write_marker(tmp, art, fmt, adapter, summary["adapter"])
-        _check_out(out, overwrite, sources)  # again: something may have appeared at out meanwhile
-        replace_by_rename(tmp, out)  # the earlier export renamed aside, removed last (_recover undoes a kill)
+        # filled beside out, then renamed in: the earlier export renamed aside, removed last (_recover
+        # undoes a kill between the renames); an error removes the temp folder
+        with atomic_folder(out) as tmp:
+            summary = _write(art, tmp, fmt, lora_cfg, adapters, merged, progress, merged_weights)
+            if adapters and not merged:  # served beside the quantized base (vLLM LoRA)
+                save_peft_adapter(tmp / "adapter", adapters, lora_cfg, str(out.resolve()))
+            _write_marker(tmp, art, fmt, adapter, summary["adapter"])
+            _check_out(out, overwrite, sources)  # again: something may have appeared at out meanwhile
     except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
         kept = f"the earlier export in {out} is kept" if existed and out.exists() else f"nothing was written to {out}"
         raise write_error(e, getattr(e, "filename", None) or out, kept) from None
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return {"out": str(out), "format": fmt, **summary, **({"merge": how} if how else {})}
 
 
@@ -308,7 +304,7 @@ def _write(art, tmp: Path, fmt: str, lora_cfg, adapters: dict, merge: bool, prog
     if rule not in SCALE_RULES:
         raise PactError(f"{art.path}/zarr.json: provenance block_scales {rule!r} is not one of "
                         f"{', '.join(SCALE_RULES)}: the artifact is damaged; re-run pact-convert")
-    tmp.mkdir(parents=True)
+    tmp.mkdir(parents=True, exist_ok=True)
     scale = lora_cfg.scale if lora_cfg else 0.0
     tensors: dict[str, torch.Tensor] = {}
     added: dict[str, float] = {}
