@@ -13,7 +13,7 @@ import re
 import shutil
 import uuid
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from .errors import ArtifactError, PactError
 
@@ -147,3 +147,23 @@ def atomic_folder(out: Path, kind: str = "tmp") -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def recover_aside(out: Path, what: str, valid: Callable[[Path], bool] = lambda p: True) -> None:
+    """A run killed between ``replace_by_rename``'s two renames left no ``out`` and the earlier folder
+    aside as ``.OUT.old-PID-xxxxxxxx``: rename the newest such folder of a dead process (one that
+    ``valid`` accepts) back. Then remove what killed runs left beside ``out`` (``sweep_leftovers``)."""
+    if out.exists() or out.is_symlink() or not out.parent.is_dir():
+        sweep_leftovers(out)
+        return
+    pattern = re.compile(rf"^\.{re.escape(out.name)}\.old-(\d+)-[0-9a-f]{{8}}$")
+    aside = [p for p in out.parent.iterdir() if (m := pattern.match(p.name)) and not p.is_symlink()
+             and not pid_alive(int(m.group(1))) and valid(p)]
+    for p in sorted(aside, key=lambda p: p.stat().st_mtime, reverse=True)[:1]:
+        log.warning("restoring %s from %s: an earlier run was stopped while replacing %s", out, p, what)
+        try:
+            os.rename(p, out)
+        except OSError as e:
+            raise PactError(f"{p}: {what} an interrupted run set aside could not be renamed back to {out} "
+                            f"({e.strerror or e}): rename it yourself") from None
+    sweep_leftovers(out)

@@ -38,7 +38,7 @@ from safetensors import SafetensorError
 from pact.formats import PactError, default_cache, open_artifact
 from pact.formats.errors import write_error
 from pact.formats.families import classify
-from pact.formats.files import atomic_folder, pid_alive, save_safetensors, sweep_leftovers
+from pact.formats.files import atomic_folder, recover_aside, save_safetensors
 from pact.formats.interop import ct_quantization_config, ct_tensors
 from pact.formats.layout import SIDE_FILES
 from pact.formats.nvfp4 import SCALE_RULES, NVFP4Tensor, dequantize, global_scale_from_amax, quantize
@@ -112,7 +112,7 @@ def _check_out(out: Path, overwrite: bool, sources: dict[str, Path]) -> None:
         raise PactError(f"--out {out} is a symbolic link: give the folder it points to (an export is put in "
                         "place by renaming folders)")
     _check_apart(out, sources)
-    _recover(out)
+    recover_aside(out, "the export", lambda p: read_marker(p) is not None)
     if not out.exists():
         return
     if not overwrite:
@@ -167,26 +167,6 @@ def _unlisted(folder: Path, doc: dict) -> str | None:
     """The first file in ``folder`` its marker does not list (added after the export), or None."""
     listed = set(doc["files"]) | {MARKER}
     return next((rel for rel in _files(folder) if rel not in listed), None)
-
-
-def _recover(out: Path) -> None:
-    """A run killed between its two renames (replace_by_rename) left no ``out`` and the earlier export aside as
-    ``.OUT.old-PID-xxxxxxxx``: rename it back. Then remove what killed runs left (temp folders of
-    unfinished exports, old exports already replaced)."""
-    if out.exists() or out.is_symlink() or not out.parent.is_dir():
-        sweep_leftovers(out)
-        return
-    pattern = re.compile(rf"^\.{re.escape(out.name)}\.old-(\d+)-[0-9a-f]{{8}}$")
-    aside = [p for p in out.parent.iterdir() if (m := pattern.match(p.name)) and not p.is_symlink()
-             and not pid_alive(int(m.group(1))) and read_marker(p) is not None]
-    for p in sorted(aside, key=lambda p: p.stat().st_mtime, reverse=True)[:1]:
-        log.warning("restoring %s from %s: an earlier pact-export was stopped while replacing it", out, p)
-        try:
-            os.rename(p, out)
-        except OSError as e:
-            raise PactError(f"{p}: the export an interrupted run set aside could not be renamed back to {out} "
-                            f"({e.strerror or e}): rename it yourself") from None
-    sweep_leftovers(out)
 
 
 def _write_marker(tmp: Path, art, fmt: str, adapter: str | None, how: str | None) -> None:

@@ -25,7 +25,7 @@ import torch
 from tqdm.auto import tqdm
 
 from pact.formats import PactError
-from pact.formats.files import atomic_folder
+from pact.formats.files import atomic_folder, recover_aside
 
 from .checkpoints import (  # noqa: F401 (pact.runtime.trainer.<name> keeps working)
     CHECKPOINT_FILES,
@@ -244,7 +244,8 @@ def _setup(cfg: TrainConfig, run: Path, resume: bool, dist: Dist, device: str | 
             log.info("%s: the checkpoint is at the last step (%d); writing the adapter", last_good, total)
     state["inputs"] = inputs
     state["world_size"] = dist.world
-    if dist.main:
+    if dist.main:  # best/ as a kill between its two renames left it: put back, leftovers removed
+        recover_aside(run / "best", "the best adapter", lambda p: (p / "adapter_model.safetensors").is_file())
         try:  # the final adapter's disk space, claimed now: a full disk fails here, not after training
             reserve_peft_adapter(run, model.adapter_state(), cfg.lora(), base_model(model.artifact))
         except OSError as e:

@@ -149,3 +149,19 @@ def test_first_hour_commands(tmp_path):
                                        "--resume", "--quiet"])
     assert r.exit_code == 0, r.output
     assert [json.loads(x)["step"] for x in (d / "run" / "metrics.jsonl").read_text().splitlines()] == list(range(1, 10))
+
+
+def test_best_put_back_after_a_kill_between_renames(task, tmp_path):
+    """Killed between best/'s two renames: no best/, the earlier one aside under a dead process's name,
+    the new one half made. The next run (here a resume that stops evaluating) puts the earlier one
+    back and removes the leftovers."""
+    import os
+
+    run = tmp_path / "run"
+    train(_cfg(task, run, steps=4, eval_every=2, save_every=2), progress=False, stop_after=2)
+    best = (run / "best" / "adapter_model.safetensors").read_bytes()
+    os.rename(run / "best", run / ".best.old-999999999-0badf00d")
+    (run / ".best.tmp-999999999-deadbeef").mkdir()
+    train(_cfg(task, run, steps=4, eval_every=0, save_every=2), resume=True, progress=False)
+    assert (run / "best" / "adapter_model.safetensors").read_bytes() == best
+    assert [p.name for p in run.iterdir() if p.name.startswith(".best")] == []
