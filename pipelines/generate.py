@@ -43,6 +43,15 @@ class _Printer:
             self.shown = text
 
 
+def _checked_text(text: str, what: str) -> str:
+    """``text`` if it is valid Unicode (undecodable input bytes reach Python as lone surrogates)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise PactError(f"{what} is not UTF-8 text (character {e.start + 1}): give text, not binary data") from None
+    return text
+
+
 def _stops(tokenizer) -> set[int]:
     stops = {t for t in (tokenizer.eos_token_id, tokenizer.pad_token_id) if t is not None}
     for name in ("<|im_end|>", "<|eot_id|>", "<end_of_turn>"):  # chat templates' end-of-turn tokens
@@ -65,7 +74,7 @@ def generate_cmd(artifact, prompt, use_chat, adapter, max_new_tokens, temperatur
     from pact.runtime.evaluate import load_adapted
     from pact.runtime.generate import generate
 
-    text = sys.stdin.read() if prompt == "-" else prompt
+    text = _checked_text(sys.stdin.read() if prompt == "-" else prompt, "--prompt")
     model, tok = load_adapted(artifact, adapter, device=device, activations=activations, compute=compute,
                               tool="pact generate")
     if use_chat:
@@ -115,7 +124,7 @@ def chat_cmd(artifact, system, adapter, max_new_tokens, temperature, top_p, seed
             continue
         if not line.strip():
             continue
-        history.append({"role": "user", "content": line.rstrip("\n")})
+        history.append({"role": "user", "content": _checked_text(line.rstrip("\n"), "the chat input")})
         ids = _chat_ids(tok, history)
         keep = 0  # the cached tokens this rendering starts with
         while keep < min(len(cached), len(ids) - 1) and cached[keep] == ids[keep]:
@@ -125,8 +134,14 @@ def chat_cmd(artifact, system, adapter, max_new_tokens, temperature, top_p, seed
         else:
             cache = [None] * len(model.layers)
         printer = _Printer(tok)
-        out = generate(model, ids[keep:], max_new_tokens=max_new_tokens, stop_ids=_stops(tok),
-                       temperature=temperature, top_p=top_p, seed=seed, on_token=printer, cache=cache, pos=keep)
+        try:
+            out = generate(model, ids[keep:], max_new_tokens=max_new_tokens, stop_ids=_stops(tok),
+                           temperature=temperature, top_p=top_p, seed=seed, on_token=printer, cache=cache, pos=keep)
+        except PactError as e:  # (the conversation outgrew the context): said, the turn dropped, the chat goes on
+            click.echo(f"Error: {e}", err=True)
+            history.pop()
+            truncate(cache, keep)
+            continue
         click.echo()
         cached = ids + out
         history.append({"role": "assistant", "content": tok.decode(out, skip_special_tokens=True)})

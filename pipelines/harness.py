@@ -40,6 +40,10 @@ def main(artifact, adapter, tasks, include_path, num_fewshot, limit, batch_size,
 
     from pact.runtime.harness import PactLM
 
+    if batch_size < 1:
+        raise PactError(f"--batch-size must be >= 1, got {batch_size}")
+    if limit is not None and limit <= 0:
+        raise PactError(f"--limit must be > 0 (examples per task, or a fraction below 1), got {limit:g}")
     names = [t.strip() for t in tasks.split(",") if t.strip()]
     if not names:
         raise PactError("--tasks is empty: name at least one lm-eval task")

@@ -59,6 +59,12 @@ def generate(model, prompt_ids: list[int], *, max_new_tokens: int, stop_ids: set
         raise PactError(f"--temperature must be >= 0 and --top-p in (0, 1], got {temperature} and {top_p}")
     if not prompt_ids:
         raise PactError("the prompt is empty: nothing to continue")
+    window = int(getattr(model.cfg, "max_position_embeddings", 0) or 0)  # the model's context
+    if window and pos + len(prompt_ids) >= window:
+        what, fix = ("the conversation", "/reset the chat or shorten it") if pos else ("the prompt", "shorten it")
+        raise PactError(f"{what} takes {pos + len(prompt_ids)} tokens; the model's context is {window}: {fix}")
+    if window:
+        max_new_tokens = min(max_new_tokens, window - pos - len(prompt_ids))  # generation stops at the context's end
     cache = [None] * len(model.layers) if cache is None else cache
     gen = torch.Generator().manual_seed(seed) if seed is not None else None
     out: list[int] = []

@@ -30,7 +30,9 @@ class PactLM(LM):
         try:
             self.batch = int(batch_size)
         except ValueError:
-            raise PactError(f"lm-eval batch_size must be an integer, got {batch_size!r}") from None
+            self.batch = 0
+        if self.batch < 1:
+            raise PactError(f"--batch-size must be an integer >= 1, got {batch_size!r}")
         self.model, self.tokenizer = load_adapted(artifact, adapter, device=device, activations=activations,
                                                   compute=compute, tool="pact lm-eval")
         cfg = self.model.artifact.meta.get("hf_config") or {}
@@ -57,7 +59,8 @@ class PactLM(LM):
     @torch.no_grad()
     def _score(self, pairs: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
         """Sum of log p(continuation | context) and whether greedy decoding gives the continuation,
-        per (context ids, continuation ids); the context is cut from the left to max_length."""
+        per (context ids, continuation ids); the context is cut from the left to max_length (a
+        continuation longer than the window: its last max_length tokens)."""
         out = []
         for i in range(0, len(pairs), self.batch):
             chunk = pairs[i : i + self.batch]
@@ -68,6 +71,7 @@ class PactLM(LM):
                 ids[r, : len(s)] = torch.tensor(s)
             logp = torch.log_softmax(self.model.logits(ids.to(self.model.device)), dim=-1)
             for r, ((_, k), s) in enumerate(zip(chunk, seqs)):
+                k = k[-len(s):]  # (only what fits the window is scored)
                 n = len(k)
                 rows = logp[r, len(s) - n : len(s)]
                 target = torch.tensor(k, device=rows.device)
@@ -95,9 +99,14 @@ class PactLM(LM):
             kw = dict(kw or {})
             until = kw.get("until") or []
             until = [until] if isinstance(until, str) else list(until)
-            max_new = int(kw.get("max_gen_toks", self.max_gen_toks))
+            # the context keeps at least half the window; generation stops at the window's end
+            ids = self._encode(context)[-max(self.max_length // 2, self.max_length - self.max_gen_toks):]
+            ids = ids or [self.prefix]
+            max_new = min(int(kw.get("max_gen_toks", self.max_gen_toks)), self.max_length - len(ids))
             temperature = float(kw.get("temperature", 0.0)) if kw.get("do_sample") else 0.0
-            ids = self._encode(context)[-max(1, self.max_length - max_new):] or [self.prefix]
+            if max_new < 1:
+                results.append("")
+                continue
 
             def seen(toks, until=until):
                 return bool(until) and any(u in self.tokenizer.decode(toks, skip_special_tokens=True) for u in until)

@@ -146,3 +146,20 @@ def test_cache_keeps_mistrals_sliding_window(tmp_path):
         got = next_logits(model, [t], cache, len(seq) - 1)
     model.window = None
     assert not torch.allclose(_full_logits(model, seq), got, atol=2e-2, rtol=2e-2)
+
+
+def test_generation_stays_inside_the_context(trained):
+    """A prompt that fills the model's context (256 tokens here) is refused; generation stops at its
+    end; text that is not UTF-8 is one line; a chat turn past the context is refused and the chat goes on."""
+    model, tok = _model(trained)
+    window = model.cfg.max_position_embeddings
+    with pytest.raises(PactError, match=rf"the prompt takes {window} tokens; the model's context is {window}"):
+        generate(model, [5] * window, max_new_tokens=4, stop_ids=set())
+    out = generate(model, [5] * (window - 3), max_new_tokens=50, stop_ids=set())
+    assert len(out) == 3
+    art = str(trained / "art")
+    r = CliRunner().invoke(pact_cli, ["generate", art, "--prompt", "bad \udcff bytes"])
+    assert r.exit_code == 1 and "Error: --prompt is not UTF-8 text (character 5)" in r.output, r.output
+    long_turn = "movie " * 300
+    r = CliRunner().invoke(pact_cli, ["chat", art, "--max-new-tokens", "2"], input=f"{long_turn}\nhello\n/exit\n")
+    assert r.exit_code == 0 and "the model's context is 256" in r.output, r.output

@@ -80,3 +80,13 @@ def test_bad_tasks_are_one_line(trained):
     r = CliRunner().invoke(pact_cli, ["lm-eval", str(trained / "art"), "--tasks", "no_such_task_here",
                                       "--include-path", str(trained / "tasks")])
     assert r.exit_code == 1 and "Error: --tasks: unknown no_such_task_here" in r.output, r.output
+
+
+def test_bad_numbers_are_one_line(trained):
+    for args, msg in ((["--batch-size", "0"], "--batch-size must be >= 1, got 0"),
+                      (["--batch-size", "-1"], "--batch-size must be >= 1, got -1"),
+                      (["--limit", "0"], "--limit must be > 0"),
+                      (["--limit", "-1"], "--limit must be > 0")):
+        r = CliRunner().invoke(pact_cli, ["lm-eval", str(trained / "art"), "--tasks", "pact_sentiment",
+                                          "--include-path", str(trained / "tasks"), *args])
+        assert r.exit_code == 1 and f"Error: {msg}" in r.output, r.output
