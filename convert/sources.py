@@ -422,36 +422,59 @@ def _from_gguf(path: Path, workdir: Path) -> tuple[Path, dict]:
 GGUF_CACHE_GB = 1.0  # default PACT_GGUF_CACHE_GB: GGUF files up to this size keep their dequantized folder
 
 
+def _gguf_cache_limit() -> float:
+    raw = os.environ.get("PACT_GGUF_CACHE_GB", "").strip()
+    try:
+        limit = float(raw) if raw else GGUF_CACHE_GB
+    except ValueError:
+        limit = math.nan
+    if not limit >= 0:  # (NaN too)
+        raise PactError(f"PACT_GGUF_CACHE_GB={raw!r}: give a size in GB >= 0 (0 turns the GGUF cache off, inf "
+                        "keeps every file)")
+    return limit
+
+
+def _gguf_entry_ok(entry: Path) -> bool:
+    """A complete cache entry: its `done` record lists every file of hf/ with its sha256, and they match."""
+    try:
+        files = json.loads((entry / "done").read_text())["files"]
+        return bool(files) and all(sha256_file(entry / "hf" / rel) == h for rel, h in files.items())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
+
+
 def _gguf_cached(path: Path) -> tuple[Path, dict] | None:
     """The dequantized HF folder of the GGUF file ``path`` from ``$PACT_CACHE/gguf/<sha256>/``, made
     there on first use, so pact-convert, pact-calibrate and later conversions of the same file read it
     once through transformers' GGUF loader (which spends ~30 s on SmolLM2-135M's, most of it parsing
-    the file's metadata three times). Files larger than PACT_GGUF_CACHE_GB (default 1; 0: never) are
-    dequantized into a temp folder each time instead (None)."""
-    try:
-        limit = float(os.environ.get("PACT_GGUF_CACHE_GB", GGUF_CACHE_GB))
-    except ValueError:
-        raise PactError(f"PACT_GGUF_CACHE_GB={os.environ['PACT_GGUF_CACHE_GB']!r}: give a size in GB "
-                        "(0 turns the GGUF cache off)") from None
-    if path.stat().st_size > limit * 1e9:
+    the file's metadata three times). Each use checks the entry's files against the sha256s recorded
+    when it was made; a damaged entry is made again. Files larger than PACT_GGUF_CACHE_GB (default 1;
+    0: never) are dequantized into a temp folder each time instead (None)."""
+    if path.stat().st_size > _gguf_cache_limit() * 1e9:
         return None
     sha = sha256_file(path)
     entry = default_cache() / "gguf" / sha
     prov = {"source_kind": "gguf", "gguf_sha256": sha}
-    if (entry / "done").is_file():
-        return entry / "hf", prov
+    if entry.exists():
+        if _gguf_entry_ok(entry):
+            return entry / "hf", prov
+        log.warning("%s: a damaged cache entry (its files do not match their record): making it again", entry)
+        shutil.rmtree(entry, ignore_errors=True)
     try:
         entry.parent.mkdir(parents=True, exist_ok=True)
         sweep_leftovers(entry)
         tmp = work_path(entry, "tmp")
         try:
             _from_gguf(path, tmp / "hf")
-            (tmp / "done").write_text(sha + "\n")
-            if (entry / "done").is_file():  # another process made it meanwhile
-                shutil.rmtree(tmp, ignore_errors=True)
-            else:
-                shutil.rmtree(entry, ignore_errors=True)  # (a half entry without its marker)
+            files = {str(f.relative_to(tmp / "hf")): sha256_file(f) for f in sorted((tmp / "hf").rglob("*"))
+                     if f.is_file()}
+            (tmp / "done").write_text(json.dumps({"gguf_sha256": sha, "files": files}, indent=1) + "\n")
+            try:
                 os.rename(tmp, entry)
+            except OSError:
+                if not _gguf_entry_ok(entry):  # not another process's complete entry
+                    raise
+                shutil.rmtree(tmp, ignore_errors=True)  # another process made it meanwhile: theirs is used
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise

@@ -57,9 +57,18 @@ def test_gguf_read_once(tmp_path, monkeypatch):
     monkeypatch.setenv("PACT_GGUF_CACHE_GB", "0")
     convert(str(gguf_path), tmp_path / "c", progress=False)
     assert len(calls) == 1 and not list(tmp_path.glob(".c.gguf-*"))
-    monkeypatch.setenv("PACT_GGUF_CACHE_GB", "lots")
-    with pytest.raises(PactError, match=r"PACT_GGUF_CACHE_GB='lots': give a size in GB"):
-        convert(str(gguf_path), tmp_path / "d", progress=False)
+    for bad in ("lots", "-1", "nan"):
+        monkeypatch.setenv("PACT_GGUF_CACHE_GB", bad)
+        with pytest.raises(PactError, match=rf"PACT_GGUF_CACHE_GB='{bad}': give a size in GB >= 0"):
+            convert(str(gguf_path), tmp_path / "d", progress=False)
+    # a damaged entry (same size, other bytes) is noticed and made again: the artifact is the right one
+    monkeypatch.setenv("PACT_GGUF_CACHE_GB", "")
+    weights = next((entry / "hf").glob("*.safetensors"))
+    data = bytearray(weights.read_bytes())
+    data[-64:] = bytes(64)
+    weights.write_bytes(bytes(data))
+    e = open_artifact(convert(str(gguf_path), tmp_path / "e", progress=False))
+    assert len(calls) == 2 and all(a.entry(n)["arrays"] == e.entry(n)["arrays"] for n in a.names())
 
 
 def test_bad_gguf(tmp_path):
