@@ -238,9 +238,13 @@ def library() -> ctypes.CDLL | None:
                 _LIB = _build()
             except (OSError, subprocess.SubprocessError) as e:
                 err = getattr(e, "stderr", b"") or b""
-                log.warning("no C compiler for the converter's CPU kernel (%s%s): converting with the torch "
-                            "path (same codes, ~15x slower); install gcc to speed it up", e,
-                            f": {err.decode(errors='replace')[:200]}" if err else "")
+                if isinstance(e, (PermissionError, NotADirectoryError, FileExistsError)):  # the cache, not gcc
+                    log.warning("could not build the converter's CPU kernel in the cache (%s): converting with the "
+                                "torch path (same codes, ~15x slower); point PACT_CACHE at a writable folder", e)
+                else:
+                    log.warning("no C compiler for the converter's CPU kernel (%s%s): converting with the torch "
+                                "path (same codes, ~15x slower); install gcc to speed it up", e,
+                                f": {err.decode(errors='replace')[:200]}" if err else "")
     return _LIB
 
 
