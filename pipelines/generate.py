@@ -103,7 +103,8 @@ def _chat_ids(tok, messages: list[dict], command: str = "pact generate --chat") 
 def chat_cmd(artifact, system, adapter, max_new_tokens, temperature, top_p, seed, activations, compute,
              device) -> None:
     """Talk with ARTIFACT (and --adapter) through its chat template. Each turn reuses the cached
-    keys and values of the conversation so far. /reset starts over, /exit (or end of input) ends."""
+    keys and values of the conversation so far; when it outgrows the model's context the oldest
+    exchanges are dropped. /reset starts over, /exit (or end of input) ends."""
     from pact.runtime.evaluate import load_adapted
     from pact.runtime.generate import generate, truncate
 
@@ -126,6 +127,12 @@ def chat_cmd(artifact, system, adapter, max_new_tokens, temperature, top_p, seed
             continue
         history.append({"role": "user", "content": _checked_text(line.rstrip("\n"), "the chat input")})
         ids = _chat_ids(tok, history)
+        window = int(getattr(model.cfg, "max_position_embeddings", 0) or 0)
+        first = 1 if system else 0  # the system message stays
+        while window and len(ids) + min(max_new_tokens, 64) > window and len(history) > first + 1:
+            del history[first : first + 2]  # the oldest exchange goes: the conversation fits the context again
+            click.echo("(earlier turns dropped to fit the model's context)", err=True)
+            ids = _chat_ids(tok, history)
         keep = 0  # the cached tokens this rendering starts with
         while keep < min(len(cached), len(ids) - 1) and cached[keep] == ids[keep]:
             keep += 1

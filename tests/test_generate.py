@@ -162,4 +162,7 @@ def test_generation_stays_inside_the_context(trained):
     assert r.exit_code == 1 and "Error: --prompt is not UTF-8 text (character 5)" in r.output, r.output
     long_turn = "movie " * 300
     r = CliRunner().invoke(pact_cli, ["chat", art, "--max-new-tokens", "2"], input=f"{long_turn}\nhello\n/exit\n")
-    assert r.exit_code == 0 and "the model's context is 256" in r.output, r.output
+    assert r.exit_code == 0 and "the model's context is 256" in r.output, r.output  # one turn alone too long
+    turns = "".join(f"the movie with a bright cast number {i}\n" for i in range(40))  # together too long
+    r = CliRunner().invoke(pact_cli, ["chat", art, "--max-new-tokens", "2"], input=turns + "/exit\n")
+    assert r.exit_code == 0 and "earlier turns dropped" in r.output and "Error" not in r.output, r.output
