@@ -49,6 +49,11 @@ HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")  # "org/name": what a missing --data tha
 DEFAULT_SPLITS = {"--data": ("train",), "--eval-data": ("test", "validation")}  # a DatasetDict's split, first found
 
 
+def _split_flag(flag: str) -> str:
+    """The option naming the split of what ``flag`` gives (--data: --data-split, --eval-data: --eval-split)."""
+    return "--eval-split" if flag == "--eval-data" else "--data-split"
+
+
 def read_records(path: str | Path, flag: str = "--data", split: str | None = None,
                  default_splits: tuple[str, ...] | None = None) -> list[dict]:
     """Records from a .jsonl file, a .parquet / .csv / .json table (datasets' loaders; .json: an
@@ -56,7 +61,7 @@ def read_records(path: str | Path, flag: str = "--data", split: str | None = Non
     else the first of DEFAULT_SPLITS[flag] it has); errors name the line (and ``flag``, the option
     the path came from). Each record gets "_where" (file:line or row)."""
     p = Path(path)
-    split_flag = {"--eval-data": "--eval-split"}.get(flag, "--data-split")
+    split_flag = _split_flag(flag)
     if split is not None and p.exists() and not p.is_dir():
         raise PactError(f"{split_flag} {split}: {p} is a file; a split names a part of a datasets.save_to_disk "
                         f"folder (DatasetDict) or a hub dataset: drop {split_flag}")
@@ -167,9 +172,8 @@ def _hub_records(repo: str, flag: str, split: str | None, defaults: tuple[str, .
     if isinstance(ds, datasets.DatasetDict):
         found = next((w for w in defaults if w in ds), None)
         if found is None:
-            split_flag = "--eval-split" if flag == "--eval-data" else "--data-split"
             raise PactError(f"{flag} {repo}: the hub dataset has splits {', '.join(map(repr, ds))}, none of "
-                            f"{', '.join(map(repr, defaults))}: pass {split_flag} NAME")
+                            f"{', '.join(map(repr, defaults))}: pass {_split_flag(flag)} NAME")
         ds = ds[found]
     return [dict(r) for r in ds]
 
@@ -400,11 +404,20 @@ def _pair(tokenizer, rec: dict) -> tuple[list[int], list[int], int, str]:
     if not completion:
         raise PactError(f"{w}: the completion is empty: nothing to train on")
     p = tokenizer(prompt, add_special_tokens=True)["input_ids"]
-    c = tokenizer(completion, add_special_tokens=False)["input_ids"]
-    eos = tokenizer.eos_token_id
-    if eos is not None and (not c or c[-1] != eos):
-        c = c + [eos]
+    c = _with_eos(tokenizer(completion, add_special_tokens=False)["input_ids"], tokenizer)
     return p + c, [IGNORE] * len(p) + c, len(p), completion
+
+
+def _with_eos(ids: list[int], tokenizer) -> list[int]:
+    """Targets end with the end-of-sequence token (the model learns where an answer stops)."""
+    eos = tokenizer.eos_token_id
+    return ids + [eos] if eos is not None and (not ids or ids[-1] != eos) else ids
+
+
+def _check_vocab(ids: list[int], vocab_size: int | None, where: str) -> None:
+    if vocab_size is not None and max(ids) >= vocab_size:
+        raise PactError(f"{where}: token id {max(ids)} >= the model's vocabulary {vocab_size}: "
+                        "the artifact's tokenizer does not match its weights")
 
 
 def tokenize(records: list[dict], tokenizer, *, max_len: int, overlong: str = "truncate",
@@ -430,9 +443,7 @@ def tokenize(records: list[dict], tokenizer, *, max_len: int, overlong: str = "t
             keep = max_len - n  # then as much of what comes before it as fits, from the left
             lo = max(0, start - keep)
             ids, labels, start = ids[lo : start + n], labels[lo : start + n], start - lo
-        if vocab_size is not None and max(ids) >= vocab_size:
-            raise PactError(f"{rec['_where']}: token id {max(ids)} >= the model's vocabulary {vocab_size}: "
-                            "the artifact's tokenizer does not match its weights")
+        _check_vocab(ids, vocab_size, rec["_where"])
         out.append(Example(ids, labels, completion, ids[:start]))
     if cut:
         log.warning("truncated %d of %d examples to --max-len %d", cut, len(out), max_len)
@@ -446,13 +457,8 @@ def _raw_text(tokenizer, rec: dict, max_len: int, vocab_size: int | None) -> lis
     text = _text(rec["text"], w, "text")
     if not text:
         raise PactError(f"{w}: the text is empty: nothing to train on")
-    ids = tokenizer(text, add_special_tokens=True)["input_ids"]
-    eos = tokenizer.eos_token_id
-    if eos is not None and (not ids or ids[-1] != eos):
-        ids = ids + [eos]
-    if vocab_size is not None and max(ids) >= vocab_size:
-        raise PactError(f"{w}: token id {max(ids)} >= the model's vocabulary {vocab_size}: "
-                        "the artifact's tokenizer does not match its weights")
+    ids = _with_eos(tokenizer(text, add_special_tokens=True)["input_ids"], tokenizer)
+    _check_vocab(ids, vocab_size, w)
     pieces = [ids[i : i + max_len] for i in range(0, len(ids), max_len)]
     return [Example(p, list(p), text, []) for p in pieces if len(p) >= 2]
 
@@ -499,15 +505,15 @@ def collate_packed(examples: list[Example], index: list[int], pad_id: int, devic
     ids, labels = collate(examples, index, pad_id, "cpu")
     B, S = ids.shape
     seg = torch.full((B, S), -1, dtype=torch.long)
-    pos = torch.zeros((B, S), dtype=torch.long)
     for r, i in enumerate(index):
         segs = examples[i].segments or [0] * len(examples[i].ids)
         seg[r, : len(segs)] = torch.tensor(segs)
-        start = 0
-        for k in range(1, len(segs) + 1):
-            if k == len(segs) or segs[k] != segs[start]:
-                pos[r, start:k] = torch.arange(k - start)
-                start = k
+    # a token's position: its index minus the index where its example starts in the row
+    t = torch.arange(S).expand(B, S)
+    starts = torch.ones(B, S, dtype=torch.bool)
+    starts[:, 1:] = seg[:, 1:] != seg[:, :-1]
+    pos = t - torch.where(starts, t, 0).cummax(dim=1).values
+    pos[seg < 0] = 0  # padding
     causal = torch.ones(S, S, dtype=torch.bool).tril()
     mask = (seg[:, :, None] == seg[:, None, :]) & causal
     mask |= torch.eye(S, dtype=torch.bool)

@@ -56,9 +56,8 @@ class Reporter:
                                 "(or set WANDB_API_KEY), or set WANDB_MODE=offline to keep the run local") from None
 
     def log(self, metrics: dict, step: int) -> None:
-        scalars = {(k if k.startswith("eval_") else f"train/{k}"): float(v) for k, v in metrics.items()
+        scalars = {(f"eval/{k[5:]}" if k.startswith("eval_") else f"train/{k}"): float(v) for k, v in metrics.items()
                    if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"}
-        scalars = {(f"eval/{k[5:]}" if k.startswith("eval_") else k): v for k, v in scalars.items()}
         if self.tb is not None:
             for k, v in scalars.items():
                 self.tb.add_scalar(k, v, step)

@@ -375,8 +375,8 @@ def _train(cfg: TrainConfig, run: Path, resume: bool, progress: bool, stop_after
     dist.check(error, device)
     state, device = r.state, r.model.device
     stream = _micro_batches(r.examples, cfg, state["epoch"], state["pos"], dist.world)
-    metrics_f = open(run / "metrics.jsonl", "a") if dist.main else open(os.devnull, "w")
-    reporter = Reporter(parse_report_to(cfg.report_to), run, cfg.as_json()) if dist.main else None
+    reporter = Reporter(parse_report_to(cfg.report_to), run, cfg.as_json()) if dist.main else None  # (first: its
+    metrics_f = open(run / "metrics.jsonl", "a") if dist.main else open(os.devnull, "w")  # failure leaves no file open)
     bar = tqdm(total=r.total, initial=state["step"], desc="train", unit="step", disable=not progress)
     t_start = time.perf_counter()
     last = {}
