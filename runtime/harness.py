@@ -35,8 +35,8 @@ class PactLM(LM):
             raise PactError(f"--batch-size must be an integer >= 1, got {batch_size!r}")
         self.model, self.tokenizer = load_adapted(artifact, adapter, device=device, activations=activations,
                                                   compute=compute, tool="pact lm-eval")
-        cfg = self.model.artifact.meta.get("hf_config") or {}
-        self.max_length = int(max_length or min(cfg.get("max_position_embeddings") or 2048, 4096))
+        window = getattr(self.model.cfg, "max_position_embeddings", None)  # (what generate() keeps to as well)
+        self.max_length = int(max_length or min(window or 2048, 4096))
         self.max_gen_toks = int(max_gen_toks)
         tok = self.tokenizer
         self.prefix = tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id
@@ -99,10 +99,10 @@ class PactLM(LM):
             kw = dict(kw or {})
             until = kw.get("until") or []
             until = [until] if isinstance(until, str) else list(until)
+            want = int(kw.get("max_gen_toks", self.max_gen_toks))
             # the context keeps at least half the window; generation stops at the window's end
-            ids = self._encode(context)[-max(self.max_length // 2, self.max_length - self.max_gen_toks):]
-            ids = ids or [self.prefix]
-            max_new = min(int(kw.get("max_gen_toks", self.max_gen_toks)), self.max_length - len(ids))
+            ids = self._encode(context)[-max(self.max_length // 2, self.max_length - want):] or [self.prefix]
+            max_new = min(want, self.max_length - len(ids))
             temperature = float(kw.get("temperature", 0.0)) if kw.get("do_sample") else 0.0
             if max_new < 1:
                 results.append("")
