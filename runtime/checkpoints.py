@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import shutil
 from dataclasses import MISSING, fields
@@ -155,6 +156,14 @@ def _load_checkpoint(run: Path, ck: Path, model: PactModel, opt: torch.optim.Opt
     except Exception as e:  # safetensors' errors, a missing key, a state of the wrong size or dtype
         raise PactError(f"{ck}/rng.safetensors: unreadable ({type(e).__name__}: {str(e)[:120]}): remove {ck} to "
                         "resume from the checkpoint before it") from None
+    best = state.get("best")  # --eval-every's record: checked as the counters are (a damaged one is dropped)
+    if best is not None and not (isinstance(best, dict) and isinstance(best.get("step"), int)
+                                 and best.get("metric") in ("eval_loss", "eval_accuracy")
+                                 and isinstance(best.get("value"), float) and math.isfinite(best["value"])):
+        log.warning("%s: its best-evaluation record is damaged: the best adapter is tracked anew", ck)
+        state.pop("best")
+    if not isinstance(state.get("bad_evals", 0), int):
+        state["bad_evals"] = 0
     log.info("resumed from %s (step %d)", ck, state["step"])
     return state
 

@@ -230,14 +230,6 @@ def _setup(cfg: TrainConfig, run: Path, resume: bool, dist: Dist, device: str | 
                             f"steps: pass --max-steps (--steps) of at least {at + 1} to train further; nothing "
                             "was changed")
         state = _load_checkpoint(run, last_good, model, opt, cfg, inputs, dist.world)
-        best = state.get("best")
-        if best is not None and not (isinstance(best, dict) and isinstance(best.get("step"), int)
-                                     and best.get("metric") in ("eval_loss", "eval_accuracy")
-                                     and isinstance(best.get("value"), float) and math.isfinite(best["value"])):
-            log.warning("%s: its best-evaluation record is damaged: the best adapter is tracked anew", last_good)
-            state.pop("best")
-        if not isinstance(state.get("bad_evals", 0), int):
-            state["bad_evals"] = 0
         if dist.main:
             _truncate_metrics(run / "metrics.jsonl", state["step"])  # steps after the checkpoint are redone
         if state["step"] == total:
