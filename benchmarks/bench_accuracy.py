@@ -63,7 +63,9 @@ def _bf16_folder(gguf: Path) -> Path:
     folder = gguf.parent / "bf16-hf"
     if not folder.is_dir():
         tmp = gguf.parent / f".bf16-hf.{os.getpid()}"
-        open_source(str(gguf), workdir=tmp)
+        made = open_source(str(gguf), workdir=tmp).folder  # pact's GGUF cache answers with its own folder
+        if made != tmp:
+            shutil.copytree(made, tmp)
         try:
             tmp.rename(folder)  # complete or absent
         except OSError:  # another invocation (seeds run in parallel) made it first

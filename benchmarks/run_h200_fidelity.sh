@@ -13,7 +13,8 @@
 #   tasks2 (no carry):       the same at lr 2e-4; the table covers both calls' rows
 #   big (carry .gg1):       stash the first half; 3B and 8B shapes under a 16 GiB cap, pact vs its peers
 #   merge (carry .gg2 .fid): bench_merge.py on MERGE_TASKS x SEEDS, one process per (task, seed)
-#   packing (no carry, after tasks or merge): bench_packing.py on PACK_TASKS (comma-separated)
+#   packing (no carry, after tasks or merge): bench_packing.py on PACK_TASKS (comma-separated); CALIB_SMOL=1:
+#          one SmolLM2 GPTQ calibration alone, its time
 set -uo pipefail
 stage=$1
 RUN=$stage${TAG:+-$TAG}  # TAG names a repeated stage's rows (a second tasks2 on the same machine keeps the first's)
@@ -181,6 +182,11 @@ packing)  # (after tasks or merge on the warm machine: the GGUF's artifact is th
       --data /tmp/wd/fidelity-data/$t-train.jsonl --batch-size 8 --max-len 512 --json-out $OUT/packing-$t.json \
       2>&1 | grep -v Warn | tail -3
   done
+  if [ "${CALIB_SMOL:-0}" = 1 ]; then  # one SmolLM2 calibration alone on the idle GPU (its GGUF read once, cached)
+    CUDA_VISIBLE_DEVICES=0 timeout 200 python3 benchmarks/bench_fidelity.py prepare --workdir /tmp/wd \
+      --tasks ${CALIB_TASK:-epistemic_reasoning} --methods "pact=mixed:1d-mse+gptq" 2>&1 | grep -v Warn | tail -4 \
+      | tee $OUT/calibrate_smol.txt
+  fi
   ;;
 tasks|tasks2)  # tasks: lr LRS (5e-4); tasks2: LRS (2e-4) on the machine `tasks` left warm
   if [ $stage = tasks ]; then

@@ -52,6 +52,7 @@ def gptq_merge(artifact: str | os.PathLike, adapter: str | os.PathLike, data: st
         raise PactError(f"--merge-data {data}: no example of 2 tokens or more")
     units = _units(model, art, samples)
     scale, dev = lora_cfg.scale, model.device
+    lora_on_dev = {k: tuple(t.to(dev) for t in ab) for k, ab in weights.items()}
     out: dict[str, NVFP4Tensor] = {}
     errors: dict[str, dict[str, float]] = {}
     for L in tqdm(model.layers, desc="merge", unit="layer", disable=not progress):
@@ -69,8 +70,10 @@ def gptq_merge(artifact: str | os.PathLike, adapter: str | os.PathLike, data: st
         for g in todo.values():
             H = hess[id(g.weight)]
             Ws = []
-            for name in g.names:  # export's own W + s * B A (and its refusal of non-finite values)
-                Ws.append(merged_weight(dequantize(art.nvfp4(name, "fwd")).float(), name, weights, scale).to(dev))
+            for name in g.names:  # export's own W + s * B A (and its refusal of non-finite values), on the device
+                base = art.nvfp4(name, "fwd")
+                W = dequantize(NVFP4Tensor(base.packed.to(dev), base.scales.to(dev), base.global_scale.to(dev)))
+                Ws.append(merged_weight(W.float(), name, lora_on_dev, scale))
             gs = global_scale_from_amax(max(float(W.abs().amax()) for W in Ws))
             q = NVFP4Quantizer(gs, scaling="1d", scale_rule=rule)
             Q, _ = H.quantize(torch.cat(Ws), q, blocksize=blocksize, percdamp=damp)
@@ -91,7 +94,9 @@ def gptq_merge(artifact: str | os.PathLike, adapter: str | os.PathLike, data: st
 
 
 def _rtn(W: torch.Tensor, gs: torch.Tensor, rule: str) -> torch.Tensor:
+    """The plain merge's weights, for its output error: rounded where W lies (a GPU rounds to the same
+    codes and scales as the CPU, tests/test_convert.py)."""
     from pact.formats.nvfp4 import quantize
 
-    return dequantize(quantize(W.cpu(), global_scale=gs.cpu(), scaling="1d", scale_rule=rule)).to(W.device)
+    return dequantize(quantize(W, global_scale=gs.to(W.device), scaling="1d", scale_rule=rule))
 

@@ -38,10 +38,11 @@ log = logging.getLogger(__name__)
 
 
 def relative_error(w: torch.Tensor, w_hat: torch.Tensor) -> float:
-    """||W - W_hat||_F / ||W||_F (0 for an all-zero W)."""
+    """||W - W_hat||_F / ||W||_F (0 for an all-zero W); the sums in float64, so a GPU's order of summation
+    and the CPU's give the same figure."""
     w = w.float()
-    den = float(w.norm())
-    return float((w - w_hat).norm()) / den if den > 0 else 0.0
+    den = float(torch.linalg.vector_norm(w, dtype=torch.float64))
+    return float(torch.linalg.vector_norm(w - w_hat, dtype=torch.float64)) / den if den > 0 else 0.0
 
 
 def _plan(source: Source, scaling: str) -> list[list[str]]:
