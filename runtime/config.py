@@ -9,6 +9,7 @@ from pathlib import Path
 
 from pact.formats import PactError
 
+from .autorecipe import auto_spec, parse_auto
 from .data import looks_like_hub_id
 from .lora import ALL_TARGETS, LoraConfig, parse_layers
 from .ops import COMPUTE, FP8_WEIGHTS, KERNELS
@@ -129,7 +130,8 @@ class TrainConfig:
         if self.overlong not in ("truncate", "refuse"):
             raise PactError(f"--overlong must be truncate or refuse, got {self.overlong!r}")
         parse_report_to(self.report_to)
-        self.activations = parse_recipe(self.activations).spec()  # canonical: resume compares it
+        factor = parse_auto(self.activations)  # canonical spellings: resume compares them
+        self.activations = auto_spec(factor) if factor is not None else parse_recipe(self.activations).spec()
         parse_layers(self.lora_layers, None)
         for name in PATH_FIELDS:  # absolute: --out ./run/ and --out run are the same run
             setattr(self, name, _absolute(getattr(self, name)))

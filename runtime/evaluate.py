@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from .autorecipe import parse_auto
 from .data import IGNORE, Example, collate
 from .model import rmsnorm
 
@@ -218,6 +219,8 @@ def load_adapted(artifact: str, adapter: str | None, *, device: str | None = Non
     run_cfg = Path(adapter) / "train_config.json" if adapter else None
     if activations is None and run_cfg is not None and run_cfg.is_file():  # the recipe the adapter was trained with
         activations = json.loads(run_cfg.read_text()).get("activations")
+    if parse_auto(activations) is not None:  # auto picks saved copies only, which no forward pass reads:
+        activations = None  # its GEMM and LoRA inputs are the default's
     model = ses.model(lora_cfg, activations=activations, compute=compute)
     if weights is not None:
         model.load_adapter_state(weights)

@@ -8,6 +8,7 @@ projection goes through runtime/functions.py.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 
 import torch
@@ -124,6 +125,24 @@ class PactModel(nn.Module):
             yield
         finally:
             self.ops = plain
+
+    @contextlib.contextmanager
+    def recipe_as(self, recipe: Recipe):
+        """Within: forward and backward under ``recipe``'s site precisions (this model's backend and
+        dgrad: the ops stay as built). `--activations auto`'s probe."""
+        kept = self.recipe
+        self.use_recipe(recipe)
+        try:
+            yield
+        finally:
+            self.use_recipe(kept)
+
+    def use_recipe(self, recipe: Recipe) -> None:
+        """Train from now on with ``recipe``'s site precisions (backend and dgrad as built)."""
+        recipe = dataclasses.replace(recipe, compute=self.compute)
+        if recipe.dgrad != self.recipe.dgrad:
+            raise ValueError(f"use_recipe: dgrad {recipe.dgrad} differs from the model's ({self.recipe.dgrad})")
+        self.recipe, self._no_backward = recipe, recipe.forward_only()
 
     # -- forward
     def _recipe(self):

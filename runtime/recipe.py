@@ -157,5 +157,7 @@ HELP = (
     "quantized: the reference), optionally followed by SITE.FIELD=VALUE overrides, e.g. "
     "'nvfp4,down.saved=bf16' (SITE: qkv, o, gate_up, down or *; FIELD: gemm, lora, saved; VALUE: nvfp4, bf16, "
     "and for saved also fp8 or nvfp4-sr). "
+    "'auto' or 'auto:F': a probe at the start of training picks each site's saved copy (NVFP4, E4M3 or bf16) "
+    "from the LoRA gradient's error, within F times the default's saved-copy memory (F = 1). "
     "See README, Train, 'Precision recipe'."
 )

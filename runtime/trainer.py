@@ -10,6 +10,7 @@ a process trains into it. Nothing is pickled: checkpoints are safetensors + JSON
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -27,6 +28,7 @@ from tqdm.auto import tqdm
 from pact.formats import PactError
 from pact.formats.files import atomic_folder, recover_aside
 
+from .autorecipe import PROBE_BATCHES, choose, chosen_recipe, parse_auto, probe_step
 from .checkpoints import (  # noqa: F401 (pact.runtime.trainer.<name> keeps working)
     CHECKPOINT_FILES,
     KEEP_CHECKPOINTS,
@@ -45,6 +47,8 @@ from .distributed import Dist, from_env, leave
 from .evaluate import evaluate, label_candidates
 from .lora import reserve_peft_adapter, save_peft_adapter
 from .model import PactModel
+from .recipe import DEFAULT as DEFAULT_RECIPE
+from .recipe import SITES
 from .reporting import Reporter, check_available, parse_report_to
 from .runfolder import _prepare_run, _trained, data_fingerprint, run_lock  # noqa: F401
 from .session import open_session
@@ -207,7 +211,9 @@ def _setup(cfg: TrainConfig, run: Path, resume: bool, dist: Dist, device: str | 
     ses = open_session(cfg.artifact, device=device, flag="--artifact")  # from_env's: cfg.device, or this rank's
     records = read_records(cfg.data, "--data", cfg.data_split)
     inputs = {"artifact": ses.artifact.fingerprint(), "data": data_fingerprint(cfg.data, records)}
-    model = ses.model(cfg.lora(), kernels=cfg.kernels, compute=cfg.compute, activations=cfg.activations,
+    auto = parse_auto(cfg.activations)  # --activations auto: the default recipe until the probe picks
+    model = ses.model(cfg.lora(), kernels=cfg.kernels, compute=cfg.compute,
+                      activations=DEFAULT_RECIPE if auto is not None else cfg.activations,
                       checkpoint=cfg.checkpoint, seed=cfg.seed, fp8_weights=cfg.fp8_weights)
     vocab = model.embed.shape[0]
     examples = tokenize(records, ses.tokenizer, max_len=cfg.max_len,
@@ -230,6 +236,10 @@ def _setup(cfg: TrainConfig, run: Path, resume: bool, dist: Dist, device: str | 
                             f"steps: pass --max-steps (--steps) of at least {at + 1} to train further; nothing "
                             "was changed")
         state = _load_checkpoint(run, last_good, model, opt, cfg, inputs, dist.world)
+        if auto is not None and "recipe_auto" in state:  # the probe ran before this checkpoint: its choice
+            rec = state["recipe_auto"]
+            model.use_recipe(chosen_recipe(model.recipe, rec.get("chosen") if isinstance(rec, dict) else None,
+                                           str(last_good / "state.json")))
         if dist.main:
             _truncate_metrics(run / "metrics.jsonl", state["step"])  # steps after the checkpoint are redone
         if state["step"] == total:
@@ -244,7 +254,8 @@ def _setup(cfg: TrainConfig, run: Path, resume: bool, dist: Dist, device: str | 
             raise _disk_error(e, run / "adapter_model.safetensors") from None
         (run / "train_config.json").write_text(json.dumps({
             **cfg.as_json(), "recipe": model.recipe.as_json(), "world_size": dist.world,
-            "global_batch": cfg.batch_size * dist.world * cfg.grad_accum, "inputs_sha256": inputs}, indent=2) + "\n")
+            "global_batch": cfg.batch_size * dist.world * cfg.grad_accum, "inputs_sha256": inputs,
+            **({"recipe_auto": state["recipe_auto"]} if "recipe_auto" in state else {})}, indent=2) + "\n")
     held = None
     if cfg.eval_data:
         held = tokenize(read_records(cfg.eval_data, "--eval-data", cfg.eval_split), ses.tokenizer,
@@ -357,6 +368,46 @@ def _keep_best(r: _Run, cfg: TrainConfig, run: Path, out: dict) -> None:
         raise _disk_error(e, final) from None
 
 
+def _probe(r: _Run, cfg: TrainConfig, run: Path, factor: float) -> None:
+    """--activations auto: the saved precisions the probe picks (runtime/autorecipe.py) on a few
+    batches of the run's data (rank 0's choice, on every rank), from now on; the choice, its
+    gradient errors and cost go into the checkpointed state and train_config.json."""
+    make = collate_packed if cfg.packing else collate
+    order = batches(r.examples, cfg.batch_size, seed=cfg.seed + 1, epoch=0)[:PROBE_BATCHES]
+    loaded = [make(r.examples, idx, r.pad, r.model.device) for idx in order]
+    dev = r.model.device
+    with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):  # the run's random stream untouched
+        chosen, record = choose(r.model, loaded, factor)
+    pick = [float(i) if r.dist.main else 0.0 for i in _saved_codes(chosen)]
+    codes = [int(v) for v in r.dist.sum(pick, r.model.device)]  # rank 0's choice everywhere
+    chosen = _from_codes(r.model.recipe, codes)
+    record.update(chosen=chosen.spec(), step=r.state["step"])
+    r.model.use_recipe(chosen)
+    r.state["recipe_auto"] = record
+    log.info("--activations %s: probe at step %d (%d batches, %d passes, %.1f s) picked %s (%d of %d budget "
+             "bytes per token)", cfg.activations, record["step"], record["batches"], record["passes"],
+             record["seconds"], record["chosen"], record["bytes_per_token"], record["budget_bytes_per_token"])
+    if r.dist.main:
+        path = run / "train_config.json"
+        rec = json.loads(path.read_text())
+        rec.update(recipe=r.model.recipe.as_json(), recipe_auto=record)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(rec, indent=2) + "\n")
+        os.replace(tmp, path)
+
+
+_SAVED = ("nvfp4", "fp8", "bf16", "nvfp4-sr")
+
+
+def _saved_codes(recipe) -> list[int]:
+    return [_SAVED.index(recipe.site(s).saved) for s in SITES]
+
+
+def _from_codes(base, codes: list[int]):
+    return dataclasses.replace(base, **{s: dataclasses.replace(base.site(s), saved=_SAVED[c])
+                                        for s, c in zip(SITES, codes)})
+
+
 def _train(cfg: TrainConfig, run: Path, resume: bool, progress: bool, stop_after: int | None,
            dist: Dist, device: str | None) -> dict:
     r, error = None, None
@@ -366,6 +417,7 @@ def _train(cfg: TrainConfig, run: Path, resume: bool, progress: bool, stop_after
         error = e
     dist.check(error, device)
     state, device = r.state, r.model.device
+    auto = parse_auto(cfg.activations)
     stream = _micro_batches(r.examples, cfg, state["epoch"], state["pos"], dist.world)
     reporter = Reporter(parse_report_to(cfg.report_to), run, cfg.as_json()) if dist.main else None  # (first: its
     metrics_f = open(run / "metrics.jsonl", "a") if dist.main else open(os.devnull, "w")  # failure leaves no file open)
@@ -374,6 +426,8 @@ def _train(cfg: TrainConfig, run: Path, resume: bool, progress: bool, stop_after
     last = {}
     try:
         while state["step"] < r.total:
+            if auto is not None and "recipe_auto" not in state and state["step"] == probe_step(r.total):
+                _probe(r, cfg, run, auto)
             t0 = time.perf_counter()
             last = _step(r, cfg, [next(stream) for _ in range(cfg.grad_accum)])
             dt = time.perf_counter() - t0
