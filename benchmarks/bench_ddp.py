@@ -36,8 +36,8 @@ from bench_convert import SHAPES, write_random_model
 def main(shape, batch, seq, warmup, iters, compute, workdir, json_out) -> None:
     from pact.convert import convert
     from pact.formats import open_artifact
+    from pact.formats.peft import LoraConfig
     from pact.runtime.distributed import from_env, leave
-    from pact.runtime.lora import LoraConfig
     from pact.runtime.model import PactModel
 
     dist, device = from_env(None)

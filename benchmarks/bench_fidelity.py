@@ -197,9 +197,9 @@ def grads(artifact, data, recipes, computes, warm_steps, batches, lr, seed, toke
     from transformers import AutoTokenizer
 
     from pact.formats import open_artifact
+    from pact.formats.peft import LoraConfig
     from pact.runtime.data import batches as make_batches
     from pact.runtime.data import collate, pad_id, read_records, tokenize
-    from pact.runtime.lora import LoraConfig
     from pact.runtime.model import PactModel
     from pact.runtime.trainer import lr_at
 

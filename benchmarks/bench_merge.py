@@ -85,8 +85,8 @@ def run(name, artifact, train_f, test_f, workdir, seeds, steps, lr, max_len, lim
 
     from pact.calibrate.merge import gptq_merge
     from pact.convert import convert
+    from pact.convert.export import export
     from pact.runtime.evaluate import evaluate_artifact
-    from pact.runtime.export import export
     from pact.runtime.trainer import TrainConfig, train
 
     test = Path(test_f)

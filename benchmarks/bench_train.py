@@ -68,7 +68,7 @@ LAYERS = {"spec": "all"}  # --lora-layers: the decoder blocks that get adapters 
 def _pact(art_path: Path, compute: str, checkpoint: bool):
     """``compute``: a key of COMPUTE (fp8, fp8res = fp8 with resident E4M3 weights, bf16)."""
     from pact.formats import open_artifact
-    from pact.runtime.lora import LoraConfig
+    from pact.formats.peft import LoraConfig
     from pact.runtime.model import PactModel
 
     return PactModel(open_artifact(art_path), LoraConfig(r=16, alpha=32, layers=LAYERS["spec"]), device="cuda",

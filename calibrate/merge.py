@@ -17,11 +17,11 @@ import time
 import torch
 from tqdm.auto import tqdm
 
+from pact.convert.export import merged_weight
 from pact.formats import PactError
 from pact.formats.nvfp4 import NVFP4Tensor, dequantize, global_scale_from_amax
+from pact.formats.peft import load_peft_adapter
 from pact.runtime.data import read_records, tokenize
-from pact.runtime.export import merged_weight
-from pact.runtime.lora import load_peft_adapter
 from pact.runtime.session import open_session
 
 from .calibrate import GROUPS, _output_error, _units

@@ -1,4 +1,4 @@
-"""The NVFP4 checkpoint layouts pact reads (convert/sources.py) and writes (runtime/export.py),
+"""The NVFP4 checkpoint layouts pact reads (convert/sources.py) and writes (convert/export.py),
 defined once.
 
 - compressed-tensors' ``nvfp4-pack-quantized`` (what llm-compressor writes and vLLM / SGLang load):

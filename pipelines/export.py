@@ -8,7 +8,7 @@ import json
 
 import click
 
-from pact.runtime.export import FORMATS, export
+from pact.convert.export import FORMATS, export
 
 from .common import cli_errors
 

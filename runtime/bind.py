@@ -14,9 +14,9 @@ from torch import nn
 from pact.formats import Artifact, PactError
 from pact.formats.families import GROUPS, LM_PREFIXES
 from pact.formats.nvfp4 import NVFP4Tensor
+from pact.formats.peft import LoraConfig
 
 from .functions import FrozenGroup, Lora
-from .lora import LoraConfig
 from .ops import NVFP4TensorFP8
 
 

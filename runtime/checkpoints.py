@@ -18,9 +18,9 @@ from safetensors.torch import load_file
 from pact.formats import PactError
 from pact.formats.errors import write_error
 from pact.formats.files import save_safetensors
+from pact.formats.peft import load_peft_adapter, save_peft_adapter
 
 from .config import PATH_FIELDS, TrainConfig, _absolute
-from .lora import load_peft_adapter, save_peft_adapter
 from .model import PactModel
 
 log = logging.getLogger(__name__)

@@ -8,10 +8,10 @@ from dataclasses import MISSING, asdict, dataclass, field
 from pathlib import Path
 
 from pact.formats import PactError
+from pact.formats.peft import ALL_TARGETS, LoraConfig, parse_layers
 
 from .autorecipe import auto_spec, parse_auto
 from .data import looks_like_hub_id
-from .lora import ALL_TARGETS, LoraConfig, parse_layers
 from .ops import COMPUTE, FP8_WEIGHTS, KERNELS
 from .recipe import HELP as RECIPE_HELP
 from .recipe import parse_recipe

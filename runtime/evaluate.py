@@ -210,7 +210,8 @@ def load_adapted(artifact: str, adapter: str | None, *, device: str | None = Non
                  compute: str | None = None, tool: str = "pact-eval"):
     """(model, tokenizer): the verified artifact with a PEFT adapter folder loaded (or none).
     ``activations`` None: the recipe the adapter's run recorded (its train_config.json), else the default."""
-    from .lora import load_peft_adapter
+    from pact.formats.peft import load_peft_adapter
+
     from .session import open_session
 
     log.info("loading %s%s (its checksums are verified on first use)", artifact, f" with {adapter}" if adapter else "")

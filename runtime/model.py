@@ -18,10 +18,10 @@ from torch import nn
 
 from pact.formats import Artifact, PactError
 from pact.formats.families import FAMILIES, check_config
+from pact.formats.peft import LoraConfig
 
 from .bind import Layer, bind
 from .functions import Lora, MlpFn, NormProjectionFn, ProjectionFn, RopeFn
-from .lora import LoraConfig
 from .loss import target_cross_entropy
 from .ops import get_ops, resolve_compute, resolve_fp8_weights, resolve_kernels
 from .recipe import Recipe, parse_recipe

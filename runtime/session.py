@@ -11,8 +11,8 @@ from dataclasses import dataclass
 import torch
 
 from pact.formats import Artifact, PactError, default_cache, open_artifact
+from pact.formats.peft import LoraConfig
 
-from .lora import LoraConfig
 from .model import TRAINABLE_FAMILIES, PactModel
 from .ops import resolve_device
 

@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 
 from pact.formats import PactError
 from pact.formats.files import atomic_folder, recover_aside
+from pact.formats.peft import reserve_peft_adapter, save_peft_adapter
 
 from .autorecipe import PROBE_BATCHES, choose, chosen_recipe, parse_auto, probe_step
 from .checkpoints import (  # noqa: F401 (pact.runtime.trainer.<name> keeps working)
@@ -45,7 +46,6 @@ from .config import PATH_FIELDS, SCHEDULERS, TrainConfig, _absolute  # noqa: F40
 from .data import batches, collate, collate_packed, pack, pad_id, read_records, tokenize
 from .distributed import Dist, from_env, leave
 from .evaluate import evaluate, label_candidates
-from .lora import reserve_peft_adapter, save_peft_adapter
 from .model import PactModel
 from .recipe import DEFAULT as DEFAULT_RECIPE
 from .recipe import SITES

@@ -9,10 +9,10 @@ import torch
 from conftest import make_sentiment_task
 from pact.formats import PactError
 from pact.formats.artifact import open_artifact
+from pact.formats.peft import LoraConfig, load_peft_adapter
 from pact.runtime.autorecipe import CANDIDATES, _bytes, _with_saved, choose, parse_auto
 from pact.runtime.data import batches, collate, pad_id, read_records, tokenize
 from pact.runtime.evaluate import evaluate_artifact
-from pact.runtime.lora import LoraConfig, load_peft_adapter
 from pact.runtime.model import PactModel
 from pact.runtime.recipe import SITES, parse_recipe
 from pact.runtime.trainer import TrainConfig, train

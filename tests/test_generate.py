@@ -6,9 +6,9 @@ from click.testing import CliRunner
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import make_converted_llama
+from pact.convert.export import export
 from pact.formats import PactError
 from pact.pipelines.cli import main as pact_cli
-from pact.runtime.export import export
 from pact.runtime.generate import generate, next_logits, truncate
 from pact.runtime.model import rmsnorm
 from pact.runtime.trainer import TrainConfig, train

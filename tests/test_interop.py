@@ -116,7 +116,7 @@ def test_imported_artifact_trains_and_matches_transformers(ckpt, tmp_path):
     compressed-tensors' dequantized weights; then two training steps."""
     from transformers import AutoModelForCausalLM
 
-    from pact.runtime.lora import LoraConfig
+    from pact.formats.peft import LoraConfig
     from pact.runtime.model import PactModel
     from pact.runtime.trainer import TrainConfig, train
 
@@ -198,7 +198,7 @@ def trained(tmp_path_factory):
 
 
 def _pact_logits(art, ids, adapter=None):
-    from pact.runtime.lora import load_peft_adapter
+    from pact.formats.peft import load_peft_adapter
     from pact.runtime.model import PactModel
 
     cfg, weights = load_peft_adapter(adapter) if adapter else (None, None)
@@ -220,7 +220,7 @@ def test_export_compressed_tensors_is_what_the_library_reads(trained, tmp_path):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from pact.runtime.export import export
+    from pact.convert.export import export
 
     art = open_artifact(trained / "art")
     export(str(trained / "art"), tmp_path / "ct")
@@ -248,7 +248,7 @@ def test_export_with_adapter(trained, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from pact.runtime.export import export
+    from pact.convert.export import export
 
     ids = torch.randint(0, 200, (2, 24))
     ref = _pact_logits(trained / "art", ids, trained / "run")
@@ -322,7 +322,7 @@ def test_gptq_merge_keeps_more_of_the_adapter(trained, tmp_path):
 
 
 def test_export_refusals(trained, tmp_path):
-    from pact.runtime.export import export
+    from pact.convert.export import export
 
     with pytest.raises(PactError, match="--merge folds an adapter"):
         export(str(trained / "art"), tmp_path / "x", merge=True)

@@ -8,8 +8,8 @@ import torch
 
 from conftest import make_converted_llama
 from pact.formats import PactError, open_artifact
+from pact.formats.peft import LoraConfig, load_peft_adapter, parse_layers
 from pact.runtime.data import collate, pad_id, read_records, tokenize
-from pact.runtime.lora import LoraConfig, load_peft_adapter, parse_layers
 from pact.runtime.model import PactModel
 from pact.runtime.trainer import TrainConfig, train
 

@@ -7,8 +7,8 @@ import torch.nn.functional as F
 from conftest import make_model, make_realistic
 from pact.convert import convert
 from pact.formats import PactError, open_artifact
+from pact.formats.peft import ALL_TARGETS, LoraConfig
 from pact.runtime.functions import saved_bytes_per_token
-from pact.runtime.lora import ALL_TARGETS, LoraConfig
 from pact.runtime.model import PactModel
 from pact.runtime.recipe import parse_recipe
 

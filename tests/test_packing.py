@@ -9,8 +9,8 @@ from transformers import AutoTokenizer
 
 from conftest import make_converted_llama
 from pact.formats import PactError, open_artifact
+from pact.formats.peft import LoraConfig
 from pact.runtime.data import collate, collate_packed, pack, read_records, tokenize
-from pact.runtime.lora import LoraConfig
 from pact.runtime.model import PactModel
 from pact.runtime.trainer import TrainConfig, train
 

@@ -15,9 +15,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import edit_manifest, make_converted_llama, rehash_artifact
+from pact.convert import export as E
+from pact.convert.export import MARKER, export, read_marker
 from pact.formats import PactError, open_artifact
-from pact.runtime import export as E
-from pact.runtime.export import MARKER, export, read_marker
 
 Q = "model.layers.0.self_attn.q_proj.weight"  # [64, 64] in the tiny Llama (conftest.TEXT_DIMS)
 V = "model.layers.0.self_attn.v_proj.weight"  # [32, 64]: 2 kv heads of 16
@@ -167,7 +167,7 @@ def test_out_through_a_link_is_refused(base, tmp_path):
 _KILLED = r"""
 import os, shutil, signal, sys
 from pathlib import Path
-from pact.runtime import export as E
+from pact.convert import export as E
 
 art, out, point = sys.argv[1:4]
 def die():

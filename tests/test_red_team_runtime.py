@@ -10,8 +10,8 @@ from safetensors.torch import save_file
 
 from conftest import make_converted_llama
 from pact.formats import PactError
+from pact.formats.peft import load_peft_adapter
 from pact.runtime import data as data_mod
-from pact.runtime.lora import load_peft_adapter
 from pact.runtime.trainer import TrainConfig, train
 
 

@@ -9,8 +9,8 @@ from click.testing import CliRunner
 
 from conftest import make_sentiment_task, rehash_artifact
 from pact.formats import PactError, open_artifact
+from pact.formats.peft import load_peft_adapter
 from pact.pipelines.train import main as train_cli
-from pact.runtime.lora import load_peft_adapter
 from pact.runtime.model import PactModel
 from pact.runtime.trainer import TrainConfig, train
 

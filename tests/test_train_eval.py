@@ -9,9 +9,9 @@ from click.testing import CliRunner
 
 from conftest import make_sentiment_task
 from pact.formats import PactError
+from pact.formats.peft import load_peft_adapter
 from pact.pipelines.train import main as train_cli
 from pact.runtime import trainer
-from pact.runtime.lora import load_peft_adapter
 from pact.runtime.trainer import TrainConfig, train
 
 

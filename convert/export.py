@@ -42,10 +42,8 @@ from pact.formats.files import atomic_folder, recover_aside, save_safetensors
 from pact.formats.interop import ct_quantization_config, ct_tensors
 from pact.formats.layout import SIDE_FILES
 from pact.formats.nvfp4 import SCALE_RULES, NVFP4Tensor, dequantize, global_scale_from_amax, quantize
+from pact.formats.peft import load_peft_adapter, peft_key, save_peft_adapter
 
-from .lora import load_peft_adapter, peft_key, save_peft_adapter
-
-FORMATS = ("compressed-tensors", "bf16")
 SHARD_BYTES = 2 << 30
 MARKER = "pact_export.json"  # written last into every export: what --overwrite may replace
 # config keys that make transformers / vLLM import code (with trust_remote_code): refused, never shipped
@@ -275,6 +273,75 @@ def merged_weight(w: torch.Tensor, name: str, adapters: dict, scale: float) -> t
     return w
 
 
+class Writer:
+    """One export format: what each dense tensor and each group of frozen projections becomes, and
+    the config.json it ships. ``_write`` walks the artifact and hands every tensor to the format's
+    writer; a new format is a subclass and its entry in WRITERS."""
+
+    name = ""
+    folds_adapter = False  # the adapter always merged into the weights (a plain bf16 folder)
+    quantized = False  # projections stay NVFP4
+
+    def __init__(self, art, rule: str):
+        self.art, self.rule = art, rule
+
+    def dense(self, name: str, w: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {name: w}
+
+    def projections(self, members: list[str], merged: dict[str, torch.Tensor] | None,
+                    solved: dict[str, NVFP4Tensor] | None, added: dict[str, float]) -> dict[str, torch.Tensor]:
+        """The tensors of one group (q|k|v, gate|up, or one projection). ``merged``: W + s * B A per
+        member where the adapter is folded in (None: the artifact's weights as they are); ``solved``:
+        the merge solver's NVFP4 tensors; ``added`` collects each re-quantized member's added error."""
+        raise NotImplementedError
+
+    def config(self, config: dict) -> dict:
+        return config
+
+
+class CompressedTensorsWriter(Writer):
+    """compressed-tensors ``nvfp4-pack-quantized`` (formats/interop.py): what vLLM and SGLang load."""
+
+    name, quantized = "compressed-tensors", True
+
+    def __init__(self, art, rule: str):
+        super().__init__(art, rule)
+        self.ignore = ["lm_head"]
+
+    def dense(self, name: str, w: torch.Tensor) -> dict[str, torch.Tensor]:
+        if classify(name).frozen_projection:
+            self.ignore.append(name.removesuffix(".weight"))  # a projection kept bf16 (--keep-bf16)
+        return {name: w}
+
+    def projections(self, members, merged, solved, added):
+        if merged is None:
+            return {k: v for m in members for k, v in ct_tensors(m, _nvfp4(self.art, m)).items()}
+        # the group's members re-quantized together: one global scale (vLLM fuses q|k|v, gate|up)
+        g = global_scale_from_amax(max(float(w.abs().amax()) for w in merged.values()))
+        out = {}
+        for m, w in merged.items():
+            t = solved[m] if solved else quantize(w, global_scale=g, scaling="1d", scale_rule=self.rule)
+            added[m] = float((dequantize(t) - w).norm() / w.norm()) if float(w.norm()) > 0 else 0.0
+            out.update(ct_tensors(m, t))
+        return out
+
+    def config(self, config: dict) -> dict:
+        return {**config, "quantization_config": ct_quantization_config(self.ignore)}
+
+
+class BF16Writer(Writer):
+    """A plain transformers folder: every weight dequantized to bf16, the adapter folded in."""
+
+    name, folds_adapter = "bf16", True
+
+    def projections(self, members, merged, solved, added):
+        return {m: (merged[m] if merged else dequantize(_nvfp4(self.art, m))).to(torch.bfloat16) for m in members}
+
+
+WRITERS: dict[str, type[Writer]] = {w.name: w for w in (CompressedTensorsWriter, BF16Writer)}
+FORMATS = tuple(WRITERS)  # --format's choices
+
+
 def _write(art, tmp: Path, fmt: str, lora_cfg, adapters: dict, merge: bool, progress: bool = False,
            merged_weights: dict[str, NVFP4Tensor] | None = None) -> dict:
     from tqdm.auto import tqdm
@@ -285,10 +352,11 @@ def _write(art, tmp: Path, fmt: str, lora_cfg, adapters: dict, merge: bool, prog
         raise PactError(f"{art.path}/zarr.json: provenance block_scales {rule!r} is not one of "
                         f"{', '.join(SCALE_RULES)}: the artifact is damaged; re-run pact-convert")
     tmp.mkdir(parents=True, exist_ok=True)
+    writer = WRITERS[fmt](art, rule)
     scale = lora_cfg.scale if lora_cfg else 0.0
     tensors: dict[str, torch.Tensor] = {}
     added: dict[str, float] = {}
-    quantized, ignore = [], ["lm_head"]
+    quantized = []
     groups: dict[str, list[str]] = {}
     for name in art.names("nvfp4"):
         groups.setdefault(art.entry(name).get("group") or name, []).append(name)
@@ -298,38 +366,23 @@ def _write(art, tmp: Path, fmt: str, lora_cfg, adapters: dict, merge: bool, prog
             continue
         e = art.entry(name)
         if e["kind"] != "nvfp4":
-            if fmt == "compressed-tensors" and classify(name).frozen_projection:
-                ignore.append(name.removesuffix(".weight"))  # a projection kept bf16 (--keep-bf16)
             w = art.dense(name)
-            tensors[name] = merged_weight(w.float(), name, adapters, scale).to(torch.bfloat16) if merge else w
+            tensors.update(writer.dense(name, merged_weight(w.float(), name, adapters, scale).to(torch.bfloat16)
+                                        if merge else w))
             done.add(name)
             continue
         members = groups[e.get("group") or name]
-        if fmt == "bf16":
-            for m in members:
-                w = dequantize(_nvfp4(art, m))
-                tensors[m] = (merged_weight(w, m, adapters, scale) if merge else w).to(torch.bfloat16)
-        elif merge and any(m in adapters for m in members):
-            # the group's members re-quantized together: one global scale (vLLM fuses q|k|v, gate|up)
-            ws = {m: merged_weight(dequantize(_nvfp4(art, m)), m, adapters, scale) for m in members}
-            g = global_scale_from_amax(max(float(w.abs().amax()) for w in ws.values()))
-            for m, w in ws.items():
-                t = merged_weights[m] if merged_weights else quantize(w, global_scale=g, scaling="1d", scale_rule=rule)
-                added[m] = float((dequantize(t) - w).norm() / w.norm()) if float(w.norm()) > 0 else 0.0
-                tensors.update(ct_tensors(m, t))
-        else:
-            for m in members:
-                tensors.update(ct_tensors(m, _nvfp4(art, m)))
+        merged = None
+        if merge and (writer.folds_adapter or any(m in adapters for m in members)):
+            merged = {m: merged_weight(dequantize(_nvfp4(art, m)), m, adapters, scale) for m in members}
+        tensors.update(writer.projections(members, merged, merged_weights, added))
         quantized += members
         done.update(members)
     _save_sharded(tensors, tmp, art)
-    config = dict(art.meta["hf_config"])
-    if fmt == "compressed-tensors":
-        config["quantization_config"] = ct_quantization_config(ignore)
-    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (tmp / "config.json").write_text(json.dumps(writer.config(dict(art.meta["hf_config"])), indent=2) + "\n")
     for rel in side:
         shutil.copyfile(art.hf_dir / rel, tmp / rel)
-    out = {"quantized_projections": len(quantized) if fmt == "compressed-tensors" else 0,
+    out = {"quantized_projections": len(quantized) if writer.quantized else 0,
            "adapter": "merged" if merge and adapters else "beside" if adapters else None}
     if added:
         vals = sorted(added.values())

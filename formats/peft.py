@@ -1,4 +1,5 @@
-"""LoRA configuration and PEFT-format adapter files (adapter_config.json + safetensors)."""
+"""LoRA adapters as files: their configuration and PEFT's format (adapter_config.json + safetensors),
+which pact-train writes, pact-eval and pact-export read, and PEFT loads."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save
 
-from pact.formats import PactError
-from pact.formats.families import PROJECTIONS
+from .errors import PactError
+from .families import PROJECTIONS
 
 ALL_TARGETS = tuple(PROJECTIONS)  # q_proj k_proj v_proj o_proj gate_proj up_proj down_proj
 
