@@ -233,7 +233,7 @@ def _units(model: PactModel, art, samples) -> list[Unit]:
         real = torch.zeros(B, S, dtype=torch.bool)
         for b, t in enumerate(order[i:i + B]):
             ids[b, : len(t)], real[b, : len(t)] = t, True
-        x = torch.nn.functional.embedding(ids.to(dev), model.embed).reshape(B * S, -1)
+        x = model.embed_ids(ids.to(dev)).reshape(B * S, -1)
         units.append(Unit(x, *model.rope(x, S), B, S, None if bool(real.all()) else real.reshape(-1).to(dev)))
         i += B
     return units

@@ -19,12 +19,13 @@ ARCHITECTURES = {
     "MistralForCausalLM": "mistral",  # Mistral 7B (a sliding window on v0.1), Ministral, Mistral Nemo
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Gemma3ForCausalLM": "gemma3",  # Gemma 3 text (1B; the language model alone of 4B-27B)
     "Qwen2VLForConditionalGeneration": "qwen2_vl",
     "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
 }
 # `model_type` -> family, for configs saved without `architectures`
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_vl", "qwen2_5_vl")  # every family converts and trains
-MODEL_TYPES = {family: family for family in FAMILIES}
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "qwen2_vl", "qwen2_5_vl")  # each converts and trains
+MODEL_TYPES = {**{family: family for family in FAMILIES}, "gemma3_text": "gemma3"}
 VISION_FAMILIES = ("qwen2_vl", "qwen2_5_vl")
 
 # projection -> fused group: members of a group share their input (one GEMM over the
@@ -47,6 +48,49 @@ VISION_PREFIXES = ("visual.", "model.visual.", "vision_tower.", "model.vision_to
 # where a decoder's own tensors (embed_tokens, norm, layers) live: "model." (Llama, Qwen, VL
 # checkpoints as published) or "model.language_model." (VL re-saved by transformers 4.52-4.x)
 LM_PREFIXES = ("model.", "model.language_model.")
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    """What the runtime needs to know of a family beyond the shared decoder layout: the names of a
+    layer's norms (the attention's input norm, the MLP's input norm, and the norms on the attention
+    and MLP outputs where the family has them), the norm's form, the MLP's gate activation, the
+    embedding scale, the rotary embedding (transformers' module and class), the sliding window
+    and the attention's scale. Everything else about a layer is the same for every family."""
+
+    attn_norm: str = "input_layernorm"
+    mlp_norm: str = "post_attention_layernorm"
+    post_attn_norm: str | None = None  # applied to the attention's output before the residual add
+    post_mlp_norm: str | None = None  # applied to the MLP's output before the residual add
+    norm_offset: bool = False  # the norms scale by (1 + weight) (Gemma), else by weight
+    act: str = "silu"  # the gate's activation: silu (SwiGLU) or gelu_tanh (GeGLU)
+    embed_scale: bool = False  # the embeddings multiplied by sqrt(hidden_size) in their dtype (Gemma)
+    rotary: tuple[str, str] = ("llama", "LlamaRotaryEmbedding")
+    sliding: str = "none"  # none | all (every layer: config.sliding_window) | layer_types (per layer)
+    attn_scale_key: str | None = None  # a config key k: the attention scale is k ** -0.5 (else head_dim ** -0.5)
+
+
+SPECS: dict[str, FamilySpec] = {
+    "llama": FamilySpec(),
+    "mistral": FamilySpec(rotary=("mistral", "MistralRotaryEmbedding"), sliding="all"),
+    "qwen2": FamilySpec(rotary=("qwen2", "Qwen2RotaryEmbedding")),
+    "qwen3": FamilySpec(rotary=("qwen3", "Qwen3RotaryEmbedding")),
+    "gemma3": FamilySpec(mlp_norm="pre_feedforward_layernorm", post_attn_norm="post_attention_layernorm",
+                         post_mlp_norm="post_feedforward_layernorm", norm_offset=True, act="gelu_tanh",
+                         embed_scale=True, rotary=("gemma3", "Gemma3RotaryEmbedding"), sliding="layer_types",
+                         attn_scale_key="query_pre_attn_scalar"),
+    # Qwen2-VL's M-RoPE is Qwen2's rotary per position component (the runtime picks the components)
+    "qwen2_vl": FamilySpec(rotary=("qwen2", "Qwen2RotaryEmbedding")),
+    "qwen2_5_vl": FamilySpec(rotary=("qwen2", "Qwen2RotaryEmbedding")),
+}
+
+
+def family_spec(family: str) -> FamilySpec:
+    """The spec of a family, or one clear error (never another family's)."""
+    if family not in SPECS:
+        raise PactError(f"family {family!r} has no spec in formats/families.py SPECS: pact supports "
+                        f"{', '.join(SPECS)}")
+    return SPECS[family]
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from pact.formats import Artifact, PactError
-from pact.formats.families import GROUPS, LM_PREFIXES
+from pact.formats.families import GROUPS, LM_PREFIXES, FamilySpec
 from pact.formats.nvfp4 import NVFP4Tensor
 from pact.formats.peft import LoraConfig
 
@@ -22,8 +22,10 @@ from .ops import NVFP4TensorFP8
 
 @dataclass
 class Layer:
-    """One decoder layer's frozen tensors: the two RMSNorm weights (and Qwen3's per-head q/k norms)
-    and the four frozen groups."""
+    """One decoder layer's frozen tensors: the two input RMSNorm weights (Qwen3's and Gemma's per-head
+    q/k norms, Gemma's norms on the attention and MLP outputs) and the four frozen groups; what the
+    layer's attention sees: its own sliding window (Gemma's local layers; None: the model's) and
+    which RoPE table it reads (0, or 1: Gemma's local table)."""
 
     attn_norm: torch.Tensor
     mlp_norm: torch.Tensor
@@ -33,6 +35,10 @@ class Layer:
     down: FrozenGroup
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
+    post_attn_norm: torch.Tensor | None = None
+    post_mlp_norm: torch.Tensor | None = None
+    window: int | None = None
+    rope: int = 0
 
 
 @dataclass
@@ -50,16 +56,25 @@ class Bound:
 
 
 def bind(artifact: Artifact, n_layers: int, lora: LoraConfig | None, device: torch.device, *, seed: int = 0,
-         fp8_copy=None) -> Bound:
-    """Bind ``n_layers`` decoder layers of ``artifact`` on ``device``. ``fp8_copy``: the fp8
-    backend's launcher for resident E4M3 weight copies (`--fp8-weights resident`), else None."""
+         fp8_copy=None, spec: FamilySpec | None = None) -> Bound:
+    """Bind ``n_layers`` decoder layers of ``artifact`` on ``device``, their norms named as the family's
+    ``spec`` names them (a (1 + w) norm kept as that fp32 sum: the kernels multiply by it in fp32, as
+    Gemma does). ``fp8_copy``: the fp8 backend's launcher for resident E4M3 weight copies
+    (`--fp8-weights resident`), else None."""
+    spec = spec or FamilySpec()
     names = set(artifact.names())
     p = next((p for p in LM_PREFIXES if f"{p}embed_tokens.weight" in names), None)
     if p is None:
         raise PactError(f"{artifact.path}: no model.embed_tokens.weight: not a decoder this version can bind")
     dense = lambda name: artifact.dense(name).to(device)  # noqa: E731
+
+    def norm(name: str) -> torch.Tensor | None:
+        if name not in names:
+            return None
+        return 1.0 + dense(name).float() if spec.norm_offset else dense(name)
+
     embed = dense(f"{p}embed_tokens.weight")
-    out = Bound(embed, dense(f"{p}norm.weight"), dense("lm_head.weight") if "lm_head.weight" in names else embed, [])
+    out = Bound(embed, norm(f"{p}norm.weight"), dense("lm_head.weight") if "lm_head.weight" in names else embed, [])
     gen = torch.Generator().manual_seed(seed)
     adapted = set(lora.layer_ids(n_layers)) if lora is not None else set()
     for i in range(n_layers):
@@ -70,10 +85,15 @@ def bind(artifact: Artifact, n_layers: int, lora: LoraConfig | None, device: tor
             members = [f"{lp}.{sub}.{m}.weight" for m in GROUPS[group]]
             groups[group] = _bind_group(artifact, members, names, device, lora if i in adapted else None, gen, out,
                                         fp8_copy)
-        qk = f"{lp}.self_attn.q_norm.weight" in names  # Qwen3: per-head RMSNorm on q and k
-        out.layers.append(Layer(dense(f"{lp}.input_layernorm.weight"), dense(f"{lp}.post_attention_layernorm.weight"),
-                                **groups, q_norm=dense(f"{lp}.self_attn.q_norm.weight") if qk else None,
-                                k_norm=dense(f"{lp}.self_attn.k_norm.weight") if qk else None))
+        for name in (spec.attn_norm, spec.mlp_norm, spec.post_attn_norm, spec.post_mlp_norm):
+            if name and f"{lp}.{name}.weight" not in names:
+                raise PactError(f"{artifact.path}: {lp}.{name}.weight is missing: the artifact does not hold this "
+                                "family's layers; re-run pact-convert")
+        post = lambda name: norm(f"{lp}.{name}.weight") if name else None  # noqa: E731
+        out.layers.append(Layer(norm(f"{lp}.{spec.attn_norm}.weight"), norm(f"{lp}.{spec.mlp_norm}.weight"), **groups,
+                                q_norm=norm(f"{lp}.self_attn.q_norm.weight"),  # Qwen3, Gemma: per-head q/k norms
+                                k_norm=norm(f"{lp}.self_attn.k_norm.weight"),
+                                post_attn_norm=post(spec.post_attn_norm), post_mlp_norm=post(spec.post_mlp_norm)))
     return out
 
 

@@ -289,28 +289,30 @@ class ProjectionFn(torch.autograd.Function):
 
 
 class MlpFn(torch.autograd.Function):
-    """out = down(silu(gate) * up) on RMSNorm(x), all frozen GEMMs NVFP4, LoRA on each.
+    """out = down(act(gate) * up) on RMSNorm(x), all frozen GEMMs NVFP4, LoRA on each; ``act`` the
+    family's gate activation (silu: SwiGLU, gelu_tanh: GeGLU).
 
     Saves the RMSNorm rows, rstd, gate and up (h for down's LoRA is recomputed from them), each
     as its recipe site says (the gate_up site for the first, the down site's ``saved`` for gate and up).
     """
 
     @staticmethod
-    def forward(ctx, x, norm_w, eps, gate_up, down, ops, sites, *params):
+    def forward(ctx, x, norm_w, eps, gate_up, down, ops, sites, act, *params):
         site1, site2 = sites
         a, a_hat, x_lora, saved, rstd = _norm_operands(ops, site1, x, norm_w, eps)
         gu, xas1, seeds1 = project(ops, gate_up, a, x_lora, a_hat)
         if site2.quantized:  # one fused kernel: NVFP4 h (+ E4M3 copy), gate and up
-            hq, gq, uq = ops.silu_mul_quant(gu)
+            hq, gq, uq = ops.silu_mul_quant(gu, act=act)
             h_hat = ops.dequant_rows(hq)
             h_op, h_lora = hq, h_hat
         else:  # one fused kernel: bf16 h (+ its E4M3 copy for the GEMM), gate and up as the site saves them
-            h, gq, uq = ops.silu_mul_rows(gu, nvfp4=site2.saved == "nvfp4", fp8=ops.fp8 and site2.gemm == "bf16")
+            h, gq, uq = ops.silu_mul_rows(gu, nvfp4=site2.saved == "nvfp4", fp8=ops.fp8 and site2.gemm == "bf16",
+                                          act=act)
             if site2.saved not in ("nvfp4", "bf16"):  # gate and up as E4M3 / stochastically rounded rows
                 gq, uq = (_saved_copy(ops, site2.saved, t) for t in (gq, uq))
             h_op, h_hat, h_lora, _ = _operands(ops, _H_USES[site2.gemm, site2.lora], h)
         out, xas2, seeds2 = project(ops, down, h_op, h_lora, h_hat)
-        ctx.ops, ctx.groups, ctx.norm_w, ctx.seeds = ops, (gate_up, down), norm_w, (seeds1, seeds2)
+        ctx.ops, ctx.groups, ctx.norm_w, ctx.seeds, ctx.act = ops, (gate_up, down), norm_w, (seeds1, seeds2), act
         ctx.n_xa1 = sum(xa is not None for xa in xas1)
         ctx.kinds = (type(saved), type(gq), type(uq))
         kept = [xa for xa in xas1 + xas2 if xa is not None]
@@ -325,11 +327,11 @@ class MlpFn(torch.autograd.Function):
         uq, kept = _rows_from(ctx.kinds[2], rest)
         xas1 = _per_member(gate_up.loras, kept[: ctx.n_xa1])
         xas2 = _per_member(down.loras, kept[ctx.n_xa1 :])
-        dh, grads2 = project_backward(ops, down, dout, ops.silu_mul_h(gq, uq), xas2, ctx.seeds[1])
-        dgu = ops.silu_mul_backward(dh, gq, uq)
+        dh, grads2 = project_backward(ops, down, dout, ops.silu_mul_h(gq, uq, act=ctx.act), xas2, ctx.seeds[1])
+        dgu = ops.silu_mul_backward(dh, gq, uq, act=ctx.act)
         dxn, grads1 = project_backward(ops, gate_up, dgu, ops.dequant_rows(xq), xas1, ctx.seeds[0])
         dx = ops.rmsnorm_backward(dxn, xq, rstd, ctx.norm_w) if ctx.needs_input_grad[0] else None
-        return (dx, None, None, None, None, None, None, *_flat_grads([gate_up, down], [grads1, grads2]))
+        return (dx, None, None, None, None, None, None, None, *_flat_grads([gate_up, down], [grads1, grads2]))
 
 
 def saved_bytes_per_token(hidden: int, attn: int, inter: int, rank_members: dict[str, int], recipe=None) -> int:

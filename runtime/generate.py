@@ -7,7 +7,6 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
 from pact.formats import PactError
 
@@ -19,7 +18,7 @@ def next_logits(model, ids: list[int], cache: list, pos: int) -> torch.Tensor:
     """fp32 logits [V] after ``ids`` (new tokens at positions pos, pos + 1, ...), the cache extended."""
     x_ids = torch.tensor([ids], device=model.device)
     S = len(ids)
-    x = F.embedding(x_ids, model.embed).reshape(S, model.hidden)
+    x = model.embed_ids(x_ids).reshape(S, model.hidden)
     cos, sin = model.rope_at(x, torch.arange(pos, pos + S, device=model.device))
     for i, L in enumerate(model.layers):
         x = model.layer(L, x, cos, sin, 1, S, None, cache=(cache, i))

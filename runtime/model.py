@@ -1,4 +1,4 @@
-"""The compact decoder (Llama, Qwen2, Qwen3; the language model of Qwen2-VL / Qwen2.5-VL) over a
+"""The compact decoder (Llama, Mistral, Qwen2, Qwen3, Gemma 3; the language model of Qwen2-VL / Qwen2.5-VL) over a
 memory-mapped artifact: forward, RoPE / M-RoPE and loss. What it runs is bound by bind.py (frozen
 tensors as views of the artifact's files, LoRA adapters the only parameters) and computed by the
 ops runtime/ops builds from the recipe. Attention and RoPE run in bf16 with PyTorch SDPA; every frozen
@@ -17,7 +17,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from pact.formats import Artifact, PactError
-from pact.formats.families import FAMILIES, check_config
+from pact.formats.families import FAMILIES, check_config, family_spec
 from pact.formats.peft import LoraConfig
 
 from .bind import Layer, bind
@@ -29,31 +29,24 @@ from .recipe import Recipe, parse_recipe
 TRAINABLE_FAMILIES = FAMILIES  # the language model of every family pact-convert reads
 
 
-# family -> transformers' rotary embedding (module, class); Qwen2-VL's M-RoPE is Qwen2's rotary per
-# position component (rope_at() picks the components)
-ROTARY = {
-    "llama": ("llama", "LlamaRotaryEmbedding"),
-    "mistral": ("mistral", "MistralRotaryEmbedding"),
-    "qwen2": ("qwen2", "Qwen2RotaryEmbedding"),
-    "qwen2_vl": ("qwen2", "Qwen2RotaryEmbedding"),
-    "qwen2_5_vl": ("qwen2", "Qwen2RotaryEmbedding"),
-    "qwen3": ("qwen3", "Qwen3RotaryEmbedding"),
-}
+LOCAL_ROPE = "sliding_attention"  # Gemma 3: the local layers' RoPE table (rope_at's second), the global one first
 
 
-def _rotary(family: str, cfg):
+def _rotary(spec, cfg):
+    """transformers' rotary embedding of the family (formats/families.py FamilySpec.rotary)."""
     import importlib
 
-    if family not in ROTARY:  # a family added to formats without its rotary here: never a silent Llama
-        raise PactError(f"family {family!r} has no rotary embedding in runtime/model.py ROTARY")
-    module, name = ROTARY[family]
+    module, name = spec.rotary
     return getattr(importlib.import_module(f"transformers.models.{module}.modeling_{module}"), name)(cfg)
 
 
 def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' RMSNorm: fp32 statistics, bf16 result times the weight."""
+    """transformers' RMSNorm: fp32 statistics; a bf16 weight multiplies the bf16-rounded result
+    (Llama, Qwen), an fp32 one (Gemma's 1 + w, bound so) the fp32 result, rounded once after."""
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if w.dtype == torch.float32:
+        return (xf * w).to(x.dtype)
     return w * xf.to(x.dtype)
 
 
@@ -100,13 +93,27 @@ class PactModel(nn.Module):
         self.head_dim = getattr(cfg, "head_dim", None) or self.hidden // self.n_heads
         self.eps = cfg.rms_norm_eps
         # Mistral v0.1: each token attends to the last `sliding_window` tokens only (None: no window)
-        self.window = getattr(cfg, "sliding_window", None) if self.family == "mistral" else None
-        self.rotary = _rotary(self.family, cfg).to(self.device)
+        self.spec = spec = family_spec(self.family)
+        # Mistral v0.1: each token attends to the last `sliding_window` tokens only (None: no window);
+        # Gemma 3: its local layers do (Layer.window), the others see everything
+        self.window = getattr(cfg, "sliding_window", None) if spec.sliding == "all" else None
+        if getattr(cfg, "final_logit_softcapping", None) or getattr(cfg, "attn_logit_softcapping", None):
+            raise PactError(f"{artifact.path}: the config caps logits (final_logit_softcapping / "
+                            "attn_logit_softcapping, Gemma 2): pact does not train such models")
+        self.attn_scale = getattr(cfg, spec.attn_scale_key) ** -0.5 if spec.attn_scale_key else None
+        self.embed_scale = self.hidden ** 0.5 if spec.embed_scale else None
+        self.rotary = _rotary(spec, cfg).to(self.device)
+        self.rope_types = sorted(set(cfg.layer_types), key=lambda t: t == LOCAL_ROPE) if spec.sliding == "layer_types" \
+            else None  # Gemma 3: a RoPE table per layer type, the local one last
         rope_cfg = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
         self.mrope_section = rope_cfg.get("mrope_section")  # Qwen2-VL: frequencies per (t, h, w) component
-        bound = bind(artifact, cfg.num_hidden_layers, lora, self.device, seed=seed, fp8_copy=fp8_copy)
+        bound = bind(artifact, cfg.num_hidden_layers, lora, self.device, seed=seed, fp8_copy=fp8_copy, spec=spec)
         self.embed, self.final_norm, self.lm_head = bound.embed, bound.final_norm, bound.lm_head
         self.layers: list[Layer] = bound.layers
+        if self.rope_types is not None:
+            for L, kind in zip(self.layers, cfg.layer_types):
+                L.rope = self.rope_types.index(kind)
+                L.window = cfg.sliding_window if kind == LOCAL_ROPE else None
         self.lora_params = bound.params  # the only parameters
         self.adapters: dict[str, Lora] = bound.adapters
         # the lowest decoder block with an adapter (--lora-layers): training runs the blocks below it
@@ -155,7 +162,9 @@ class PactModel(nn.Module):
         qkv = NormProjectionFn.apply(x, L.attn_norm, self.eps, L.qkv, self.ops, self._recipe().qkv,
                                      *L.qkv.lora_params())
         q, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1)
-        if L.q_norm is not None:  # Qwen3: per-head RMSNorm before the rotation
+        if cos.dim() == 3:  # one table per layer type (Gemma 3): this layer's
+            cos, sin = cos[L.rope], sin[L.rope]
+        if L.q_norm is not None:  # Qwen3, Gemma 3: per-head RMSNorm before the rotation
             q = rmsnorm(q.view(B * S, nh, hd), L.q_norm, self.eps).view(B * S, nh * hd)
             k = rmsnorm(k.view(B * S, nkv, hd), L.k_norm, self.eps).view(B * S, nkv * hd)
         q, k = RopeFn.apply(q, cos, sin, self.ops), RopeFn.apply(k, cos, sin, self.ops)
@@ -172,12 +181,14 @@ class PactModel(nn.Module):
                     mask = seen[None, :] <= seen[P:, None]
             store[i] = (k, v)
         T = k.shape[2]
-        if self.window and T > self.window:  # a sliding window the sequence exceeds: band of the last `window`
+        window = L.window or self.window
+        if window and T > window:  # a sliding window the sequence exceeds: band of the last `window`
             seen = torch.arange(T, device=x.device)
-            band = (seen[None, :] <= seen[T - S:, None]) & (seen[None, :] > seen[T - S:, None] - self.window)
+            band = (seen[None, :] <= seen[T - S:, None]) & (seen[None, :] > seen[T - S:, None] - window)
             mask = band if mask is None else mask & band
             causal = False
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=nkv != nh)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=nkv != nh,
+                                           scale=self.attn_scale)
         o = o.transpose(1, 2).reshape(B * S, nh * hd)
         return ProjectionFn.apply(o, L.o, self.ops, self._recipe().o, *L.o.lora_params())
 
@@ -190,6 +201,10 @@ class PactModel(nn.Module):
         (temporal, height, width: frequency j rotates by the component its mrope_section gives it).
         transformers' tables, rounded as it rounds them (both halves of its table are equal)."""
         half = self.head_dim // 2
+        if positions.dim() == 1 and self.rope_types is not None:  # [types, S, head_dim / 2]: Layer.rope picks
+            tables = [self.rotary(x, positions.unsqueeze(0), kind) for kind in self.rope_types]
+            return (torch.stack([c[0, :, :half] for c, _ in tables]).contiguous(),
+                    torch.stack([s[0, :, :half] for _, s in tables]).contiguous())
         if positions.dim() == 1:
             cos, sin = self.rotary(x, positions.unsqueeze(0))
             return cos[0, :, :half].contiguous(), sin[0, :, :half].contiguous()
@@ -212,10 +227,19 @@ class PactModel(nn.Module):
         attention, positions 0..S-1 in every row. ``positions`` [B, S] and ``mask`` [B, 1, S, S]
         (True: may attend) give each token its own position and what it sees instead."""
         B, S = input_ids.shape
-        x = F.embedding(input_ids, self.embed).reshape(B * S, self.hidden)
+        x = self.embed_ids(input_ids).reshape(B * S, self.hidden)
         # per-token positions: a table row per token (RoPE reads row t at t % len(table))
         tables = self.rope(x, S) if positions is None else self.rope_at(x, positions.reshape(-1))
         return self.run_layers(x, *tables, B, S, mask=mask)
+
+    def embed_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings [..., H] (Gemma's times sqrt(hidden) rounded to their dtype, as transformers)."""
+        x = F.embedding(ids, self.embed)
+        return x if self.embed_scale is None else x * torch.tensor(self.embed_scale, dtype=x.dtype)
+
+    def norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """The family's RMSNorm of x with weight w (the final norm: ``model.norm(h, model.final_norm)``)."""
+        return rmsnorm(x, w, self.eps)
 
     def run_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, B: int, S: int,
                    mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -235,10 +259,12 @@ class PactModel(nn.Module):
               cache=None) -> torch.Tensor:
         """Decoder layer L on rows x [B * S, H] (RoPE tables cos/sin; ``mask`` None: causal; ``cache``:
         generation's keys and values, see _attention): the public hook calibration runs."""
-        x = x + self._attention(L, x, cos, sin, B, S, mask, cache)
+        a = self._attention(L, x, cos, sin, B, S, mask, cache)
+        x = x + (a if L.post_attn_norm is None else rmsnorm(a, L.post_attn_norm, self.eps))
         recipe = self._recipe()
-        return x + MlpFn.apply(x, L.mlp_norm, self.eps, L.gate_up, L.down, self.ops, (recipe.gate_up, recipe.down),
-                               *L.gate_up.lora_params(), *L.down.lora_params())
+        m = MlpFn.apply(x, L.mlp_norm, self.eps, L.gate_up, L.down, self.ops, (recipe.gate_up, recipe.down),
+                        self.spec.act, *L.gate_up.lora_params(), *L.down.lora_params())
+        return x + (m if L.post_mlp_norm is None else rmsnorm(m, L.post_mlp_norm, self.eps))
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor | None = None,
                 mask: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:

@@ -13,7 +13,6 @@ import importlib
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from pact.formats import Artifact, PactError
 from pact.formats.families import VISION_PREFIXES
@@ -108,7 +107,7 @@ def image_inputs(model, tower: VisionTower, sample: ImageSample) -> tuple[torch.
     """Input embeddings [S, hidden] (image features at the image-pad tokens) and M-RoPE positions [3, S]
     for ``model`` (a PactModel)."""
     ids = sample.input_ids.to(model.device)
-    x = F.embedding(ids, model.embed)
+    x = model.embed_ids(ids)
     feats = tower.features(sample.pixel_values, sample.grid_thw)
     mask = ids == tower.image_token_id
     if int(mask.sum()) != feats.shape[0]:

@@ -81,6 +81,12 @@ def make_model(folder: Path, family: str = "llama", seed: int = 0, dtype=torch.b
     elif family == "qwen3":
         cfg = tf.Qwen3Config(**dims, head_dim=16, tie_word_embeddings=True)
         model = tf.Qwen3ForCausalLM(cfg)
+    elif family == "gemma3":  # a local layer (window 16) then a global one; a scale that is not head_dim's
+        n = dims["num_hidden_layers"]
+        cfg = tf.Gemma3TextConfig(**{"sliding_window": 16, **dims}, head_dim=16, query_pre_attn_scalar=24,
+                                  layer_types=["sliding_attention" if i % 2 == 0 else "full_attention"
+                                               for i in range(n)])
+        model = tf.Gemma3ForCausalLM(cfg)
     elif family in ("qwen2_vl", "qwen2_5_vl"):
         # token ids of the vision specials as make_tokenizer(vision=True) assigns them (after 3 others)
         ids = dict(vision_start_token_id=3, vision_end_token_id=4, image_token_id=5, video_token_id=6)

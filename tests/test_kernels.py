@@ -495,3 +495,36 @@ def test_kernels_compile_for_gpus():
     r = subprocess.run([sys.executable, str(script), "90"], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert r.stdout.count("ok") == 25, r.stdout  # 17, the 6 variants of the bf16-rows kernels, the 2 E4M3 readers
+
+
+@pytest.mark.parametrize("rows,k", [(6, 16), (42, 96)])
+def test_geglu_rows_kernels_match_twin(rows, k):
+    """Gemma's GeGLU (act="gelu_tanh") through the same four row kernels as SwiGLU: forward rows,
+    the fused NVFP4 path, h recomputed and the backward, against the twins (the same sigmoid form;
+    Triton's exp differs from torch's in the last fp32 bits)."""
+    gu = _awkward(rows, 2 * k, seed=8)
+    (ha, ga, ua), (hb, gb, ub) = K.silu_mul_rows(gu, True, False, act="gelu_tanh"), R.silu_mul_rows(
+        gu, True, False, act="gelu_tanh")
+    assert (ha.data != hb.data).float().mean() <= 2e-3
+    _rows_equal(ga, gb)
+    _rows_equal(ua, ub)
+    assert (hb.data != R.silu_mul_rows(gu, True, False)[0].data).float().mean() > 0.5  # not SwiGLU's h
+    (qa, _, _), (qb, _, _) = K.silu_mul_quant(gu, act="gelu_tanh"), R.silu_mul_quant(gu, act="gelu_tanh")
+    assert (qa.packed != qb.packed).float().mean() <= 1e-3
+    _close_bf16(K.silu_mul_h(gb, ub, act="gelu_tanh"), R.silu_mul_h(gb, ub, act="gelu_tanh"))
+    dh = torch.randn(rows, k)
+    _close_bf16(K.silu_mul_backward(dh, gb, ub, act="gelu_tanh"), R.silu_mul_backward(dh, gb, ub, act="gelu_tanh"))
+
+
+def test_geglu_twin_is_torchs_tanh_gelu():
+    """The twin's GeGLU and its derivative are torch's tanh GELU and autograd's gradient of it (in
+    float64, where 1 + tanh loses nothing)."""
+    g = torch.randn(8, 32, dtype=torch.float64, requires_grad=True)
+    u = torch.randn(8, 32, dtype=torch.float64, requires_grad=True)
+    dh = torch.randn(8, 32, dtype=torch.float64)
+    (torch.nn.functional.gelu(g, approximate="tanh") * u).backward(dh)
+    from pact.runtime.ops.reference import glu_act, glu_act_grad
+
+    ref = torch.nn.functional.gelu(g.detach(), approximate="tanh")
+    torch.testing.assert_close(glu_act(g.detach(), "gelu_tanh"), ref)
+    torch.testing.assert_close(dh * u.detach() * glu_act_grad(g.detach(), "gelu_tanh"), g.grad)

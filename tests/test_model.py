@@ -1,5 +1,7 @@
 """The PACT decoder against transformers + PEFT on the same dequantized weights."""
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -84,7 +86,7 @@ def _compare(tmp_path, family, activations, compute=None):
     return _against_hf(art, tmp_path / "src", model)
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "gemma3"])
 def test_same_math_as_transformers(tmp_path, family):
     """With activations kept in bf16 the PACT path is transformers + PEFT, up to bf16 rounding."""
     ours, ref, cos = _compare(tmp_path, family, "bf16")
@@ -175,7 +177,7 @@ def test_saved_activation_bytes_per_token(tmp_path, recipe):
         r = model.recipe
         NormProjectionFn.apply(x, layer.attn_norm, model.eps, layer.qkv, model.ops, r.qkv, *layer.qkv.lora_params())
         ProjectionFn.apply(x, layer.o, model.ops, r.o, *layer.o.lora_params())
-        MlpFn.apply(x, layer.mlp_norm, model.eps, layer.gate_up, layer.down, model.ops, (r.gate_up, r.down),
+        MlpFn.apply(x, layer.mlp_norm, model.eps, layer.gate_up, layer.down, model.ops, (r.gate_up, r.down), "silu",
                     *layer.gate_up.lora_params(), *layer.down.lora_params())
     measured = sum(t.numel() * t.element_size() for t in saved)
     H, A, N = model.hidden, model.n_heads * model.head_dim, model.cfg.intermediate_size  # N: the MLP's width
@@ -345,3 +347,36 @@ def test_no_saved_copies_without_backward(tmp_path, monkeypatch):
     with torch.no_grad():
         loss2, _ = model(ids, labels)
     assert calls == [] and torch.equal(loss.detach(), loss2)
+
+
+def test_gemma3_every_difference_is_needed(tmp_path):
+    """Gemma 3 as transformers runs it (test_same_math_as_transformers), and each of what its spec
+    adds moves the loss well past that agreement: the local layer's window, the attention scale,
+    the embedding scale, the (1 + w) norms, the output norms and GeGLU."""
+    make_model(tmp_path / "src", "gemma3")
+    art = open_artifact(convert(str(tmp_path / "src"), tmp_path / "art", progress=False, scaling="2d",
+                                block_scales="amax"))
+    model = PactModel(art, LoraConfig(r=R, alpha=ALPHA), activations="bf16")
+    assert [L.window for L in model.layers] == [16, None] and [L.rope for L in model.layers] == [1, 0]
+    ours, ref, cos = _against_hf(art, tmp_path / "src", model)
+    assert ours == pytest.approx(ref, rel=2e-3) and min(cos.values()) >= 0.999
+
+    def loss():
+        with torch.no_grad():
+            total, n = model(*_batch())
+        return (total / n).item()
+
+    L0 = model.layers[0]
+    changes = {
+        "window": lambda: setattr(L0, "window", None),
+        "attention scale": lambda: setattr(model, "attn_scale", None),
+        "embedding scale": lambda: setattr(model, "embed_scale", None),
+        "output norm": lambda: setattr(L0, "post_mlp_norm", None),
+        "GeGLU": lambda: setattr(model, "spec", dataclasses.replace(model.spec, act="silu")),
+        "(1 + w)": lambda: setattr(L0, "attn_norm", L0.attn_norm - 1),
+    }
+    for what, change in changes.items():
+        kept = (L0.window, model.attn_scale, model.embed_scale, L0.post_mlp_norm, model.spec, L0.attn_norm)
+        change()
+        assert abs(loss() - ref) > 10 * abs(ours - ref), what
+        L0.window, model.attn_scale, model.embed_scale, L0.post_mlp_norm, model.spec, L0.attn_norm = kept

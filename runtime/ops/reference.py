@@ -35,11 +35,33 @@ def rmsnorm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return _attach_fp8(quantize_rows(xf * rstd[:, None] * weight.float()), fp8), rstd
 
 
-def silu_mul_quant(gate_up: torch.Tensor, fp8: bool = False) -> tuple[NVFP4Rows, NVFP4Rows, NVFP4Rows]:
-    """gate_up [T, 2I] bf16 (gate | up) -> NVFP4 rows of (silu(gate) * up, gate, up); ``fp8``:
+GELU_2C = 1.5957691216057308  # 2 sqrt(2 / pi)
+
+
+def glu_act(g: torch.Tensor, act: str = "silu") -> torch.Tensor:
+    """The gate's activation (fp32 in, fp32 out): silu (SwiGLU) or the tanh-approximated GELU (GeGLU:
+    Gemma's gelu_pytorch_tanh), as g * sigmoid(2 sqrt(2/pi) (g + 0.044715 g^3)) = 0.5 g (1 + tanh(..)):
+    the kernels' formula, which keeps the negative tail that 1 + tanh cancels away."""
+    if act == "gelu_tanh":
+        return g * torch.sigmoid(GELU_2C * (g + 0.044715 * g * g * g))
+    return F.silu(g)
+
+
+def glu_act_grad(g: torch.Tensor, act: str = "silu") -> torch.Tensor:
+    """d glu_act(g) / dg in fp32."""
+    if act == "gelu_tanh":
+        s = torch.sigmoid(GELU_2C * (g + 0.044715 * g * g * g))
+        return s + g * s * (1 - s) * GELU_2C * (1 + 0.134145 * g * g)
+    sig = torch.sigmoid(g)
+    return sig * (1 + g * (1 - sig))
+
+
+def silu_mul_quant(gate_up: torch.Tensor, fp8: bool = False, act: str = "silu"
+                   ) -> tuple[NVFP4Rows, NVFP4Rows, NVFP4Rows]:
+    """gate_up [T, 2I] bf16 (gate | up) -> NVFP4 rows of (act(gate) * up, gate, up); ``fp8``:
     the first with its E4M3 copy attached."""
     gate, up = gate_up.float().chunk(2, dim=-1)
-    return _attach_fp8(quantize_rows(F.silu(gate) * up), fp8), quantize_rows(gate), quantize_rows(up)
+    return _attach_fp8(quantize_rows(glu_act(gate, act) * up), fp8), quantize_rows(gate), quantize_rows(up)
 
 
 def _dense(y: torch.Tensor, fp8: bool) -> DenseRows:
@@ -57,12 +79,12 @@ def rmsnorm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float, nvfp4: bool 
     return _dense(y, fp8), quantize_rows(y.float()) if nvfp4 else None, rstd
 
 
-def silu_mul_rows(gate_up: torch.Tensor, nvfp4: bool = True, fp8: bool = False
+def silu_mul_rows(gate_up: torch.Tensor, nvfp4: bool = True, fp8: bool = False, act: str = "silu"
                   ) -> tuple[DenseRows, NVFP4Rows | DenseRows, NVFP4Rows | DenseRows]:
     """gate_up [T, 2I] -> (bf16 rows of silu(gate) * up, the product in fp32; gate; up), gate and up
     as NVFP4 rows (``nvfp4``) or the input's bf16 halves; ``fp8``: h carries its E4M3 copy."""
     gate, up = gate_up.chunk(2, dim=-1)
-    h = (F.silu(gate.float()) * up.float()).to(torch.bfloat16)
+    h = (glu_act(gate.float(), act) * up.float()).to(torch.bfloat16)
     if nvfp4:
         g, u = quantize_rows(gate.float()), quantize_rows(up.float())
     else:
@@ -91,24 +113,24 @@ def _rmsnorm_backward(dy, y_hat, rstd, weight):
     return (rstd[:, None] * (gw - n * (gw * n).mean(-1, keepdim=True))).to(torch.bfloat16)
 
 
-def silu_mul_h(gq: NVFP4Rows | DenseRows, uq: NVFP4Rows | DenseRows) -> torch.Tensor:
-    """h = silu(g) * u recomputed from the saved NVFP4 gate and up, bf16 [T, I]."""
-    return _silu_h(rows_value(gq), rows_value(uq))
+def silu_mul_h(gq: NVFP4Rows | DenseRows, uq: NVFP4Rows | DenseRows, act: str = "silu") -> torch.Tensor:
+    """h = act(g) * u recomputed from the saved gate and up, bf16 [T, I]."""
+    return _silu_h(rows_value(gq), rows_value(uq), act)
 
 
-def _silu_h(g, u):
-    return (F.silu(g) * u).to(torch.bfloat16)
+def _silu_h(g, u, act="silu"):
+    return (glu_act(g, act) * u).to(torch.bfloat16)
 
 
-def silu_mul_backward(dh: torch.Tensor, gq: NVFP4Rows | DenseRows, uq: NVFP4Rows | DenseRows) -> torch.Tensor:
-    """d(gate | up) [T, 2I] bf16 from dh: dg = dh * u * sig(g) * (1 + g * (1 - sig(g))), du = dh * silu(g)."""
-    return _silu_backward(dh, rows_value(gq), rows_value(uq))
+def silu_mul_backward(dh: torch.Tensor, gq: NVFP4Rows | DenseRows, uq: NVFP4Rows | DenseRows,
+                      act: str = "silu") -> torch.Tensor:
+    """d(gate | up) [T, 2I] bf16 from dh: dg = dh * u * act'(g), du = dh * act(g)."""
+    return _silu_backward(dh, rows_value(gq), rows_value(uq), act)
 
 
-def _silu_backward(dh, g, u):
-    sig = torch.sigmoid(g)
+def _silu_backward(dh, g, u, act="silu"):
     dh = dh.float()
-    return torch.cat((dh * u * sig * (1 + g * (1 - sig)), dh * g * sig), dim=-1).to(torch.bfloat16)
+    return torch.cat((dh * u * glu_act_grad(g, act), dh * glu_act(g, act)), dim=-1).to(torch.bfloat16)
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:

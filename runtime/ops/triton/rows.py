@@ -108,6 +108,25 @@ def _rmsnorm_rows_kernel(x_ptr, stride_x, w_ptr, eps, y_ptr, packed_ptr, scales_
 
 
 @triton.jit
+def _glu(g, ACT: tl.constexpr):
+    """The gate's activation in fp32: ACT 0 silu (SwiGLU), 1 tanh-approximated GELU (GeGLU), written
+    as g * sigmoid(2 * sqrt(2 / pi) * (g + 0.044715 g^3)), which is 0.5 g (1 + tanh(...))."""
+    if ACT == 1:
+        return g / (1.0 + tl.exp(-1.5957691216057308 * (g + 0.044715 * g * g * g)))
+    return g / (1.0 + tl.exp(-g))
+
+
+@triton.jit
+def _glu_grad(g, ACT: tl.constexpr):
+    """d act(g) / dg in fp32."""
+    if ACT == 1:
+        s = 1.0 / (1.0 + tl.exp(-1.5957691216057308 * (g + 0.044715 * g * g * g)))
+        return s + g * s * (1.0 - s) * 1.5957691216057308 * (1.0 + 0.134145 * g * g)
+    sig = 1.0 / (1.0 + tl.exp(-g))
+    return sig * (1.0 + g * (1.0 - sig))
+
+
+@triton.jit
 def _gate_up_chunk(base, c0, K, CHUNK: tl.constexpr):
     """One chunk of a row of the fused [gate | up] output (gate at base, up at base + K), in fp32."""
     offs = block_offsets(c0, CHUNK)
@@ -118,7 +137,7 @@ def _gate_up_chunk(base, c0, K, CHUNK: tl.constexpr):
 
 @triton.jit
 def _silu_mul_rows_kernel(gu_ptr, stride_gu, h_ptr, gp, gs, gr, up, us, ur, f8_ptr, f8s_ptr, K, BLOCK_K: tl.constexpr,
-                          CHUNK: tl.constexpr, NVFP4: tl.constexpr, FP8: tl.constexpr):
+                          CHUNK: tl.constexpr, NVFP4: tl.constexpr, FP8: tl.constexpr, ACT: tl.constexpr):
     """h = bf16(silu(gate) * up) stored unquantized, plus (NVFP4) gate and up as NVFP4 rows for
     backward and (FP8) h's E4M3 copy for the fp8 backend's GEMM."""
     row = tl.program_id(0)
@@ -126,7 +145,7 @@ def _silu_mul_rows_kernel(gu_ptr, stride_gu, h_ptr, gp, gs, gr, up, us, ur, f8_p
     am_h, am_g, am_u = 0.0, 0.0, 0.0
     for c0 in tl.static_range(0, BLOCK_K, CHUNK):
         offs, g, u = _gate_up_chunk(base, c0, K, CHUNK)
-        h = rne_bf16(g / (1.0 + tl.exp(-g)) * u)
+        h = rne_bf16(_glu(g, ACT) * u)
         tl.store(h_ptr + row * K + offs, h.to(tl.bfloat16), mask=offs < K)
         am_h = tl.maximum(am_h, tl.max(tl.max(tl.abs(h), axis=1), axis=0))
         am_g = tl.maximum(am_g, tl.max(tl.max(tl.abs(g), axis=1), axis=0))
@@ -139,7 +158,7 @@ def _silu_mul_rows_kernel(gu_ptr, stride_gu, h_ptr, gp, gs, gr, up, us, ur, f8_p
                 store_blocks(row, c0, g, sg, gp, gs, K, CHUNK, f8_ptr, 0)
                 store_blocks(row, c0, u, su, up, us, K, CHUNK, f8_ptr, 0)
             if FP8:  # h recomputed (the same bits) rather than read back from another thread's store
-                _store_fp8_of(row, c0, rne_bf16(g / (1.0 + tl.exp(-g)) * u), am_h, f8_ptr, f8s_ptr, K, CHUNK, FP8)
+                _store_fp8_of(row, c0, rne_bf16(_glu(g, ACT) * u), am_h, f8_ptr, f8s_ptr, K, CHUNK, FP8)
         if NVFP4:
             tl.store(gr + row, sg)
             tl.store(ur + row, su)
@@ -147,20 +166,20 @@ def _silu_mul_rows_kernel(gu_ptr, stride_gu, h_ptr, gp, gs, gr, up, us, ur, f8_p
 
 @triton.jit
 def _silu_mul_quant_kernel(gu_ptr, stride_gu, hp, hs, hr, gp, gs, gr, up, us, ur, h8_ptr, K, BLOCK_K: tl.constexpr,
-                           CHUNK: tl.constexpr, EMIT_FP8: tl.constexpr):
+                           CHUNK: tl.constexpr, EMIT_FP8: tl.constexpr, ACT: tl.constexpr):
     row = tl.program_id(0)
     base = gu_ptr + row * stride_gu
     am_h, am_g, am_u = 0.0, 0.0, 0.0
     for c0 in tl.static_range(0, BLOCK_K, CHUNK):
         offs, g, u = _gate_up_chunk(base, c0, K, CHUNK)
-        h = g / (1.0 + tl.exp(-g)) * u
+        h = _glu(g, ACT) * u
         am_h = tl.maximum(am_h, tl.max(tl.max(tl.abs(h), axis=1), axis=0))
         am_g = tl.maximum(am_g, tl.max(tl.max(tl.abs(g), axis=1), axis=0))
         am_u = tl.maximum(am_u, tl.max(tl.max(tl.abs(u), axis=1), axis=0))
     sh, sg, su = amax_scale(am_h), amax_scale(am_g), amax_scale(am_u)
     for c0 in tl.static_range(0, BLOCK_K, CHUNK):
         offs, g, u = _gate_up_chunk(base, c0, K, CHUNK)
-        h = g / (1.0 + tl.exp(-g)) * u
+        h = _glu(g, ACT) * u
         store_blocks(row, c0, h, sh, hp, hs, K, CHUNK, h8_ptr, EMIT_FP8)
         store_blocks(row, c0, g, sg, gp, gs, K, CHUNK, h8_ptr, 0)
         store_blocks(row, c0, u, su, up, us, K, CHUNK, h8_ptr, 0)
@@ -219,19 +238,20 @@ def _rmsnorm_backward_kernel(dy_ptr, stride_dy, yp, ys, yr, rstd_ptr, w_ptr, dx_
 
 
 @triton.jit
-def _silu_mul_h_kernel(gp, gs, gr, up, us, ur, h_ptr, K, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr):
+def _silu_mul_h_kernel(gp, gs, gr, up, us, ur, h_ptr, K, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr,
+                       ACT: tl.constexpr):
     row = tl.program_id(0)
     for c0 in tl.static_range(0, BLOCK_K, CHUNK):
         offs = c0 + tl.arange(0, CHUNK)
         g = load_row_fp32(gp, gs, gr, row, K, c0, CHUNK)
         u = load_row_fp32(up, us, ur, row, K, c0, CHUNK)
-        h = g / (1.0 + tl.exp(-g)) * u
+        h = _glu(g, ACT) * u
         tl.store(h_ptr + row * K + offs, rne_bf16(h).to(tl.bfloat16), mask=offs < K)
 
 
 @triton.jit
 def _silu_mul_backward_kernel(dh_ptr, stride_dh, gp, gs, gr, up, us, ur, dgu_ptr, K, BLOCK_K: tl.constexpr,
-                              CHUNK: tl.constexpr):
+                              CHUNK: tl.constexpr, ACT: tl.constexpr):
     row = tl.program_id(0)
     for c0 in tl.static_range(0, BLOCK_K, CHUNK):
         offs = c0 + tl.arange(0, CHUNK)
@@ -239,14 +259,15 @@ def _silu_mul_backward_kernel(dh_ptr, stride_dh, gp, gs, gr, up, us, ur, dgu_ptr
         g = load_row_fp32(gp, gs, gr, row, K, c0, CHUNK)
         u = load_row_fp32(up, us, ur, row, K, c0, CHUNK)
         dh = tl.load(dh_ptr + row * stride_dh + offs, mask=mask, other=0.0).to(tl.float32)
-        sig = 1.0 / (1.0 + tl.exp(-g))
-        dg = dh * u * sig * (1.0 + g * (1.0 - sig))
-        du = dh * g * sig
+        dg = dh * u * _glu_grad(g, ACT)
+        du = dh * _glu(g, ACT)
         tl.store(dgu_ptr + row * 2 * K + offs, rne_bf16(dg).to(tl.bfloat16), mask=mask)
         tl.store(dgu_ptr + row * 2 * K + K + offs, rne_bf16(du).to(tl.bfloat16), mask=mask)
 
 
 # ---------------------------------------------------------------------------- launchers
+
+ACTS = {"silu": 0, "gelu_tanh": 1}  # the gate activation of the silu_mul_* ops (the kernels' ACT)
 
 
 def _with_fp8(q: NVFP4Rows, fp8: bool) -> tuple[NVFP4Rows, torch.Tensor, int]:
@@ -296,7 +317,8 @@ def rmsnorm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return out, rstd
 
 
-def silu_mul_quant(gate_up: torch.Tensor, fp8: bool = False) -> tuple[NVFP4Rows, NVFP4Rows, NVFP4Rows]:
+def silu_mul_quant(gate_up: torch.Tensor, fp8: bool = False, act: str = "silu"
+                   ) -> tuple[NVFP4Rows, NVFP4Rows, NVFP4Rows]:
     """gate_up [T, 2I] bf16 (gate | up) -> NVFP4 rows of (silu(gate) * up, gate, up); ``fp8``:
     the first (the down projection's input) with its E4M3 copy attached."""
     gate_up = gate_up if gate_up.stride(-1) == 1 else gate_up.contiguous()
@@ -307,7 +329,7 @@ def silu_mul_quant(gate_up: torch.Tensor, fp8: bool = False) -> tuple[NVFP4Rows,
     bk = block_width(K)
     if T:
         _silu_mul_quant_kernel[(T,)](gate_up, gate_up.stride(0), *row_args(h), *row_args(g), *row_args(u), h8, K,
-                                     **row_config(bk), EMIT_FP8=emit)
+                                     **row_config(bk), EMIT_FP8=emit, ACT=ACTS[act])
     _fp8_scale_from(h)
     return h, g, u
 
@@ -341,7 +363,7 @@ def rmsnorm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float, nvfp4: bool 
     return y, q, rstd
 
 
-def silu_mul_rows(gate_up: torch.Tensor, nvfp4: bool = True, fp8: bool = False
+def silu_mul_rows(gate_up: torch.Tensor, nvfp4: bool = True, fp8: bool = False, act: str = "silu"
                   ) -> tuple[DenseRows, NVFP4Rows | DenseRows, NVFP4Rows | DenseRows]:
     """gate_up [T, 2I] -> (bf16 rows of silu(gate) * up, gate, up); gate and up as NVFP4 rows
     (``nvfp4``) or the bf16 input's halves; ``fp8``: h carries its E4M3 copy."""
@@ -355,7 +377,7 @@ def silu_mul_rows(gate_up: torch.Tensor, nvfp4: bool = True, fp8: bool = False
         dummy = (gate_up, gate_up, f8s)
         _silu_mul_rows_kernel[(T,)](gate_up, gate_up.stride(0), h.data, *(row_args(g) if nvfp4 else dummy),
                                     *(row_args(u) if nvfp4 else dummy), f8, f8s, K, **row_config(bk), NVFP4=nvfp4,
-                                    FP8=mode)
+                                    FP8=mode, ACT=ACTS[act])
     if not nvfp4:
         g, u = DenseRows(gate_up[:, :K].contiguous()), DenseRows(gate_up[:, K:].contiguous())
     return h, g, u
@@ -401,22 +423,23 @@ def rmsnorm_backward(dy: torch.Tensor, yq: NVFP4Rows | E4M3Rows, rstd: torch.Ten
     return dx
 
 
-def silu_mul_h(gq: NVFP4Rows, uq: NVFP4Rows) -> torch.Tensor:
+def silu_mul_h(gq: NVFP4Rows, uq: NVFP4Rows, act: str = "silu") -> torch.Tensor:
     """h = silu(g) * u from the saved NVFP4 gate and up, bf16 [T, I]."""
     T, K = gq.shape
     h = torch.empty(T, K, dtype=torch.bfloat16, device=gq.packed.device)
     bk = block_width(K)
     if T:
-        _silu_mul_h_kernel[(T,)](*row_args(gq), *row_args(uq), h, K, **row_config(bk))
+        _silu_mul_h_kernel[(T,)](*row_args(gq), *row_args(uq), h, K, **row_config(bk), ACT=ACTS[act])
     return h
 
 
-def silu_mul_backward(dh: torch.Tensor, gq: NVFP4Rows, uq: NVFP4Rows) -> torch.Tensor:
+def silu_mul_backward(dh: torch.Tensor, gq: NVFP4Rows, uq: NVFP4Rows, act: str = "silu") -> torch.Tensor:
     """d(gate | up) [T, 2I] bf16 from dh and the saved NVFP4 gate and up."""
     dh = dh if dh.stride(-1) == 1 else dh.contiguous()
     T, K = gq.shape
     dgu = torch.empty(T, 2 * K, dtype=torch.bfloat16, device=dh.device)
     bk = block_width(K)
     if T:
-        _silu_mul_backward_kernel[(T,)](dh, dh.stride(0), *row_args(gq), *row_args(uq), dgu, K, **row_config(bk))
+        _silu_mul_backward_kernel[(T,)](dh, dh.stride(0), *row_args(gq), *row_args(uq), dgu, K, **row_config(bk),
+                                        ACT=ACTS[act])
     return dgu
