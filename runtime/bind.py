@@ -17,7 +17,6 @@ from pact.formats.nvfp4 import NVFP4Tensor
 from pact.formats.peft import LoraConfig
 
 from .functions import FrozenGroup, Lora
-from .ops import NVFP4TensorFP8
 
 
 @dataclass
@@ -56,11 +55,11 @@ class Bound:
 
 
 def bind(artifact: Artifact, n_layers: int, lora: LoraConfig | None, device: torch.device, *, seed: int = 0,
-         fp8_copy=None, spec: FamilySpec | None = None) -> Bound:
+         resident=None, spec: FamilySpec | None = None) -> Bound:
     """Bind ``n_layers`` decoder layers of ``artifact`` on ``device``, their norms named as the family's
     ``spec`` names them (a (1 + w) norm kept as that fp32 sum: the kernels multiply by it in fp32, as
-    Gemma does). ``fp8_copy``: the fp8 backend's launcher for resident E4M3 weight copies
-    (`--fp8-weights resident`), else None."""
+    Gemma does). ``resident``: how the backend keeps a frozen weight (`Ops.resident`: E4M3 copies
+    beside it with `--fp8-weights resident`); None: as it is."""
     spec = spec or FamilySpec()
     names = set(artifact.names())
     p = next((p for p in LM_PREFIXES if f"{p}embed_tokens.weight" in names), None)
@@ -84,7 +83,7 @@ def bind(artifact: Artifact, n_layers: int, lora: LoraConfig | None, device: tor
             sub = "self_attn" if group in ("qkv", "o") else "mlp"
             members = [f"{lp}.{sub}.{m}.weight" for m in GROUPS[group]]
             groups[group] = _bind_group(artifact, members, names, device, lora if i in adapted else None, gen, out,
-                                        fp8_copy)
+                                        resident)
         for name in (spec.attn_norm, spec.mlp_norm, spec.post_attn_norm, spec.post_mlp_norm):
             if name and f"{lp}.{name}.weight" not in names:
                 raise PactError(f"{artifact.path}: {lp}.{name}.weight is missing: the artifact does not hold this "
@@ -98,7 +97,7 @@ def bind(artifact: Artifact, n_layers: int, lora: LoraConfig | None, device: tor
 
 
 def _bind_group(art: Artifact, members: list[str], names: set[str], dev: torch.device, cfg: LoraConfig | None,
-                gen: torch.Generator, out: Bound, fp8_copy) -> FrozenGroup:
+                gen: torch.Generator, out: Bound, resident) -> FrozenGroup:
     entries = [art.entry(m) for m in members]
     g = FrozenGroup(names=members, sizes=[e["shape"][0] for e in entries])
     if all(e["kind"] == "nvfp4" for e in entries):
@@ -114,8 +113,8 @@ def _bind_group(art: Artifact, members: list[str], names: set[str], dev: torch.d
         gs = fwd[0].global_scale.to(dev)
         g.weight = NVFP4Tensor(cat([t.packed for t in fwd], 0), cat([t.scales for t in fwd], 0), gs)
         g.weight_t = NVFP4Tensor(cat([t.packed for t in bwd], 1), cat([t.scales for t in bwd], 1), gs)
-        if fp8_copy is not None:
-            g.weight, g.weight_t = (NVFP4TensorFP8.of(w, fp8_copy) for w in (g.weight, g.weight_t))
+        if resident is not None:
+            g.weight, g.weight_t = resident(g.weight), resident(g.weight_t)
     else:
         # a member kept in bf16: the group runs dense (NVFP4 members decoded once to bf16)
         g.dense = torch.cat([art.dequantize(m).to(torch.bfloat16) for m in members], 0).to(dev)

@@ -216,7 +216,7 @@ def _operands(ops, site: Site, y: DenseRows, q=None):
     if q is None and site.needs_nvfp4:
         q = (ops.quant_rows if site.gemm == "nvfp4" else ops.quant_saved)(y.data)
     q_hat = ops.dequant_rows(q) if site.lora == "nvfp4" else None  # the LoRA input, and A for cuBLAS
-    gemm = q if site.gemm == "nvfp4" or (ops.native and q is not None) else y  # native: A is NVFP4 anyway
+    gemm = q if site.gemm == "nvfp4" else ops.gemm_operand(y, q)
     return gemm, q_hat if gemm is q else None, y.data if q_hat is None else q_hat, _saved_copy(ops, site.saved, y, q)
 
 
@@ -231,7 +231,7 @@ def _norm_operands(ops, site: Site, x, norm_w, eps):
         x_hat = ops.dequant_rows(xq)
         return xq, x_hat, x_hat, xq, rstd
     # one fused kernel: bf16 rows, their NVFP4 copy when the site uses one, the E4M3 copy for the GEMM
-    y, q, rstd = ops.rmsnorm_rows(x, norm_w, eps, nvfp4=site.needs_nvfp4, fp8=ops.fp8 and site.gemm == "bf16")
+    y, q, rstd = ops.rmsnorm_rows(x, norm_w, eps, nvfp4=site.needs_nvfp4, gemm_input=site.gemm == "bf16")
     return (*_operands(ops, site, y, q), rstd)
 
 
@@ -306,7 +306,7 @@ class MlpFn(torch.autograd.Function):
             h_hat = ops.dequant_rows(hq)
             h_op, h_lora = hq, h_hat
         else:  # one fused kernel: bf16 h (+ its E4M3 copy for the GEMM), gate and up as the site saves them
-            h, gq, uq = ops.silu_mul_rows(gu, nvfp4=site2.saved == "nvfp4", fp8=ops.fp8 and site2.gemm == "bf16",
+            h, gq, uq = ops.silu_mul_rows(gu, nvfp4=site2.saved == "nvfp4", gemm_input=site2.gemm == "bf16",
                                           act=act)
             if site2.saved not in ("nvfp4", "bf16"):  # gate and up as E4M3 / stochastically rounded rows
                 gq, uq = (_saved_copy(ops, site2.saved, t) for t in (gq, uq))

@@ -23,7 +23,7 @@ from pact.formats.peft import LoraConfig
 from .bind import Layer, bind
 from .functions import Lora, MlpFn, NormProjectionFn, ProjectionFn, RopeFn
 from .loss import target_cross_entropy
-from .ops import get_ops, resolve_compute, resolve_fp8_weights, resolve_kernels
+from .ops import get_ops, resolve_compute, resolve_kernels
 from .recipe import Recipe, parse_recipe
 
 TRAINABLE_FAMILIES = FAMILIES  # the language model of every family pact-convert reads
@@ -85,8 +85,7 @@ class PactModel(nn.Module):
         self.recipe = parse_recipe(activations).on(resolve_compute(compute, self.device))
         self._no_backward = self.recipe.forward_only()  # under torch.no_grad: no saved copies encoded
         self.compute = self.recipe.compute
-        self.ops = get_ops(self.recipe, self.kernels)
-        fp8_copy = self.ops.fp8_rows if resolve_fp8_weights(fp8_weights, self.compute) == "resident" else None
+        self.ops = get_ops(self.recipe, self.kernels, fp8_weights)
         cfg = self.cfg = load_text_config(artifact)
         self.hidden = cfg.hidden_size
         self.n_heads, self.n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
@@ -107,7 +106,8 @@ class PactModel(nn.Module):
             else None  # Gemma 3: a RoPE table per layer type, the local one last
         rope_cfg = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
         self.mrope_section = rope_cfg.get("mrope_section")  # Qwen2-VL: frequencies per (t, h, w) component
-        bound = bind(artifact, cfg.num_hidden_layers, lora, self.device, seed=seed, fp8_copy=fp8_copy, spec=spec)
+        bound = bind(artifact, cfg.num_hidden_layers, lora, self.device, seed=seed, resident=self.ops.resident,
+                     spec=spec)
         self.embed, self.final_norm, self.lm_head = bound.embed, bound.final_norm, bound.lm_head
         self.layers: list[Layer] = bound.layers
         if self.rope_types is not None:

@@ -50,17 +50,20 @@ def main(capability: int) -> None:
                                           "rstd_ptr": "*fp32", "f8_ptr": "*u8", "K": "i32"},
                 {"BLOCK_K": 2048, "EMIT_FP8": e4m3})
     three = {f"{p}{s}": t for p in "hgu" for s, t in (("p", "*u8"), ("s", "*u8"), ("r", "*fp32"))}
-    _compile_sm(N._silu_mul_quant_kernel, {"gu_ptr": "*bf16", "stride_gu": "i32", **three, "h8_ptr": "*u8", "K": "i32"},
-                {"BLOCK_K": 8192, "CHUNK": 2048, "EMIT_FP8": e4m3})
+    for act in (0, 1):  # SwiGLU, GeGLU
+        _compile_sm(N._silu_mul_quant_kernel, {"gu_ptr": "*bf16", "stride_gu": "i32", **three, "h8_ptr": "*u8",
+                                               "K": "i32"},
+                    {"BLOCK_K": 8192, "CHUNK": 2048, "EMIT_FP8": e4m3, "ACT": act})
     for nvfp4, fp8 in ((True, e4m3), (True, 0), (False, e4m3)):
         _compile_sm(N._rmsnorm_rows_kernel, {"x_ptr": "*bf16", "stride_x": "i32", "w_ptr": "*bf16", "eps": "fp32",
                                              "y_ptr": "*bf16", **rows, "rstd_ptr": "*fp32", "f8_ptr": "*u8",
                                              "f8s_ptr": "*fp32", "K": "i32"},
                     {"BLOCK_K": 2048, "NVFP4": nvfp4, "FP8": fp8})
         two = {f"{p}{s}": t for p in "gu" for s, t in (("p", "*u8"), ("s", "*u8"), ("r", "*fp32"))}
-        _compile_sm(N._silu_mul_rows_kernel, {"gu_ptr": "*bf16", "stride_gu": "i32", "h_ptr": "*bf16", **two,
-                                              "f8_ptr": "*u8", "f8s_ptr": "*fp32", "K": "i32"},
-                    {"BLOCK_K": 8192, "CHUNK": 2048, "NVFP4": nvfp4, "FP8": fp8})
+        for act in (0, 1):
+            _compile_sm(N._silu_mul_rows_kernel, {"gu_ptr": "*bf16", "stride_gu": "i32", "h_ptr": "*bf16", **two,
+                                                  "f8_ptr": "*u8", "f8s_ptr": "*fp32", "K": "i32"},
+                        {"BLOCK_K": 8192, "CHUNK": 2048, "NVFP4": nvfp4, "FP8": fp8, "ACT": act})
     _compile_sm(N._dequant_rows_kernel, {**rows, "out_ptr": "*fp32", "K": "i32"}, {"BLOCK_K": 8192, "CHUNK": 2048})
     for what in (C.PAIRS_QS, C.PAIRS_ROWS, C.PAIRS_E4M3_W, C.PAIRS_E4M3_ROWS):
         _compile_sm(C._decode_pairs_kernel, {"packed_ptr": "*u8", "scales_ptr": "*u8", "sc_ptr": "*fp32",
@@ -75,10 +78,19 @@ def main(capability: int) -> None:
     _compile_sm(N._dequant_e4m3_kernel, {"f8_ptr": "*u8", "sc_ptr": "*fp32", "out_ptr": "*bf16", "K": "i32"},
                 {"BLOCK_K": 2048, "CHUNK": 2048})
     gu = {f"{p}{s}": t for p in "gu" for s, t in (("p", "*u8"), ("s", "*u8"), ("r", "*fp32"))}
-    _compile_sm(N._silu_mul_h_kernel, {**gu, "h_ptr": "*bf16", "K": "i32"}, {"BLOCK_K": 8192, "CHUNK": 2048})
-    _compile_sm(N._silu_mul_backward_kernel,
-                {"dh_ptr": "*bf16", "stride_dh": "i32", **gu, "dgu_ptr": "*bf16", "K": "i32"},
-                {"BLOCK_K": 8192, "CHUNK": 2048})
+    for act in (0, 1):
+        _compile_sm(N._silu_mul_h_kernel, {**gu, "h_ptr": "*bf16", "K": "i32"}, {"BLOCK_K": 8192, "CHUNK": 2048,
+                                                                                 "ACT": act})
+        _compile_sm(N._silu_mul_backward_kernel,
+                    {"dh_ptr": "*bf16", "stride_dh": "i32", **gu, "dgu_ptr": "*bf16", "K": "i32"},
+                    {"BLOCK_K": 8192, "CHUNK": 2048, "ACT": act})
+    # Gemma's (1 + w) norm weights are bound as fp32
+    _compile_sm(N._rmsnorm_rows_kernel, {"x_ptr": "*bf16", "stride_x": "i32", "w_ptr": "*fp32", "eps": "fp32",
+                                         "y_ptr": "*bf16", **rows, "rstd_ptr": "*fp32", "f8_ptr": "*u8",
+                                         "f8s_ptr": "*fp32", "K": "i32"}, {"BLOCK_K": 2048, "NVFP4": True, "FP8": 0})
+    _compile_sm(N._rmsnorm_backward_kernel, {"dy_ptr": "*bf16", "stride_dy": "i32", "yp": "*u8", "ys": "*u8",
+                                             "yr": "*fp32", "rstd_ptr": "*fp32", "w_ptr": "*fp32", "dx_ptr": "*bf16",
+                                             "K": "i32"}, {"BLOCK_K": 2048, "E4M3": False})
     gemm = {"a_ptr": "*u8", "a_scales_ptr": "*u8", "a_rs_ptr": "*fp32", "stride_am": "i32", "b_ptr": "*u8",
             "b_scales_ptr": "*u8", "b_gs_ptr": "*fp32", "c_ptr": "*bf16", "stride_cm": "i32", "M": "i32", "N": "i32"}
     for a_nvfp4 in (True, False):

@@ -166,3 +166,40 @@ def test_generation_stays_inside_the_context(trained):
     turns = "".join(f"the movie with a bright cast number {i}\n" for i in range(40))  # together too long
     r = CliRunner().invoke(pact_cli, ["chat", art, "--max-new-tokens", "2"], input=turns + "/exit\n")
     assert r.exit_code == 0 and "earlier turns dropped" in r.output and "Error" not in r.output, r.output
+
+
+def test_gemma3_trains_generates_and_exports(tmp_path):
+    """Gemma 3 end to end on a tiny random model: pact-convert's defaults, a few training steps, cached
+    generation past the local layer's window (16) equal to full reruns, and the bf16 export read by
+    transformers giving pact's logits and greedy tokens."""
+    import json
+
+    from conftest import make_model
+    from pact.convert import convert
+    from pact.runtime.evaluate import load_adapted
+
+    make_model(tmp_path / "src", "gemma3")
+    art = convert(str(tmp_path / "src"), tmp_path / "art", progress=False)
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"item {i} is", "completion": f" word{i % 5}"}) + "\n"
+                            for i in range(32)))
+    out = train(TrainConfig(artifact=str(art), data=str(data), out=str(tmp_path / "run"), max_len=32, batch_size=8,
+                            steps=4, lr=5e-3, lora_r=4, lora_alpha=8, kernels="torch"), progress=False)
+    assert out["step"] == 4 and out["loss"] == out["loss"]  # finite
+    model, tok = load_adapted(str(art), str(tmp_path / "run"))
+    prompt = list(range(10, 30))  # 20 tokens: past the local window
+    gen = generate(model, prompt, max_new_tokens=6, stop_ids=set())
+    cache, seq = [None] * len(model.layers), list(prompt)
+    got = next_logits(model, prompt, cache, 0)
+    for t in gen:
+        assert torch.allclose(got, _full_logits(model, seq), atol=2e-2, rtol=2e-2)
+        seq.append(t)
+        got = next_logits(model, [t], cache, len(seq) - 1)
+    export(str(art), tmp_path / "bf16", fmt="bf16", adapter=str(tmp_path / "run"))
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "bf16", dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = hf(torch.tensor([seq])).logits[0].float()
+    ours = torch.stack([_full_logits(model, seq[: i + 1]) for i in range(len(prompt) - 1, len(seq))])
+    ref = ref[len(prompt) - 1:]
+    assert ((ours - ref).norm(dim=-1) / ref.norm(dim=-1)).max() < 0.05
+    assert (ours.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.8

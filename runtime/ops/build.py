@@ -36,7 +36,7 @@ from pact.formats import PactError, require
 from pact.formats.nvfp4 import NVFP4Rows, NVFP4Tensor
 
 from ..recipe import Recipe
-from .rows import DenseRows, E4M3Rows
+from .rows import DenseRows, E4M3Rows, NVFP4TensorFP8
 
 log = logging.getLogger(__name__)
 KERNELS = ("torch", "triton")
@@ -126,12 +126,12 @@ class Ops:
     backend and dgrad choice already applied. Built by `get_ops`; never edited in place."""
 
     name: str  # "<kernels>/<compute>"
-    fp8: bool  # the fp8 backend: quantizing kernels also write the E4M3 copy its next GEMM reads
-    native: bool  # the nvfp4-native backend: a bf16 GEMM input is made NVFP4 rows anyway
     rmsnorm_quant: Callable[..., tuple[NVFP4Rows, torch.Tensor]]  # (x, w, eps) -> (NVFP4 rows, rstd)
     silu_mul_quant: Callable[[torch.Tensor], tuple[NVFP4Rows, NVFP4Rows, NVFP4Rows]]  # gate|up -> h, gate, up
+    # (x, w, eps, nvfp4=, gemm_input=): gemm_input says a frozen GEMM reads the bf16 rows (the fp8
+    # backend then writes their E4M3 copy in the same kernel)
     rmsnorm_rows: Callable[..., tuple[DenseRows, NVFP4Rows | None, torch.Tensor]]
-    silu_mul_rows: Callable[..., tuple[DenseRows, Rows, Rows]]
+    silu_mul_rows: Callable[..., tuple[DenseRows, Rows, Rows]]  # (gate_up, nvfp4=, gemm_input=, act=)
     quant_rows: Callable[[torch.Tensor], NVFP4Rows]  # a GEMM input (with its E4M3 copy on fp8)
     quant_saved: Callable[[torch.Tensor], NVFP4Rows]  # rows only kept for backward: never an E4M3 copy
     quant_saved_sr: Callable[[torch.Tensor], NVFP4Rows]  # the same, stochastically rounded (saved=nvfp4-sr)
@@ -144,7 +144,11 @@ class Ops:
     silu_mul_backward: Callable[[torch.Tensor, Rows, Rows], torch.Tensor]
     rope: Callable[..., torch.Tensor]  # (x, cos, sin, inverse=False)
     ce_grad_: Callable[..., torch.Tensor]
-    fp8_rows: Callable[[NVFP4Tensor | torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None  # fp8 only
+    # what a frozen GEMM fed a site's unquantized rows y multiplies (q: the site's NVFP4 rows, if made):
+    # y, or on nvfp4-native, whose GEMM quantizes its input anyway, q
+    gemm_operand: Callable[[DenseRows, NVFP4Rows | None], DenseRows | NVFP4Rows]
+    # a frozen weight as the backend keeps it: itself, or with --fp8-weights resident its E4M3 copy beside
+    resident: Callable[[NVFP4Tensor], NVFP4Tensor]
 
     def observed(self, observe: Callable[[NVFP4Tensor, torch.Tensor], None]) -> "Ops":
         """These ops with each forward GEMM first handing ``observe(weight, x)`` its input rows x in
@@ -170,9 +174,11 @@ def resolve_fp8_weights(name: str, compute: str) -> str:
     return name
 
 
-def get_ops(recipe: Recipe, kernels: str) -> Ops:
+def get_ops(recipe: Recipe, kernels: str, fp8_weights: str = "per-call") -> Ops:
     """The ops that run ``recipe`` (its compute backend and dgrad choice) with the ``kernels``
-    implementation ("torch" twins or "triton" kernels)."""
+    implementation ("torch" twins or "triton" kernels); ``fp8_weights`` (`--fp8-weights`, checked
+    against the backend): how the fp8 backend keeps the frozen weights' E4M3 copies."""
+    fp8_weights = resolve_fp8_weights(fp8_weights, recipe.compute)
     name, compute, dgrad = kernels, recipe.compute, recipe.dgrad
     if name == "torch":
         from . import reference as mod
@@ -200,15 +206,39 @@ def get_ops(recipe: Recipe, kernels: str) -> Ops:
     ops["quant_saved_sr"] = reference.quant_saved_sr  # torch on every device (no fused kernel yet)
     ops["dgrad_gemm"] = ops["nvfp4_gemm"] if dgrad == "bf16" else gemms.get(compute, ops["nvfp4_gemm"])
     ops["nvfp4_gemm"] = gemms.get(compute, ops["nvfp4_gemm"])
-    if compute == "fp8":  # the quantizing kernels also write the E4M3 copy the next GEMM reads
+    fp8 = compute == "fp8"
+    if fp8:  # the quantizing kernels also write the E4M3 copy the next GEMM reads
         for op in ("rmsnorm_quant", "silu_mul_quant", "quant_rows"):
             ops[op] = functools.partial(ops[op], fp8=True)
+    for op in ("rmsnorm_rows", "silu_mul_rows"):  # bf16 rows a GEMM reads: their E4M3 copy on fp8
+        ops[op] = _gemm_input_rows(ops[op], fp8)
+    # nvfp4-native quantizes a bf16 GEMM input to NVFP4 rows anyway: a site's NVFP4 copy serves as the operand
+    ops["gemm_operand"] = _nvfp4_operand if compute == "nvfp4-native" else _bf16_operand
+    ops["resident"] = _identity
+    if fp8_weights == "resident":  # E4M3 copies of the frozen weights kept beside them
         if name == "torch":
-            ops["fp8_rows"] = mod.fp8_rows
+            fp8_rows = mod.fp8_rows
         else:
             from .triton.fp8 import fp8_rows
+        ops["resident"] = functools.partial(NVFP4TensorFP8.of, fp8_rows=fp8_rows)
+    return Ops(name=f"{name}/{compute}", **ops)
 
-            ops["fp8_rows"] = fp8_rows  # resident weight copies (--fp8-weights resident)
-    # fp8: kernels making bf16 GEMM inputs also write their E4M3 copy; native: a bf16 GEMM input is
-    # quantized to NVFP4 rows anyway, so a site's NVFP4 copy serves as the GEMM's operand
-    return Ops(name=f"{name}/{compute}", fp8=compute == "fp8", native=compute == "nvfp4-native", **ops)
+
+def _gemm_input_rows(op, fp8: bool):
+    def run(*args, gemm_input: bool = False, **kw):
+        return op(*args, fp8=fp8 and gemm_input, **kw)
+
+    run.__name__ = op.__name__
+    return run
+
+
+def _bf16_operand(y, q):
+    return y
+
+
+def _nvfp4_operand(y, q):
+    return q if q is not None else y
+
+
+def _identity(w):
+    return w
