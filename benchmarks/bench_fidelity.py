@@ -335,6 +335,17 @@ def nvfp4_bf16_folder(artifact: Path) -> Path:
     return folder
 
 
+def split_method(m: str) -> tuple[str, str]:
+    """A method and its weights variant: 'pact=RECIPE:VARIANT' -> ('pact=RECIPE', 'VARIANT'); the
+    colon of an `auto:F` recipe belongs to the recipe ('pact=auto:1.5:1d-mse')."""
+    head, eq, spec = m.partition("=")
+    if eq and spec.startswith("auto:"):
+        f, _, variant = spec[5:].partition(":")
+        return f"{head}=auto:{f}", variant
+    base, _, variant = m.partition(":")
+    return base, variant
+
+
 def split_variant(weights: str) -> tuple[str, str | None]:
     """'1d-mse+gptq' -> ('1d-mse', 'gptq'); '' -> (DEFAULT_VARIANT, None). Unknown parts: ValueError."""
     conv, _, calib = (weights or DEFAULT_VARIANT).partition("+")
@@ -459,7 +470,7 @@ def tasks(workdir, bigbench, tasks, methods, lrs, seeds, steps, eval_batch, shar
     folders = {"peft": _bf16_folder(gguf)}
     for m in methods:
         if m.startswith("peft@nvfp4"):
-            folders[m] = nvfp4_bf16_folder(variant_artifact(workdir, gguf, split_variant(m.partition(":")[2])[0]))
+            folders[m] = nvfp4_bf16_folder(variant_artifact(workdir, gguf, split_variant(split_method(m)[1])[0]))
     tok = AutoTokenizer.from_pretrained(open_artifact(variant_artifact(workdir, gguf, DEFAULT_VARIANT)).hf_dir)
     pad = pad_id(tok)
     grid = [(int(seed), float(lr), task, method) for seed in seeds.split(",") for lr in lrs.split(",")
@@ -476,7 +487,7 @@ def tasks(workdir, bigbench, tasks, methods, lrs, seeds, steps, eval_batch, shar
         if method.startswith("peft"):
             acc, loss = _peft_run(folders[method], train_ex, test_ex, pad, seed, lr, device, steps, eval_batch)
         else:
-            base, _, variant = method.partition(":")
+            base, variant = split_method(method)
             art = artifact(variant, task)
             head, _, spec = base.partition("=")
             probe = head.partition("~")[2] or None
@@ -506,7 +517,7 @@ def tasks(workdir, bigbench, tasks, methods, lrs, seeds, steps, eval_batch, shar
 
 def _check_methods(methods) -> None:
     for method in methods:
-        base, _, variant = method.partition(":")
+        base, variant = split_method(method)
         try:
             probe = base.partition("=")[0].partition("~")[2]
             ok = base in ("peft", "peft@nvfp4") or base.startswith(("pact=", "pact@", "pact~"))
@@ -541,15 +552,15 @@ def prepare(workdir, bigbench, tasks, methods, shard, convert_only) -> None:
     _check_methods(methods)
     index, count = (int(x) for x in shard.split("/"))
     gguf = fetch(SMOLLM2_135M, workdir)
-    variants = ({split_variant(m.partition(":")[2]) for m in methods if not m.startswith("peft")}
+    variants = ({split_variant(split_method(m)[1]) for m in methods if not m.startswith("peft")}
                 | {(DEFAULT_VARIANT, None)})
     if convert_only:
         _bf16_folder(gguf)
-        for conv in {c for c, _ in variants} | {split_variant(m.partition(":")[2])[0] for m in methods}:
+        for conv in {c for c, _ in variants} | {split_variant(split_method(m)[1])[0] for m in methods}:
             variant_artifact(workdir, gguf, conv)
         for m in methods:
             if m.startswith("peft@nvfp4"):
-                nvfp4_bf16_folder(variant_artifact(workdir, gguf, split_variant(m.partition(":")[2])[0]))
+                nvfp4_bf16_folder(variant_artifact(workdir, gguf, split_variant(split_method(m)[1])[0]))
         for task in tasks.split(","):
             task_files(task, workdir, bigbench)
         return
