@@ -138,6 +138,18 @@ def check_config(config: dict, names, source: str = "config.json") -> None:
                             "describe this model; restore the model's own config.json")
     layers = {r.layer for r in map(classify, names) if r.frozen_projection}
     n = tc["num_hidden_layers"]
+    fix = "the config does not describe this model; restore the model's own config.json"
+    v = tc.get("sliding_window")
+    if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+        raise PactError(f"{source}: 'sliding_window' is {v!r}, not a positive integer or null: {fix}")
+    v = tc.get("query_pre_attn_scalar")
+    if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v < float("inf")):
+        raise PactError(f"{source}: 'query_pre_attn_scalar' is {v!r}, not a positive number: {fix}")
+    v = tc.get("layer_types")
+    if v is not None and (not isinstance(v, list) or len(v) != n
+                          or any(t not in ("full_attention", "sliding_attention") for t in v)):
+        raise PactError(f"{source}: 'layer_types' must list full_attention or sliding_attention for each of the "
+                        f"{n} layers, got {str(v)[:80]}: {fix}")
     if layers != set(range(n)):
         held = f"layers 0..{max(layers)} ({len(layers)} present)" if layers else "no decoder layers"
         raise PactError(f"{source}: num_hidden_layers is {n} but the weights hold {held}: the config does not "

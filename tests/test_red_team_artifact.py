@@ -400,6 +400,10 @@ CONFIG_EDITS = [
     (lambda c: c.update(rms_norm_eps=-1e-6), r"'rms_norm_eps' is -1e-06, not a finite number > 0"),
     (lambda c: c.update(num_hidden_layers=10**12),
      r"num_hidden_layers is 1000000000000 but the weights hold \d+ tensors"),
+    (lambda c: c.update(sliding_window=0), r"'sliding_window' is 0, not a positive integer or null"),
+    (lambda c: c.update(query_pre_attn_scalar=-4), r"'query_pre_attn_scalar' is -4, not a positive number"),
+    (lambda c: c.update(layer_types=["full_attention"]),
+     r"'layer_types' must list full_attention or sliding_attention for each of the \d+ layers"),
 ]
 
 
