@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from pact.formats import PactError
 from pact.formats.errors import write_error
-from pact.formats.files import save_safetensors
+from pact.formats.files import atomic_folder, save_safetensors
 from pact.formats.peft import load_peft_adapter, save_peft_adapter
 
 from .config import PATH_FIELDS, TrainConfig, _absolute
@@ -48,16 +48,14 @@ def _disk_error(e: OSError, what: Path) -> PactError:
 
 def _save_checkpoint(run: Path, model: PactModel, opt: torch.optim.Optimizer, state: dict, cfg: TrainConfig) -> Path:
     final = run / "checkpoints" / f"step-{state['step']:07d}"
-    tmp = final.with_name(final.name + ".tmp")
-    for stale in (run / "checkpoints").glob("step-*.tmp"):  # left by a killed or full-disk save (the lock is ours)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    for stale in final.parent.glob(".step-*"):  # temp folders of a killed or full-disk save (the lock is ours)
         shutil.rmtree(stale, ignore_errors=True)
     try:
-        _write_checkpoint(tmp, model, opt, state, cfg)
+        with atomic_folder(final) as tmp:  # filled beside, then renamed in: never a half-written checkpoint
+            _write_checkpoint(tmp, model, opt, state, cfg)
     except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise _disk_error(e, tmp) from None
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
+        raise _disk_error(e, final) from None
     done = sorted((run / "checkpoints").glob("step-???????"))
     for old in done[:-KEEP_CHECKPOINTS]:
         shutil.rmtree(old, ignore_errors=True)

@@ -140,3 +140,31 @@ def test_nan_adapter_refused_on_load(task, tmp_path):
     save_file(t, run / "adapter_model.safetensors")
     with pytest.raises(PactError, match=r"holds NaN or Inf"):
         load_peft_adapter(run)
+
+
+def test_a_checkpoint_save_that_fails_leaves_the_earlier_ones(task, tmp_path, monkeypatch):
+    """A save that fails part-way (a full disk at step 4) leaves no half-written checkpoint and the one
+    of step 2 as it was; a temp folder a killed save left is swept at the next save, never resumed from."""
+    from pact.runtime import checkpoints
+
+    run = tmp_path / "run"
+    real = checkpoints._write_checkpoint
+
+    def full_at_4(tmp, model, opt, state, cfg):
+        if state["step"] == 4:
+            (tmp / "partial").write_text("x")
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(tmp, model, opt, state, cfg)
+
+    monkeypatch.setattr(checkpoints, "_write_checkpoint", full_at_4)
+    monkeypatch.setattr("pact.runtime.trainer._save_checkpoint", checkpoints._save_checkpoint)
+    with pytest.raises(PactError, match=r"step-0000004.*(space|full)"):
+        train(_cfg(task, run, steps=6, save_every=2), progress=False)
+    ck = run / "checkpoints"
+    assert sorted(p.name for p in ck.iterdir()) == ["step-0000002"]
+    killed = ck / ".step-0000004.tmp-999999-0123abcd"  # what a kill -9 during a save leaves
+    killed.mkdir()
+    monkeypatch.setattr(checkpoints, "_write_checkpoint", real)
+    r = train(_cfg(task, run, steps=6, save_every=2), resume=True, progress=False)
+    assert r["step"] == 6 and sorted(p.name for p in ck.iterdir()) == ["step-0000002", "step-0000004",
+                                                                        "step-0000006"]
