@@ -70,20 +70,11 @@ from .nvfp4 import dequantize as _dequantize
 log = logging.getLogger(__name__)
 
 
-
-
-
 _NBYTES_MAX = 2**62  # an array larger than this is no model's (and would overflow int64 offsets)
 # names what verify() checks: a stamp from a pact whose verify() checked less (before the scan for
 # non-finite values) does not let an artifact skip the current checks
 _VERIFY_CHECKS = "sha256+non-finite"
 _BYTES_CODEC_OK = ({"name": "bytes"}, {"name": "bytes", "configuration": {"endian": "little"}})
-
-
-
-
-
-
 
 
 def _to_storage(t: torch.Tensor) -> tuple[np.ndarray, str]:
@@ -99,16 +90,6 @@ def _to_storage(t: torch.Tensor) -> tuple[np.ndarray, str]:
 
 # --------------------------------------------------------------------------------------
 # writing
-
-
-
-
-
-
-
-
-
-
 
 
 def check_output(out: str | os.PathLike, overwrite: bool) -> Path:
@@ -294,10 +275,6 @@ class ArtifactWriter:
 
 # --------------------------------------------------------------------------------------
 # reading
-
-
-
-
 
 
 def _stat_key(f: Path) -> str:

@@ -85,15 +85,6 @@ def lr_at(step: int, total: int, base: float, warmup_ratio: float, schedule: str
     raise PactError(f"--lr-scheduler must be one of {', '.join(SCHEDULERS)}, got {schedule!r}")
 
 
-
-
-
-
-
-
-
-
-
 def _micro_batches(examples, cfg: TrainConfig, epoch: int, pos: int, world: int = 1
                    ) -> Iterator[tuple[int, int, list[int]]]:
     """(epoch, position after this batch, indices of the global micro-batch: batch size x ``world``)
@@ -114,37 +105,7 @@ def _peak_memory_gb(device: torch.device) -> float:
 # ------------------------------------------------------------------------- checkpoints
 
 
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 # ------------------------------------------------------------------------- run folder
-
-
-
-
-
-
 
 
 # ------------------------------------------------------------------------------ loop
@@ -182,8 +143,6 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True, stop
             shutil.rmtree(run, ignore_errors=True)
         lock.close()
         leave(dist)
-
-
 
 
 @dataclass
