@@ -267,3 +267,19 @@ def test_source_with_other_weights_of_the_same_shapes_is_refused(setup, tmp_path
     with pytest.raises(PactError, match="not the weights this artifact was converted from"):
         calibrate(str(setup / "art"), setup / "prompts.jsonl", tmp_path / "c", source=str(other))
     assert not (tmp_path / "c").exists()
+
+
+def test_calibrate_a_gemma3_artifact(tmp_path):
+    """Gemma 3 through pact-calibrate: its layers (GeGLU, output norms, local/global attention) run as
+    the runtime runs them, every projection's layer-output error at most round-to-nearest's, and it trains."""
+    make_model(tmp_path / "src", "gemma3", initializer_range=0.15)
+    convert(str(tmp_path / "src"), tmp_path / "art", progress=False)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"text": t}) + "\n" for t in TINY_TEXT[:24]))
+    out = calibrate(str(tmp_path / "art"), prompts, tmp_path / "cal", progress=False)
+    errs = open_artifact(out).meta["provenance"]["calibration"]["layer_output_error"]
+    assert len(errs) == 14 and all(e["gptq"] <= e["rtn"] for e in errs.values()), errs
+    make_sentiment_jsonl(tmp_path / "train.jsonl", 16)
+    r = train(TrainConfig(artifact=str(out), data=str(tmp_path / "train.jsonl"), out=str(tmp_path / "run"), steps=2,
+                          batch_size=8, max_len=64), progress=False)
+    assert r["step"] == 2
