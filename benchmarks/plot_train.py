@@ -29,7 +29,8 @@ def main(csvs: tuple[Path, ...], out: Path) -> None:
     fig, axes = plt.subplots(len(groups), 2, figsize=(11, 3.2 * len(groups)), squeeze=False)
     for (model, cap), (ax_t, ax_m) in zip(groups, axes):
         sel = [r for r in rows if r["model"] == model and (r.get("cap_gib") or "") == cap]
-        labels = [f"{r['method']}\nbs {r['bs']}" for r in sel]
+        labels = [f"{r['method']}" + (f" {r['lora_layers']}" if r.get("lora_layers") not in (None, "", "all") else "")
+                  + f"\nbs {r['bs']}" for r in sel]
         colors = ["tab:green" if r["method"].startswith("pact") else "tab:gray" for r in sel]
         ax_t.bar(labels, [float(r["tok_s"]) / 1e3 for r in sel], color=colors)
         ax_m.bar(labels, [float(r["peak_gib"]) for r in sel], color=colors)
