@@ -1,7 +1,7 @@
 """`--activations auto[:F]`: each site's saved copy (what backward reads: NVFP4, E4M3 or bf16) chosen
 by a short probe of the run itself, under a memory budget.
 
-The run trains its first steps with the default recipe; then, on a few batches of its own data and
+The run trains its first steps with the default recipe; then, on a few small batches of its own data and
 with the adapter as trained so far (at step 0 B is zero and dA sees no saved copy), the probe
 computes the LoRA gradient once with every saved copy in bf16 (the reference) and once per site and
 candidate precision with only that site's copy rounded. A site's cost is the relative squared error
@@ -32,7 +32,8 @@ from .functions import saved_bytes_per_token
 from .recipe import DEFAULT, SITES, Recipe, parse_recipe
 
 CANDIDATES = ("nvfp4", "fp8", "bf16")  # a site's saved copy, cheapest first
-PROBE_BATCHES = 2
+PROBE_BATCHES = 4  # of a quarter of the training batch's rows each: one batch's tokens, and the reference
+# pass (every copy bf16, ~2.5x the saved bytes) stays under the memory the training batch needs
 PROBE_STEP_MAX = 20  # the probe runs at step min(20, steps // 10): an adapter that has started to learn
 
 
@@ -60,6 +61,11 @@ def auto_spec(factor: float) -> str:
 
 def probe_step(total: int) -> int:
     return min(PROBE_STEP_MAX, total // 10)
+
+
+def probe_rows(batch_size: int) -> int:
+    """Rows of a probe batch: a quarter of the training batch's."""
+    return max(1, -(-batch_size // 4))
 
 
 def _bytes(model, recipe: Recipe) -> int:

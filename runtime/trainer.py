@@ -29,7 +29,7 @@ from pact.formats import PactError
 from pact.formats.files import atomic_folder, recover_aside
 from pact.formats.peft import reserve_peft_adapter, save_peft_adapter
 
-from .autorecipe import PROBE_BATCHES, choose, chosen_recipe, parse_auto, probe_step
+from .autorecipe import PROBE_BATCHES, choose, chosen_recipe, parse_auto, probe_rows, probe_step
 from .checkpoints import (  # noqa: F401 (pact.runtime.trainer.<name> keeps working)
     CHECKPOINT_FILES,
     KEEP_CHECKPOINTS,
@@ -332,7 +332,7 @@ def _probe(r: _Run, cfg: TrainConfig, run: Path, factor: float) -> None:
     batches of the run's data (rank 0's choice, on every rank), from now on; the choice, its
     gradient errors and cost go into the checkpointed state and train_config.json."""
     make = collate_packed if cfg.packing else collate
-    order = batches(r.examples, cfg.batch_size, seed=cfg.seed + 1, epoch=0)[:PROBE_BATCHES]
+    order = batches(r.examples, probe_rows(cfg.batch_size), seed=cfg.seed + 1, epoch=0)[:PROBE_BATCHES]
     loaded = [make(r.examples, idx, r.pad, r.model.device) for idx in order]
     dev = r.model.device
     with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):  # the run's random stream untouched
