@@ -155,3 +155,14 @@ def test_single_process_tools_refuse_torchrun(setup, tmp_path, monkeypatch):
         evaluate_artifact(str(setup / "art"), str(setup / "train.jsonl"))
     with pytest.raises(PactError, match="pact-calibrate runs in one process"):
         calibrate(str(setup / "art"), setup / "train.jsonl", tmp_path / "cal", progress=False)
+
+
+def test_auto_recipe_under_two_ranks(setup, tmp_path):
+    """--activations auto with 2 ranks: every rank probes, rank 0's choice is taken by both (one
+    all-reduce), the run finishes and records the choice."""
+    d = setup
+    res = _spawn(2, _args(d, tmp_path / "run", 2, steps=10, activations="auto"))
+    assert res == {0: "ok", 1: "ok"}
+    cfg = json.loads((tmp_path / "run" / "train_config.json").read_text())
+    assert cfg["activations"] == "auto" and cfg["recipe_auto"]["step"] == 1 and cfg["world_size"] == 2
+    assert [m["step"] for m in _losses(tmp_path / "run")] == list(range(1, 11))
