@@ -104,11 +104,11 @@ PRESETS: dict[str, Recipe] = {
     # fidelity: epistemic_reasoning -7.1 +- 2.5 against BF16 LoRA, 21 seeds); the frozen GEMMs and the
     # LoRA branch read the unquantized rows (E4M3 made straight from bf16 on the fp8 backend).
     "mixed": Recipe(*(Site("bf16", "bf16", "fp8" if s == "gate_up" else "nvfp4") for s in SITES)),
-    # every saved copy NVFP4 (the default before the MLP norm output moved to E4M3): the least memory.
+    # every saved copy NVFP4: the least memory.
     # Quantized GEMM inputs bend the LoRA gradient (cosine ~0.72 to the bf16 reference, norm ~0.69);
     # saved copies barely move the gradient's cosine, yet cost hard tasks accuracy.
     "nvfp4-saved": Recipe(*(Site("bf16", "bf16", "nvfp4") for _ in SITES)),
-    # PACT's data flow as first built: one NVFP4 copy per site, read by the GEMM, the LoRA branch
+    # PACT's all-NVFP4 data flow: one NVFP4 copy per site, read by the GEMM, the LoRA branch
     # and backward (the Blackwell FP4 GEMMs' natural input).
     "nvfp4": _uniform("nvfp4"),
     # no activation quantization at all (weights stay NVFP4): the reference the others are measured on
