@@ -76,7 +76,7 @@ def cli() -> None:
 @click.option("--json-out", type=click.Path(dir_okay=False, path_type=Path), default=None)
 @click.option("--reuse-runs", is_flag=True, help="A seed whose run folder holds an adapter is not trained again.")
 @click.option("--train-only", is_flag=True, help="Train each seed's run (kept in --workdir) and stop: no scores.")
-@click.option("--variants", default="rtn,gptq,bf16,hf", show_default=True,
+@click.option("--variants", default="rtn,gptq,gptq-seq,bf16,hf", show_default=True,
               help="Merges scored: rtn (plain), gptq, gptq-seq (--merge-method gptq-seq), bf16, hf (the GPTQ "
                    "export read by transformers).")
 def run(name, artifact, train_f, test_f, workdir, seeds, steps, lr, max_len, limit, json_out, reuse_runs,
