@@ -29,7 +29,7 @@ import torch
 from pact.formats import PactError
 
 from .functions import saved_bytes_per_token
-from .recipe import DEFAULT, SITES, Recipe, parse_recipe
+from .recipe import DEFAULT, SAVED, SITES, Recipe, parse_recipe
 
 CANDIDATES = ("nvfp4", "fp8", "bf16")  # a site's saved copy, cheapest first
 PROBE_BATCHES = 4  # of a quarter of the training batch's rows each: one batch's tokens, and the reference
@@ -74,7 +74,8 @@ def _bytes(model, recipe: Recipe) -> int:
                                  recipe)
 
 
-def _with_saved(base: Recipe, saved: dict[str, str]) -> Recipe:
+def with_saved(base: Recipe, saved: dict[str, str]) -> Recipe:
+    """``base`` with the saved copies ``saved`` gives (site -> precision); the rest as it is."""
     return dataclasses.replace(base, **{s: dataclasses.replace(base.site(s), saved=p) for s, p in saved.items()})
 
 
@@ -98,18 +99,18 @@ def choose(model, batches: list, factor: float) -> tuple[Recipe, dict]:
     the probe's seconds and passes."""
     t0 = time.perf_counter()
     base = model.recipe
-    ref = _grads(model, _with_saved(base, {s: "bf16" for s in SITES}), batches)
+    ref = _grads(model, with_saved(base, {s: "bf16" for s in SITES}), batches)
     den = sum(float(r.pow(2).sum()) for b in ref for r in b)
     error: dict[str, dict[str, float]] = {s: {"bf16": 0.0} for s in SITES}
     for s in SITES:
         for p in CANDIDATES[:-1]:
-            got = _grads(model, _with_saved(base, {**{t: "bf16" for t in SITES}, s: p}), batches)
+            got = _grads(model, with_saved(base, {**{t: "bf16" for t in SITES}, s: p}), batches)
             num = sum(float((g - r).pow(2).sum()) for bg, br in zip(got, ref) for g, r in zip(bg, br))
             error[s][p] = num / den if den > 0 else 0.0
     budget = factor * _bytes(model, parse_recipe(DEFAULT).on(base.compute))
     best = None
     for combo in itertools.product(CANDIDATES, repeat=len(SITES)):
-        r = _with_saved(base, dict(zip(SITES, combo)))
+        r = with_saved(base, dict(zip(SITES, combo)))
         b = _bytes(model, r)
         if b > budget:
             continue
@@ -117,7 +118,7 @@ def choose(model, batches: list, factor: float) -> tuple[Recipe, dict]:
         if best is None or key < best[0]:
             best = (key, r)
     if best is None:  # not even every copy NVFP4 fits: the cheapest
-        r = _with_saved(base, {s: CANDIDATES[0] for s in SITES})
+        r = with_saved(base, {s: CANDIDATES[0] for s in SITES})
         best = ((sum(error[s][CANDIDATES[0]] for s in SITES), _bytes(model, r)), r)
     (err, used), chosen = best
     record = {"chosen": chosen.spec(), "factor": factor, "budget_bytes_per_token": round(budget),
@@ -127,6 +128,15 @@ def choose(model, batches: list, factor: float) -> tuple[Recipe, dict]:
               "passes": len(batches) * (1 + len(SITES) * (len(CANDIDATES) - 1)),
               "seconds": round(time.perf_counter() - t0, 2)}
     return chosen, record
+
+
+def saved_codes(recipe: Recipe) -> list[int]:
+    """The sites' saved precisions as indices of SAVED (what ranks all-reduce to share a choice)."""
+    return [SAVED.index(recipe.site(s).saved) for s in SITES]
+
+
+def from_codes(base: Recipe, codes: list[int]) -> Recipe:
+    return with_saved(base, {s: SAVED[c] for s, c in zip(SITES, codes)})
 
 
 def chosen_recipe(base: Recipe, spec, where: str) -> Recipe:
@@ -139,4 +149,4 @@ def chosen_recipe(base: Recipe, spec, where: str) -> Recipe:
     if got is None:
         raise PactError(f"{where}: its recipe_auto record {spec!r} is not a recipe: the checkpoint is damaged; "
                         "delete it to resume from an earlier one, or train anew")
-    return _with_saved(base, {s: got.site(s).saved for s in SITES})
+    return with_saved(base, {s: got.site(s).saved for s in SITES})

@@ -10,7 +10,6 @@ a process trains into it. Nothing is pickled: checkpoints are safetensors + JSON
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import logging
 import math
@@ -29,7 +28,16 @@ from pact.formats import PactError
 from pact.formats.files import atomic_folder, recover_aside
 from pact.formats.peft import reserve_peft_adapter, save_peft_adapter
 
-from .autorecipe import PROBE_BATCHES, choose, chosen_recipe, parse_auto, probe_rows, probe_step
+from .autorecipe import (
+    PROBE_BATCHES,
+    choose,
+    chosen_recipe,
+    from_codes,
+    parse_auto,
+    probe_rows,
+    probe_step,
+    saved_codes,
+)
 from .checkpoints import (  # noqa: F401 (pact.runtime.trainer.<name> keeps working)
     CHECKPOINT_FILES,
     KEEP_CHECKPOINTS,
@@ -48,7 +56,6 @@ from .distributed import Dist, from_env, leave
 from .evaluate import evaluate, label_candidates
 from .model import PactModel
 from .recipe import DEFAULT as DEFAULT_RECIPE
-from .recipe import SITES
 from .reporting import Reporter, check_available, parse_report_to
 from .runfolder import _prepare_run, _trained, data_fingerprint, run_lock  # noqa: F401
 from .session import open_session
@@ -211,10 +218,7 @@ def _setup(cfg: TrainConfig, run: Path, resume: bool, dist: Dist, device: str | 
             reserve_peft_adapter(run, model.adapter_state(), cfg.lora(), base_model(model.artifact))
         except OSError as e:
             raise _disk_error(e, run / "adapter_model.safetensors") from None
-        (run / "train_config.json").write_text(json.dumps({
-            **cfg.as_json(), "recipe": model.recipe.as_json(), "world_size": dist.world,
-            "global_batch": cfg.batch_size * dist.world * cfg.grad_accum, "inputs_sha256": inputs,
-            **({"recipe_auto": state["recipe_auto"]} if "recipe_auto" in state else {})}, indent=2) + "\n")
+        _write_run_config(run, cfg, model, dist, state)
     held = None
     if cfg.eval_data:
         held = tokenize(read_records(cfg.eval_data, "--eval-data", cfg.eval_split), ses.tokenizer,
@@ -225,6 +229,18 @@ def _setup(cfg: TrainConfig, run: Path, resume: bool, dist: Dist, device: str | 
                             "not a small set of answers); use eval_loss")
     return _Run(model, ses.tokenizer, examples, pad_id(ses.tokenizer), total, params, opt, state, last_good, dist,
                 held)
+
+
+def _write_run_config(run: Path, cfg: TrainConfig, model: PactModel, dist: Dist, state: dict) -> None:
+    """RUN/train_config.json (rank 0): the config, the recipe the model runs, the world, the inputs'
+    fingerprints and --activations auto's choice once made; written beside and renamed in."""
+    path = run / "train_config.json"
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps({
+        **cfg.as_json(), "recipe": model.recipe.as_json(), "world_size": dist.world,
+        "global_batch": cfg.batch_size * dist.world * cfg.grad_accum, "inputs_sha256": state["inputs"],
+        **({"recipe_auto": state["recipe_auto"]} if "recipe_auto" in state else {})}, indent=2) + "\n")
+    os.replace(tmp, path)
 
 
 def _step(r: _Run, cfg: TrainConfig, micro: list) -> dict:
@@ -337,9 +353,9 @@ def _probe(r: _Run, cfg: TrainConfig, run: Path, factor: float) -> None:
     dev = r.model.device
     with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):  # the run's random stream untouched
         chosen, record = choose(r.model, loaded, factor)
-    pick = [float(i) if r.dist.main else 0.0 for i in _saved_codes(chosen)]
+    pick = [float(i) if r.dist.main else 0.0 for i in saved_codes(chosen)]
     codes = [int(v) for v in r.dist.sum(pick, r.model.device)]  # rank 0's choice everywhere
-    chosen = _from_codes(r.model.recipe, codes)
+    chosen = from_codes(r.model.recipe, codes)
     record.update(chosen=chosen.spec(), step=r.state["step"])
     r.model.use_recipe(chosen)
     r.state["recipe_auto"] = record
@@ -347,24 +363,8 @@ def _probe(r: _Run, cfg: TrainConfig, run: Path, factor: float) -> None:
              "bytes per token)", cfg.activations, record["step"], record["batches"], record["passes"],
              record["seconds"], record["chosen"], record["bytes_per_token"], record["budget_bytes_per_token"])
     if r.dist.main:
-        path = run / "train_config.json"
-        rec = json.loads(path.read_text())
-        rec.update(recipe=r.model.recipe.as_json(), recipe_auto=record)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(rec, indent=2) + "\n")
-        os.replace(tmp, path)
+        _write_run_config(run, cfg, r.model, r.dist, r.state)
 
-
-_SAVED = ("nvfp4", "fp8", "bf16", "nvfp4-sr")
-
-
-def _saved_codes(recipe) -> list[int]:
-    return [_SAVED.index(recipe.site(s).saved) for s in SITES]
-
-
-def _from_codes(base, codes: list[int]):
-    return dataclasses.replace(base, **{s: dataclasses.replace(base.site(s), saved=_SAVED[c])
-                                        for s, c in zip(SITES, codes)})
 
 
 def _train(cfg: TrainConfig, run: Path, resume: bool, progress: bool, stop_after: int | None,

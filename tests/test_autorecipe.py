@@ -10,7 +10,7 @@ from conftest import make_sentiment_task
 from pact.formats import PactError
 from pact.formats.artifact import open_artifact
 from pact.formats.peft import LoraConfig, load_peft_adapter
-from pact.runtime.autorecipe import CANDIDATES, _bytes, _with_saved, choose, parse_auto
+from pact.runtime.autorecipe import CANDIDATES, _bytes, choose, parse_auto, with_saved
 from pact.runtime.data import batches, collate, pad_id, read_records, tokenize
 from pact.runtime.evaluate import evaluate_artifact
 from pact.runtime.model import PactModel
@@ -95,7 +95,7 @@ def test_budget_extremes(warmed):
     assert all(rich.site(s).saved == "bf16" for s in SITES) and rec["chosen_error"] == 0.0
     poor, rec = choose(model, probe, 0.01)  # nothing fits: every copy NVFP4, the least memory
     assert all(poor.site(s).saved == "nvfp4" for s in SITES)
-    assert rec["bytes_per_token"] == _bytes(model, _with_saved(model.recipe, {s: "nvfp4" for s in SITES}))
+    assert rec["bytes_per_token"] == _bytes(model, with_saved(model.recipe, {s: "nvfp4" for s in SITES}))
 
 
 def test_auto_run_records_its_choice_and_resumes_bitwise(task, tmp_path):
