@@ -91,11 +91,7 @@ class PactModel(nn.Module):
         self.n_heads, self.n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or self.hidden // self.n_heads
         self.eps = cfg.rms_norm_eps
-        # Mistral v0.1: each token attends to the last `sliding_window` tokens only (None: no window)
         self.spec = spec = family_spec(self.family)
-        # Mistral v0.1: each token attends to the last `sliding_window` tokens only (None: no window);
-        # Gemma 3: its local layers do (Layer.window), the others see everything
-        self.window = getattr(cfg, "sliding_window", None) if spec.sliding == "all" else None
         if getattr(cfg, "final_logit_softcapping", None) or getattr(cfg, "attn_logit_softcapping", None):
             raise PactError(f"{artifact.path}: the config caps logits (final_logit_softcapping / "
                             "attn_logit_softcapping, Gemma 2): pact does not train such models")
@@ -110,10 +106,14 @@ class PactModel(nn.Module):
                      spec=spec)
         self.embed, self.final_norm, self.lm_head = bound.embed, bound.final_norm, bound.lm_head
         self.layers: list[Layer] = bound.layers
-        if self.rope_types is not None:
-            for L, kind in zip(self.layers, cfg.layer_types):
+        # Layer.window: a layer's tokens attend to the last `sliding_window` tokens only (None: to all):
+        # every layer of Mistral v0.1, Gemma 3's local layers
+        for i, L in enumerate(self.layers):
+            kind = cfg.layer_types[i] if self.rope_types is not None else None
+            if kind is not None:
                 L.rope = self.rope_types.index(kind)
-                L.window = cfg.sliding_window if kind == LOCAL_ROPE else None
+            local = spec.sliding == "all" or kind == LOCAL_ROPE
+            L.window = getattr(cfg, "sliding_window", None) if local else None
         self.lora_params = bound.params  # the only parameters
         self.adapters: dict[str, Lora] = bound.adapters
         # the lowest decoder block with an adapter (--lora-layers): training runs the blocks below it
@@ -181,10 +181,9 @@ class PactModel(nn.Module):
                     mask = seen[None, :] <= seen[P:, None]
             store[i] = (k, v)
         T = k.shape[2]
-        window = L.window or self.window
-        if window and T > window:  # a sliding window the sequence exceeds: band of the last `window`
+        if L.window and T > L.window:  # a sliding window the sequence exceeds: band of the last `window`
             seen = torch.arange(T, device=x.device)
-            band = (seen[None, :] <= seen[T - S:, None]) & (seen[None, :] > seen[T - S:, None] - window)
+            band = (seen[None, :] <= seen[T - S:, None]) & (seen[None, :] > seen[T - S:, None] - L.window)
             mask = band if mask is None else mask & band
             causal = False
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=nkv != nh,
@@ -236,10 +235,6 @@ class PactModel(nn.Module):
         """Token embeddings [..., H] (Gemma's times sqrt(hidden) rounded to their dtype, as transformers)."""
         x = F.embedding(ids, self.embed)
         return x if self.embed_scale is None else x * torch.tensor(self.embed_scale, dtype=x.dtype)
-
-    def norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """The family's RMSNorm of x with weight w (the final norm: ``model.norm(h, model.final_norm)``)."""
-        return rmsnorm(x, w, self.eps)
 
     def run_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, B: int, S: int,
                    mask: torch.Tensor | None = None) -> torch.Tensor:
