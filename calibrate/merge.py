@@ -41,7 +41,8 @@ def gptq_merge(artifact: str | os.PathLike, adapter: str | os.PathLike, data: st
     ``sequential`` (`--merge-method gptq-seq`): each layer is solved on the inputs the *merged*
     layers below it produce, X~, for the outputs the adapted model produces on its own inputs X:
     min ||X~ Q^T - X W^T||, whose least-squares weight is W* = W C^T H~^-1 (C = X~^T X, H~ = X~^T X~),
-    quantized by GPTQ under H~, so a layer takes up the error the merges below it left."""
+    quantized by GPTQ under H~, so a layer takes up the error the merges below it left. Its summary's
+    output errors are then those of reaching W* under H~ (round-to-nearest of W* vs GPTQ's)."""
     t0 = time.perf_counter()
     if max_samples < 1:
         raise PactError(f"--merge-samples must be >= 1, got {max_samples}")

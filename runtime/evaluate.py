@@ -17,6 +17,8 @@ from .autorecipe import parse_auto
 from .data import IGNORE, Example, collate
 from .model import rmsnorm
 
+log = logging.getLogger(__name__)
+
 
 def _target_logprobs(model, hs: torch.Tensor, targets: torch.Tensor, rows: torch.Tensor, n: int) -> torch.Tensor:
     """hs [m, H] final-normed hidden states, each predicting targets[i] for sequence rows[i]:
@@ -37,8 +39,6 @@ def sequence_logprobs(model, ids: torch.Tensor, labels: torch.Tensor) -> torch.T
     sel = targets != IGNORE
     hs = rmsnorm(h[:, :-1][sel], model.final_norm, model.eps)
     return _target_logprobs(model, hs, targets[sel], torch.nonzero(sel)[:, 0], ids.shape[0])
-
-log = logging.getLogger(__name__)
 
 
 def label_candidates(examples: list[Example], max_labels: int = 32, drop_eos: int | None = None

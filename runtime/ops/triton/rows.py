@@ -108,11 +108,17 @@ def _rmsnorm_rows_kernel(x_ptr, stride_x, w_ptr, eps, y_ptr, packed_ptr, scales_
 
 
 @triton.jit
+def _gelu_sigmoid(g):
+    """sigmoid(2 sqrt(2 / pi) (g + 0.044715 g^3)): tanh-approximated GELU(g) is g times it (the twin's
+    GELU_2C form of 0.5 g (1 + tanh(...)))."""
+    return 1.0 / (1.0 + tl.exp(-1.5957691216057308 * (g + 0.044715 * g * g * g)))
+
+
+@triton.jit
 def _glu(g, ACT: tl.constexpr):
-    """The gate's activation in fp32: ACT 0 silu (SwiGLU), 1 tanh-approximated GELU (GeGLU), written
-    as g * sigmoid(2 * sqrt(2 / pi) * (g + 0.044715 g^3)), which is 0.5 g (1 + tanh(...))."""
+    """The gate's activation in fp32: ACT 0 silu (SwiGLU), 1 tanh-approximated GELU (GeGLU)."""
     if ACT == 1:
-        return g / (1.0 + tl.exp(-1.5957691216057308 * (g + 0.044715 * g * g * g)))
+        return g * _gelu_sigmoid(g)
     return g / (1.0 + tl.exp(-g))
 
 
@@ -120,7 +126,7 @@ def _glu(g, ACT: tl.constexpr):
 def _glu_grad(g, ACT: tl.constexpr):
     """d act(g) / dg in fp32."""
     if ACT == 1:
-        s = 1.0 / (1.0 + tl.exp(-1.5957691216057308 * (g + 0.044715 * g * g * g)))
+        s = _gelu_sigmoid(g)
         return s + g * s * (1.0 - s) * 1.5957691216057308 * (1.0 + 0.134145 * g * g)
     sig = 1.0 / (1.0 + tl.exp(-g))
     return sig * (1.0 + g * (1.0 - sig))
