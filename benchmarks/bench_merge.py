@@ -154,38 +154,35 @@ def _mse(xs: list[float]) -> str:
 @cli.command()
 @click.argument("files", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
 def table(files) -> None:
-    """A markdown table of `run` rows: per task, mean accuracy of each variant, the gain kept
-    (mean merged gain / mean unmerged gain) and the paired difference merged - unmerged."""
+    """A markdown table of `run` rows: per task, mean accuracy of each merge its rows hold, the gain
+    kept (mean merged gain / mean unmerged gain) and the paired difference merged - unmerged."""
     rows = [r for f in files for r in json.loads(Path(f).read_text())]
     by: dict[str, list[dict]] = {}
     for r in rows:
         by.setdefault(f"{r.get('task', '')} (lr {r.get('lr', '')})", []).append(r)
+    names = {"rtn": "plain", "gptq": "GPTQ", "gptq-seq": "GPTQ-seq", "bf16": "bf16"}
+    shown = [v for v in names if all(f"merged_{v}" in r for r in rows)]
     hf = any("merged_gptq_hf" in r for r in rows)
-    click.echo("| task | seeds | zero-shot | unmerged | plain merge | GPTQ merge | bf16 merge | kept: plain / GPTQ "
-               "/ bf16 | GPTQ - unmerged (paired) |" + (" transformers - pact (GPTQ export) |" if hf else ""))
-    click.echo("|---" * (9 + hf) + "|")
+    click.echo("| task | seeds | zero-shot | unmerged | " + " | ".join(f"{names[v]} merge" for v in shown)
+               + " | kept: " + " / ".join(names[v] for v in shown) + " | "
+               + " | ".join(f"{names[v]} - unmerged (paired)" for v in shown if v != "bf16") + " |"
+               + (" transformers - pact (GPTQ export) |" if hf else ""))
+    click.echo("|---" * (4 + len(shown) + 1 + len([v for v in shown if v != "bf16"]) + hf) + "|")
     kept_all = []
     for key, rs in sorted(by.items()):
-        mean = {k: statistics.mean(r[k] for r in rs) for k in ("zero_shot", "unmerged", "merged_rtn",
-                                                                  "merged_gptq", "merged_bf16")}
+        mean = {k: statistics.mean(r[k] for r in rs) for k in ["zero_shot", "unmerged"] + [f"merged_{v}" for v in shown]}
         gain = mean["unmerged"] - mean["zero_shot"]
-        kept = [(mean[k] - mean["zero_shot"]) / gain if gain else float("nan")
-                for k in ("merged_rtn", "merged_gptq", "merged_bf16")]
+        kept = [(mean[f"merged_{v}"] - mean["zero_shot"]) / gain if gain else float("nan") for v in shown]
         kept_all.append(kept)
         line = (f"| {key} | {len(rs)} | " + " | ".join(f"{100 * mean[k]:.1f}" for k in mean)
                 + f" | {' / '.join(f'{100 * k:.0f}%' for k in kept)} | "
-                + _mse([r["merged_gptq"] - r["unmerged"] for r in rs]) + " |")
+                + " | ".join(_mse([r[f"merged_{v}"] - r["unmerged"] for r in rs]) for v in shown if v != "bf16") + " |")
         if hf:
             line += " " + _mse([r["merged_gptq_hf"] - r["merged_gptq"] for r in rs if "merged_gptq_hf" in r]) + " |"
         click.echo(line)
-        if all("merged_gptq-seq" in r for r in rs):  # --variants with gptq-seq: its own line
-            m = statistics.mean(r["merged_gptq-seq"] for r in rs)
-            click.echo(f"|   gptq-seq | {len(rs)} | merged {100 * m:.1f}, kept "
-                       f"{100 * (m - mean['zero_shot']) / gain if gain else float('nan'):.0f}%, vs GPTQ (paired) "
-                       + _mse([r["merged_gptq-seq"] - r["merged_gptq"] for r in rs]) + " |")
-    avg = [statistics.mean(k[i] for k in kept_all) for i in range(3)]
-    click.echo(f"\nmean gain kept over {len(kept_all)} tasks: plain {100 * avg[0]:.0f}%, GPTQ {100 * avg[1]:.0f}%, "
-               f"bf16 {100 * avg[2]:.0f}%")
+    avg = [statistics.mean(k[i] for k in kept_all) for i in range(len(shown))]
+    click.echo(f"\nmean gain kept over {len(kept_all)} tasks: "
+               + ", ".join(f"{names[v]} {100 * a:.0f}%" for v, a in zip(shown, avg)))
 
 
 if __name__ == "__main__":

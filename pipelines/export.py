@@ -27,7 +27,8 @@ from .common import cli_errors
 @click.option("--merge-method", type=click.Choice(["gptq", "gptq-seq", "rtn"]), default="gptq", show_default=True,
               help="gptq: re-quantize W + BA by GPTQ on the layer inputs the trained model produces on "
                    "--merge-data, which keeps what the adapter learned; gptq-seq: each layer solved on the inputs "
-                   "the merged layers below it produce, for the trained model's outputs (takes up their error); "
+                   "the merged layers below it produce, for the trained model's outputs (experimental: kept less "
+                   "than gptq on the H200 grid); "
                    "rtn: round to nearest (faster; a delta below half an NVFP4 step is lost).")
 @click.option("--merge-data", default=None, type=click.Path(dir_okay=True),
               help="Texts like the training data for --merge-method gptq (JSONL as pact-train reads it). "
