@@ -170,7 +170,8 @@ def table(files) -> None:
     click.echo("|---" * (4 + len(shown) + 1 + len([v for v in shown if v != "bf16"]) + hf) + "|")
     kept_all = []
     for key, rs in sorted(by.items()):
-        mean = {k: statistics.mean(r[k] for r in rs) for k in ["zero_shot", "unmerged"] + [f"merged_{v}" for v in shown]}
+        keys = ["zero_shot", "unmerged"] + [f"merged_{v}" for v in shown]
+        mean = {k: statistics.mean(r[k] for r in rs) for k in keys}
         gain = mean["unmerged"] - mean["zero_shot"]
         kept = [(mean[f"merged_{v}"] - mean["zero_shot"]) / gain if gain else float("nan") for v in shown]
         kept_all.append(kept)

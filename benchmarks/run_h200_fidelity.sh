@@ -53,7 +53,7 @@ speed)  # (carry .whl; .gg1 too, to stash it for `tasks`) 1B: bs 16 step time / 
   [ -d .gg1 ] && cp .gg1/* /tmp/wd/
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   if [ "${GPU_TESTS:-0}" = 1 ]; then
-    timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels.py tests/test_model.py tests/test_convert.py -rf --tb=line 2>&1 | tail -20 | tee $OUT/gpu_tests.txt
+    timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels.py tests/test_model.py tests/test_convert.py tests/test_calibrate.py -rf --tb=line 2>&1 | tail -20 | tee $OUT/gpu_tests.txt
   fi
   cd benchmarks
   if [ "${CONVERT:-0}" = 1 ]; then  # pact-convert of the 1B shapes on this machine (GPU), and the math alone vs the CPU's bits

@@ -3,24 +3,25 @@ quantizer object (IST-DASLab's structure).
 
     H = 2/n sum x x^T (fp32), dead columns zeroed, damp = percdamp * mean(diag H)
     Hinv = upper Cholesky factor of H^-1
-    for each block of `blocksize` columns, for each column i:
-        q_i = quantizer.quantize(w_i, i)          (the quantizer may fix a group's scales here)
+    for each block of `blocksize` columns, for each group of GROUP columns, for each column i:
+        q_i = quantize(w_i)                       (the quantizer fixes a group's scales first)
         err = (w_i - q_i) / Hinv[i, i]
-        W[:, i+1:block_end] -= err * Hinv[i, i+1:block_end]
+        W[:, i+1:group_end] -= err * Hinv[i, i+1:group_end]
+      W[:, group_end:block_end] -= Err_group @ Hinv[group, group_end:block_end]
     W[:, block_end:] -= Err_block @ Hinv[block, block_end:]
 
 Quantizer protocol: ``begin(W, perm)`` once before the sweep (the whole weight, columns in
-sweep order, and the permutation or None) and ``quantize(block, i, col) -> q_col [N]``: the
-current (error-updated) block of columns, the column's index in it and in the sweep, returning
-fake-quantized values. A quantizer with group scales can fix a group's scales from the block
-when the sweep reaches the group's first column (blocks are multiples of the group size).
+sweep order, and the permutation or None) and ``sweep(Wt, Hinv, c0, Qt, Errt)``: the innermost
+loop over one group's columns c0 .. c0+GROUP of Wt = W^T (as the sweep has updated them),
+writing the fake-quantized columns to Qt and (w - q) / Hinv[i, i] to Errt. The quantizer owns it
+because it owns the rounding: NVFP4Quantizer runs the group as one fused kernel on the GPU.
 """
 
 from __future__ import annotations
 
 import torch
 
-GROUP = 16  # columns updated eagerly one by one; a multiple of the quantizer's group (NVFP4: 16)
+GROUP = 16  # columns the quantizer sweeps one by one (NVFP4's block)
 
 
 class GPTQ:
@@ -46,12 +47,14 @@ class GPTQ:
         Rows are independent (one Hessian, one error feedback per row), so the members of a fused
         group that share H sweep as one W with their rows stacked. The sweep works on W^T: a
         column is a contiguous row of it. Updates are lazy at two levels: within a group of
-        GROUP columns column by column, then the group's errors onto the rest of the block in one
-        GEMM, then the block's onto the columns after it (each column sees every earlier column's
-        update before it is quantized, as in the plain loop; only the float summation order differs).
-        No host sync inside the sweep.
+        GROUP columns column by column (the quantizer's sweep), then the group's errors onto the rest
+        of the block in one GEMM, then the block's onto the columns after it (each column sees every
+        earlier column's update before it is quantized, as in the plain loop; only the float
+        summation order differs). No host sync inside the sweep.
         """
         K = self.columns
+        if K % GROUP or blocksize % GROUP:
+            raise ValueError(f"GPTQ sweeps groups of {GROUP} columns: got {K} columns, blocksize {blocksize}")
         Wt = W.float().t().contiguous()  # [K, N]
         H = self.H.clone()
         dead = torch.diag(H) == 0
@@ -64,20 +67,14 @@ class GPTQ:
         quantizer.begin(Wt.t(), perm)
         H.diagonal().add_(percdamp * torch.mean(torch.diag(H)))
         Hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
-        dinv = Hinv.diagonal()
+        Hinv = Hinv.contiguous()  # the sweep reads its rows
         Qt = torch.empty_like(Wt)
         Errt = torch.empty_like(Wt)  # (w - q) / Hinv[i, i] per column
         for b0 in range(0, K, blocksize):
             b1 = min(b0 + blocksize, K)
-            block = Wt[b0:b1].t()  # [N, b], a view of the columns being updated, as the protocol reads them
             for g0 in range(b0, b1, GROUP):
-                g1 = min(g0 + GROUP, b1)
-                for c in range(g0, g1):
-                    q = quantizer.quantize(block, c - b0, c)
-                    Qt[c] = q
-                    err = torch.sub(Wt[c], q, out=Errt[c]).div_(dinv[c])
-                    if c + 1 < g1:  # W[:, c+1:g1] -= err Hinv[c, c+1:g1]
-                        Wt[c + 1 : g1].addr_(Hinv[c, c + 1 : g1], err, alpha=-1)
+                g1 = g0 + GROUP
+                quantizer.sweep(Wt, Hinv, g0, Qt, Errt)
                 if g1 < b1:  # W[:, g1:b1] -= Err[:, g0:g1] Hinv[g0:g1, g1:b1]
                     Wt[g1:b1].addmm_(Hinv[g0:g1, g1:b1].t(), Errt[g0:g1], alpha=-1)
             if b1 < K:  # W[:, b1:] -= Err[:, b0:b1] Hinv[b0:b1, b1:]

@@ -22,9 +22,10 @@ from pact.formats.nvfp4 import (
     block_scales,
     encode_with_scales,
     repeat_rows16,
-    round_e2m1,
     search_block_scales,
 )
+
+from .sweep import sweep_group
 
 
 class NVFP4Quantizer:
@@ -35,7 +36,8 @@ class NVFP4Quantizer:
         self.g = torch.as_tensor(global_scale, dtype=torch.float32)
         self.scaling, self.static, self.scale_rule = scaling, static, scale_rule
         self.scales: torch.Tensor | None = None  # e4m3 [N, K/16], groups in the original column order
-        self.order: list[int] | None = None  # perm on the host: no device sync per column
+        self.dynamic = not static  # scales fixed during the sweep (not with act-order: begin() says)
+        self._grp: torch.Tensor | None = None  # [K/16, 16]: the group of each sweep column, per 16 of them
         self._rs: torch.Tensor | None = None  # fp32 [K/16, N]: (1 / g) / s, a group's row contiguous
         self._s: torch.Tensor | None = None  # fp32 [K/16, N]: s
 
@@ -62,21 +64,26 @@ class NVFP4Quantizer:
 
     def begin(self, W: torch.Tensor, perm: torch.Tensor | None) -> None:
         n, k = W.shape
-        self.order = perm.tolist() if perm is not None else None
+        self.dynamic = not (self.static or perm is not None)
         self.g = self.g.to(W.device)
         self.scales = torch.empty(n, k // BLOCK, dtype=torch.float8_e4m3fn, device=W.device)
         self._s = torch.empty(k // BLOCK, n, dtype=torch.float32, device=W.device)
         self._rs = torch.empty_like(self._s)
-        if self.static or perm is not None:  # act-order sweeps out of order: groups fixed up front
+        cols = perm if perm is not None else torch.arange(k, device=W.device)
+        self._grp = (cols // BLOCK).reshape(k // BLOCK, BLOCK).to(W.device, torch.int32)  # each sweep column's group
+        if not self.dynamic:  # act-order sweeps out of order: groups fixed up front
             orig = W[:, torch.argsort(perm)] if perm is not None else W
             self._fix(slice(None), self._block_scales(orig))
 
-    def quantize(self, block: torch.Tensor, i: int, col: int) -> torch.Tensor:
-        grp = (self.order[col] if self.order is not None else col) // BLOCK
-        if not (self.static or self.order is not None) and col % BLOCK == 0:
-            self._fix(grp, self._block_scales(block[:, i : i + BLOCK])[:, 0])
-        # (q * s) * g with q = rne_e2m1(w * ((1 / g) / s)): formats.nvfp4's numerics, op for op
-        return (round_e2m1(block[:, i] * self._rs[grp]) * self._s[grp]) * self.g
+    def sweep(self, Wt: torch.Tensor, Hinv: torch.Tensor, c0: int, Qt: torch.Tensor, Errt: torch.Tensor) -> None:
+        """GPTQ's sweep over the 16 columns c0 .. c0+16 (rows of Wt = W^T in sweep order, as the sweep
+        has updated them): dynamic scales are fixed here from those columns, then each column is
+        rounded with its block's scale, (q * s) * g with q = rne_e2m1(w * ((1 / g) / s)) as
+        formats.nvfp4 computes it, and its error fed to the group's later columns
+        (calibrate/sweep.py: one kernel launch on the GPU). Writes Qt and Errt's rows c0 .. c0+16."""
+        if self.dynamic:
+            self._fix(c0 // BLOCK, self._block_scales(Wt[c0 : c0 + BLOCK].t())[:, 0])
+        sweep_group(Wt, Hinv, c0, self._rs, self._s, self._grp[c0 // BLOCK], self.g, Qt, Errt)
 
     def pack(self, Q: torch.Tensor) -> NVFP4Tensor:
         """The fake-quantized sweep result as stored NVFP4 (codes re-derived exactly)."""

@@ -25,16 +25,24 @@ def setup(tmp_path_factory):
     return d
 
 
+def _sweep_without_feedback(q, W):
+    """The quantizer's sweep over W with Hinv = I (no error feedback): round-to-nearest."""
+    q.begin(W, None)
+    Wt, (n, k) = W.t().contiguous(), W.shape
+    Qt, Errt = torch.empty(k, n), torch.empty(k, n)
+    for c0 in range(0, k, 16):
+        q.sweep(Wt, torch.eye(k), c0, Qt, Errt)
+    return Qt.t()
+
+
 @pytest.mark.parametrize("scaling", ["2d", "1d"])
 def test_quantizer_is_bit_compatible_with_formats(scaling):
     torch.manual_seed(0)
     W = torch.randn(32, 64)
     g = F.global_scale_from_amax(W.abs().amax())
     q = NVFP4Quantizer(g, scaling=scaling, static=True)
-    q.begin(W, None)
-    Q = torch.stack([q.quantize(W, i, i) for i in range(64)], dim=1)  # no error feedback: plain RTN
     ref = F.quantize(W, global_scale=g, scaling=scaling)
-    packed = q.pack(Q)
+    packed = q.pack(_sweep_without_feedback(q, W))
     assert torch.equal(packed.packed, ref.packed)
     assert torch.equal(packed.scales.view(torch.uint8), ref.scales.view(torch.uint8))
 
@@ -47,11 +55,9 @@ def test_quantizer_mse_rule_is_the_converters(scaling):
     W = torch.randn(32, 64) * torch.rand(32, 1) ** 3
     g = F.global_scale_from_amax(W.abs().amax())
     q = NVFP4Quantizer(g, scaling=scaling, scale_rule="mse")
-    q.begin(W, None)
-    Q = torch.stack([q.quantize(W, i, i) for i in range(64)], dim=1)
     ref = F.quantize(W, global_scale=g, scaling=scaling, scale_rule="mse")
     amax = F.quantize(W, global_scale=g, scaling=scaling)
-    packed = q.pack(Q)
+    packed = q.pack(_sweep_without_feedback(q, W))
     assert torch.equal(packed.packed, ref.packed)
     assert torch.equal(packed.scales.view(torch.uint8), ref.scales.view(torch.uint8))
     assert not torch.equal(ref.scales.view(torch.uint8), amax.scales.view(torch.uint8))
@@ -124,6 +130,93 @@ def test_fused_sweep_matches_separate_sweeps(scaling, rule):
         assert torch.equal(fused.packed[r0:r1], alone.packed)
         assert torch.equal(fused.scales[r0:r1].view(torch.uint8), alone.scales.view(torch.uint8))
         r0 = r1
+
+
+@pytest.mark.parametrize("n,signed_zeros", [(40, False), (300, True)])
+def test_sweep_kernel_matches_twin(n, signed_zeros):
+    """The fused group sweep (Triton, under the interpreter) against its torch twin, bit for bit:
+    a Hinv with feedback, rows not a multiple of the kernel's tile, an act-order group map, exact
+    zeros of both signs, and values past E2M1's range."""
+    from pact.calibrate.sweep import sweep_group_torch
+    from pact.calibrate.sweep_triton import sweep_group_triton
+
+    torch.manual_seed(3)
+    K = 48
+    A = torch.randn(K, K) / K**0.5
+    Hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(A @ A.t() + 0.1 * torch.eye(K))),
+                                 upper=True).contiguous()
+    Wt = torch.randn(K, n) * 0.05
+    if signed_zeros:
+        Wt[16:32:3, ::7] = -0.0
+        Wt[16:32:5, ::11] = 0.0
+        Wt[20, :5] = 10.0  # past 6 x scale: saturates
+    g = torch.tensor(0.002)
+    s = torch.rand(K // 16, n) * 4 + 0.5
+    rs = (1.0 / g) / s
+    grp = torch.tensor([2, 0, 1, 1, 0, 2, 2, 1, 0, 0, 1, 2, 1, 0, 2, 1], dtype=torch.int32)  # as act-order mixes them
+    out = []
+    for fn in (sweep_group_torch, sweep_group_triton):
+        Qt, Errt = torch.full((K, n), float("nan")), torch.full((K, n), float("nan"))
+        fn(Wt, Hinv, 16, rs, s, grp, g, Qt, Errt)
+        out.append((Qt, Errt))
+    (q0, e0), (q1, e1) = out
+    assert torch.equal(q0[16:32], q1[16:32]) and torch.equal(e0[16:32], e1[16:32])
+    assert torch.equal(torch.signbit(q0[16:32]), torch.signbit(q1[16:32]))
+    assert q0[:16].isnan().all() and q1[32:].isnan().all()  # only the group's rows written
+    assert (q0[16:32] != 0).any() and (e0[17:32] != 0).any()
+
+
+@pytest.mark.parametrize("actorder", [False, True])
+def test_gptq_with_the_kernel_matches_the_twin(monkeypatch, actorder):
+    """A whole GPTQ sweep with the group sweeps run by the Triton kernel (interpreter) gives the
+    twin's codes, scales and losses bit for bit (dynamic mse scales; act-order's group map)."""
+    import pact.calibrate.quantizer as quantizer_module
+    from pact.calibrate.sweep_triton import sweep_group_triton
+
+    torch.manual_seed(4)
+    X = torch.randn(256, 8) @ torch.randn(8, 64) + 0.2 * torch.randn(256, 64)
+    W = torch.randn(24, 64) * 0.05 * (1 + 3 * torch.rand(24, 1) ** 4)
+    g = F.global_scale_from_amax(W.abs().amax())
+    gp = GPTQ(64)
+    gp.add_batch(X)
+    runs = []
+    for fn in (None, sweep_group_triton):
+        if fn is not None:
+            monkeypatch.setattr(quantizer_module, "sweep_group", fn)
+        q = NVFP4Quantizer(g, scaling="1d", scale_rule="mse")
+        Q, losses = gp.quantize(W, q, blocksize=32, actorder=actorder)
+        runs.append((q.pack(Q), losses))
+    (a, la), (b, lb) = runs
+    assert torch.equal(a.packed, b.packed) and torch.equal(a.scales.view(torch.uint8), b.scales.view(torch.uint8))
+    assert torch.equal(la, lb)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gptq_kernel_on_the_gpu_matches_the_twin(monkeypatch):
+    """On the GPU, GPTQ with the kernel against GPTQ with the twin (the same Hessian, the same
+    device): the same scales and loss, codes equal but for a few elements where the kernel's fused
+    multiply-add moved a value across a rounding midpoint."""
+    import pact.calibrate.quantizer as quantizer_module
+    from pact.calibrate.sweep import sweep_group_torch
+
+    torch.manual_seed(5)
+    X = torch.randn(2048, 16) @ torch.randn(16, 512) + 0.2 * torch.randn(2048, 512)
+    W = (torch.randn(384, 512) * 0.05 * (1 + 3 * torch.rand(384, 1) ** 4)).cuda()
+    g = F.global_scale_from_amax(W.abs().amax())
+    gp = GPTQ(512, "cuda")
+    gp.add_batch(X.cuda())
+    out = []
+    for fn in (None, sweep_group_torch):
+        if fn is not None:
+            monkeypatch.setattr(quantizer_module, "sweep_group", fn)
+        q = NVFP4Quantizer(g, scaling="1d", scale_rule="mse")
+        Q, losses = gp.quantize(W, q)
+        out.append((q.pack(Q), losses))
+    (a, la), (b, lb) = out
+    same = (F.dequantize(a) == F.dequantize(b)).float().mean()
+    assert same > 0.999, same
+    torch.testing.assert_close(la.sum(), lb.sum(), rtol=1e-3, atol=0)
 
 
 def test_round_e2m1_is_encode_then_decode():
