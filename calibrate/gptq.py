@@ -14,7 +14,7 @@ Quantizer protocol: ``begin(W, perm)`` once before the sweep (the whole weight, 
 sweep order, and the permutation or None) and ``sweep(Wt, Hinv, c0, Qt, Errt)``: the innermost
 loop over one group's columns c0 .. c0+GROUP of Wt = W^T (as the sweep has updated them),
 writing the fake-quantized columns to Qt and (w - q) / Hinv[i, i] to Errt. The quantizer owns it
-because it owns the rounding: NVFP4Quantizer runs the group as one fused kernel on the GPU.
+because it owns the rounding.
 """
 
 from __future__ import annotations
