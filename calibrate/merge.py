@@ -40,8 +40,8 @@ def gptq_merge(artifact: str | os.PathLike, adapter: str | os.PathLike, data: st
 
     ``sequential`` (`--merge-method gptq-seq`): each layer is solved on the inputs the *merged*
     layers below it produce, X~, for the outputs the adapted model produces on its own inputs X:
-    min ||X~ Q^T - X W^T||, whose least-squares weight is W* = W C^T H~^-1 (C = X~^T X, H~ = X~^T X~),
-    quantized by GPTQ under H~, so a layer takes up the error the merges below it left. Its summary's
+    min ||X~ Q^T - X W^T|| with a ridge toward W (``sequential_target``), quantized by GPTQ under
+    H~ = X~^T X~, so a layer takes up the error the merges below it left. Its summary's
     output errors are then those of reaching W* under H~ (round-to-nearest of W* vs GPTQ's)."""
     t0 = time.perf_counter()
     if max_samples < 1:
@@ -104,11 +104,9 @@ def gptq_merge(artifact: str | os.PathLike, adapter: str | os.PathLike, data: st
                 base = art.nvfp4(name, "fwd")
                 W = dequantize(NVFP4Tensor(base.packed.to(dev), base.scales.to(dev), base.global_scale.to(dev)))
                 Ws.append(merged_weight(W.float(), name, lora_on_dev, scale))
-            if sequential:  # W* = W C^T H~^-1: the adapted outputs from the merged model's inputs
-                Hd = H.H.clone()
-                Hd.diagonal().add_(damp * float(Hd.diagonal().mean()) + 1e-8)
-                Ws = list(torch.linalg.solve(Hd, cross[id(g.weight)] @ torch.cat(Ws).t()).t()
-                          .split([W.shape[0] for W in Ws]))
+            if sequential:  # the adapted outputs from the merged model's inputs
+                target = sequential_target(torch.cat(Ws), H.H, cross[id(g.weight)], damp)
+                Ws = list(target.split([W.shape[0] for W in Ws]))
             gs = global_scale_from_amax(max(float(W.abs().amax()) for W in Ws))
             q = NVFP4Quantizer(gs, scaling="1d", scale_rule=rule)
             Q, _ = H.quantize(torch.cat(Ws), q, blocksize=blocksize, percdamp=damp)
@@ -141,6 +139,18 @@ def gptq_merge(artifact: str | os.PathLike, adapter: str | os.PathLike, data: st
                "tokens": int(sum(s.numel() for s in samples)),
                "damp": damp, "seconds": round(time.perf_counter() - t0, 1), "output_error": errors}
     return out, summary
+
+
+def sequential_target(W: torch.Tensor, H: torch.Tensor, C: torch.Tensor, damp: float) -> torch.Tensor:
+    """gptq-seq's weight: argmin_Q ||X~ Q^T - X W^T||^2 + d ||Q - W||^2 (H = X~^T X~, C = X~^T X, both
+    as GPTQ's running means; d = damp x mean diag(H)), i.e. Q^T = (H + d I)^-1 (C + d I) W^T. The
+    ridge pulls toward W itself, so in directions the merge texts barely reach the weight stays W
+    (a ridge toward zero would shrink it there), and with no error below (X~ = X) it is W exactly."""
+    d = damp * float(H.diagonal().mean()) + 1e-8
+    Hd, Cd = H.clone(), C.clone()
+    Hd.diagonal().add_(d)
+    Cd.diagonal().add_(d)
+    return torch.linalg.solve(Hd, Cd @ W.t()).t()
 
 
 def _rtn(W: torch.Tensor, gs: torch.Tensor, rule: str) -> torch.Tensor:
