@@ -76,9 +76,8 @@ def cli() -> None:
 @click.option("--json-out", type=click.Path(dir_okay=False, path_type=Path), default=None)
 @click.option("--reuse-runs", is_flag=True, help="A seed whose run folder holds an adapter is not trained again.")
 @click.option("--train-only", is_flag=True, help="Train each seed's run (kept in --workdir) and stop: no scores.")
-@click.option("--variants", default="rtn,gptq,gptq-seq,bf16,hf", show_default=True,
-              help="Merges scored: rtn (plain), gptq, gptq-seq (--merge-method gptq-seq), bf16, hf (the GPTQ "
-                   "export read by transformers).")
+@click.option("--variants", default="rtn,gptq,bf16,hf", show_default=True,
+              help="Merges scored: rtn (plain), gptq, bf16, hf (the GPTQ export read by transformers).")
 def run(name, artifact, train_f, test_f, workdir, seeds, steps, lr, max_len, limit, json_out, reuse_runs,
         train_only, variants) -> None:
     """Train each seed, then score zero-shot, unmerged and every merge of its adapter."""
@@ -117,10 +116,9 @@ def run(name, artifact, train_f, test_f, workdir, seeds, steps, lr, max_len, lim
             continue
         row = {"task": name, "lr": lr, "seed": seed, "zero_shot": zero,
                "train_s": None if reuse else round(time.perf_counter() - t, 1), "unmerged": acc(artifact, str(run))}
-        for how in [h for h in ("rtn", "gptq", "gptq-seq") if h in variants.split(",")]:
+        for how in [h for h in ("rtn", "gptq") if h in variants.split(",")]:
             t = time.perf_counter()
-            solver = None if how == "rtn" else (lambda a, r, how=how: gptq_merge(a, r, train_f,
-                                                                                 sequential=how == "gptq-seq"))
+            solver = None if how == "rtn" else (lambda a, r: gptq_merge(a, r, train_f))
             summary = export(str(artifact), d / f"ct-{how}", adapter=str(run), merge=True, overwrite=True,
                              merge_solver=solver)["merge"]
             row[f"{how}_merge_s"] = round(time.perf_counter() - t, 1)
@@ -137,7 +135,7 @@ def run(name, artifact, train_f, test_f, workdir, seeds, steps, lr, max_len, lim
             export(str(artifact), d / "bf16", fmt="bf16", adapter=str(run), overwrite=True)
             row["merged_bf16"] = _score_hf(d / "bf16", test, max_len, 0)
         gain = row["unmerged"] - zero
-        for k in (k for k in ("merged_rtn", "merged_gptq", "merged_gptq-seq", "merged_bf16") if k in row):
+        for k in (k for k in ("merged_rtn", "merged_gptq", "merged_bf16") if k in row):
             row[k.replace("merged", "kept")] = round((row[k] - zero) / gain, 3) if gain else None
         rows.append(row)
         click.echo(json.dumps(row))

@@ -4,8 +4,8 @@
 # `split -n 2` of it, and /tmp keeps what the first call left):
 #   speed (carry .whl .gg1 .fid): wheels (zarr + deps, gguf, liger-kernel), first half; bench_train 1B: bs 16
 #          memory and the 16 GiB capped tokens/s per recipe (RECIPES), vs PEFT + Liger (GPU_TESTS=1: GPU tests
-#          first; GRADS_1B=1: LoRA gradients per recipe on the 1B shapes; CALIB_1B=1 / MERGE_1B=1 (MERGE_SEQ=1: and
-#          gptq-seq): GPTQ calibration / merge of the 1B shapes, their time)
+#          first; GRADS_1B=1: LoRA gradients per recipe on the 1B shapes; CALIB_1B=1 / MERGE_1B=1: GPTQ
+#          calibration / merge of the 1B shapes, their time)
 #   tasks (carry .gg2 .fid): second half, task files; bench_fidelity at lr 5e-4 on TASKS x SEEDS for
 #          METHODS (PEFT on the GGUF's and on the artifact's weights, pact fp8 and bf16-decode; a method's
 #          :WEIGHTS suffix converts that weight variant first, a +gptq.. suffix calibrates it per task,
@@ -113,11 +113,6 @@ open('/tmp/merge-1b.jsonl', 'w').write(''.join(json.dumps({'prompt': d[:len(d) /
     ( time timeout 240 python3 -m pact.pipelines.export /tmp/pact-bench/art-llama-1b-2d --out /tmp/merged-1b --adapter /tmp/run-1b \
       --merge --merge-data /tmp/merge-1b.jsonl --merge-samples 128 --overwrite --quiet ) 2>&1 \
       | python3 -c "import sys; t = sys.stdin.read(); print(t[-600:])" | tee $OUT/merge_1b.txt
-    if [ "${MERGE_SEQ:-0}" = 1 ]; then  # the same with --merge-method gptq-seq
-      ( time timeout 240 python3 -m pact.pipelines.export /tmp/pact-bench/art-llama-1b-2d --out /tmp/merged-1b-seq \
-        --adapter /tmp/run-1b --merge --merge-method gptq-seq --merge-data /tmp/merge-1b.jsonl --merge-samples 128 \
-        --overwrite --quiet ) 2>&1 | python3 -c "import sys; t = sys.stdin.read(); print(t[-600:])" | tee $OUT/merge_1b_seq.txt
-    fi
   fi
   cat /tmp/rows/bs16-*.csv | awk 'NR == 1 || !/^model,/' > $OUT/speed_bs16.csv
   cat /tmp/rows/cap16-*.csv | awk 'NR == 1 || !/^model,/' > $OUT/speed_cap16.csv

@@ -31,18 +31,11 @@ from .quantizer import NVFP4Quantizer
 
 def gptq_merge(artifact: str | os.PathLike, adapter: str | os.PathLike, data: str | os.PathLike, *,
                max_samples: int = 128, max_len: int = 512, damp: float = 0.01, blocksize: int = 128,
-               device: str | None = None, progress: bool = False,
-               sequential: bool = False) -> tuple[dict[str, NVFP4Tensor], dict]:
+               device: str | None = None, progress: bool = False) -> tuple[dict[str, NVFP4Tensor], dict]:
     """The merged NVFP4 forward-layout tensor of every projection the adapter adapts (1x16 blocks;
     a fused group's members share one global scale, as vLLM fuses q|k|v and gate|up), and a
     summary: samples, tokens, seconds and per projection the layer-output error on these inputs of
-    the plain (round-to-nearest) merge and of this one, relative to the adapted layer's output.
-
-    ``sequential`` (`--merge-method gptq-seq`): each layer is solved on the inputs the *merged*
-    layers below it produce, X~, for the outputs the adapted model produces on its own inputs X:
-    min ||X~ Q^T - X W^T|| with a ridge toward W (``sequential_target``), quantized by GPTQ under
-    H~ = X~^T X~, so a layer takes up the error the merges below it left. Its summary's
-    output errors are then those of reaching W* under H~ (round-to-nearest of W* vs GPTQ's)."""
+    the plain (round-to-nearest) merge and of this one, relative to the adapted layer's output."""
     t0 = time.perf_counter()
     if max_samples < 1:
         raise PactError(f"--merge-samples must be >= 1, got {max_samples}")
@@ -62,41 +55,19 @@ def gptq_merge(artifact: str | os.PathLike, adapter: str | os.PathLike, data: st
     lora_on_dev = {k: tuple(t.to(dev) for t in ab) for k, ab in weights.items()}
     out: dict[str, NVFP4Tensor] = {}
     errors: dict[str, dict[str, float]] = {}
-    if sequential:
-        for u in units:
-            u.xq = u.x  # the merged model's state: the same embeddings below the first layer
     for L in tqdm(model.layers, desc="merge", unit="layer", disable=not progress):
         groups = {n: getattr(L, n) for n in GROUPS}
         todo = {n: g for n, g in groups.items() if g.weight is not None and any(m in weights for m in g.names)}
         hess = {id(g.weight): GPTQ(g.weight.shape[1], dev) for g in todo.values()}
-        cross = {k: torch.zeros_like(h.H) for k, h in hess.items()} if sequential else {}
         with torch.no_grad():
             for u in units:
-                rows: dict[int, torch.Tensor] = {}
 
                 def add(w, x, u=u):  # the base GEMM's input rows (the LoRA's A reads the same rows)
                     if id(w) in hess:
-                        x = x if u.real is None else x[u.real]
-                        if sequential:
-                            rows[id(w)] = x.float()
-                        else:
-                            hess[id(w)].add_batch(x)
+                        hess[id(w)].add_batch(x if u.real is None else x[u.real])
 
                 with model.observing(add):
                     u.x = model.layer(L, u.x, u.cos, u.sin, u.B, u.S)
-                if sequential:  # the same layer (adapted) on the merged model's state: X~ beside X
-                    exact = rows
-
-                    def add_q(w, x, u=u):
-                        if id(w) in hess:
-                            xq = (x if u.real is None else x[u.real]).float()
-                            h = hess[id(w)]
-                            n0, n = h.nsamples, xq.shape[0]
-                            cross[id(w)].mul_(n0 / (n0 + n)).addmm_(xq.t(), exact[id(w)], alpha=2.0 / (n0 + n))
-                            h.add_batch(xq)
-
-                    with model.observing(add_q):
-                        model.layer(L, u.xq, u.cos, u.sin, u.B, u.S)
         for g in todo.values():
             H = hess[id(g.weight)]
             Ws = []
@@ -104,9 +75,6 @@ def gptq_merge(artifact: str | os.PathLike, adapter: str | os.PathLike, data: st
                 base = art.nvfp4(name, "fwd")
                 W = dequantize(NVFP4Tensor(base.packed.to(dev), base.scales.to(dev), base.global_scale.to(dev)))
                 Ws.append(merged_weight(W.float(), name, lora_on_dev, scale))
-            if sequential:  # the adapted outputs from the merged model's inputs
-                target = sequential_target(torch.cat(Ws), H.H, cross[id(g.weight)], damp)
-                Ws = list(target.split([W.shape[0] for W in Ws]))
             gs = global_scale_from_amax(max(float(W.abs().amax()) for W in Ws))
             q = NVFP4Quantizer(gs, scaling="1d", scale_rule=rule)
             Q, _ = H.quantize(torch.cat(Ws), q, blocksize=blocksize, percdamp=damp)
@@ -120,37 +88,11 @@ def gptq_merge(artifact: str | os.PathLike, adapter: str | os.PathLike, data: st
                     plain = _rtn(W, gs, rule)
                     errors[name] = {"plain": _output_error(W, plain, H.H), "gptq": _output_error(W, Q[r0:r1], H.H)}
                 r0 = r1
-        if sequential:  # the merged model's state through this layer as merged (NVFP4, no adapter)
-            kept = {id(g): (g.weight, g.loras) for g in todo.values()}
-            for g in todo.values():
-                ms = [out[n] for n in g.names]
-                g.weight = NVFP4Tensor(torch.cat([m.packed for m in ms]).to(dev),
-                                       torch.cat([m.scales for m in ms]).to(dev), ms[0].global_scale.to(dev))
-                g.loras = [None] * len(g.names)
-            try:
-                with torch.no_grad():
-                    for u in units:
-                        u.xq = model.layer(L, u.xq, u.cos, u.sin, u.B, u.S)
-            finally:
-                for g in todo.values():
-                    g.weight, g.loras = kept[id(g)]
     errors = {k: {m: round(float(v), 6) for m, v in e.items()} for k, e in errors.items()}  # one sync, at the end
-    summary = {"method": "gptq-seq" if sequential else "gptq", "samples": len(samples),
+    summary = {"method": "gptq", "samples": len(samples),
                "tokens": int(sum(s.numel() for s in samples)),
                "damp": damp, "seconds": round(time.perf_counter() - t0, 1), "output_error": errors}
     return out, summary
-
-
-def sequential_target(W: torch.Tensor, H: torch.Tensor, C: torch.Tensor, damp: float) -> torch.Tensor:
-    """gptq-seq's weight: argmin_Q ||X~ Q^T - X W^T||^2 + d ||Q - W||^2 (H = X~^T X~, C = X~^T X, both
-    as GPTQ's running means; d = damp x mean diag(H)), i.e. Q^T = (H + d I)^-1 (C + d I) W^T. The
-    ridge pulls toward W itself, so in directions the merge texts barely reach the weight stays W
-    (a ridge toward zero would shrink it there), and with no error below (X~ = X) it is W exactly."""
-    d = damp * float(H.diagonal().mean()) + 1e-8
-    Hd, Cd = H.clone(), C.clone()
-    Hd.diagonal().add_(d)
-    Cd.diagonal().add_(d)
-    return torch.linalg.solve(Hd, Cd @ W.t()).t()
 
 
 def _rtn(W: torch.Tensor, gs: torch.Tensor, rule: str) -> torch.Tensor:

@@ -24,11 +24,9 @@ from .common import cli_errors
                    "quantized bases), or merged (bf16, or --merge).")
 @click.option("--merge", is_flag=True, help="Fold the adapter into the weights and re-quantize them to NVFP4 "
                                             "(the added error per projection is printed).")
-@click.option("--merge-method", type=click.Choice(["gptq", "gptq-seq", "rtn"]), default="gptq", show_default=True,
+@click.option("--merge-method", type=click.Choice(["gptq", "rtn"]), default="gptq", show_default=True,
               help="gptq: re-quantize W + BA by GPTQ on the layer inputs the trained model produces on "
-                   "--merge-data, which keeps what the adapter learned; gptq-seq: each layer solved on the inputs "
-                   "the merged layers below it produce, for the trained model's outputs (experimental: kept less "
-                   "than gptq on the H200 grid); "
+                   "--merge-data, which keeps what the adapter learned; "
                    "rtn: round to nearest (faster; a delta below half an NVFP4 step is lost).")
 @click.option("--merge-data", default=None, type=click.Path(dir_okay=True),
               help="Texts like the training data for --merge-method gptq (JSONL as pact-train reads it). "
@@ -42,12 +40,12 @@ from .common import cli_errors
 def main(artifact, out, fmt, adapter, merge, merge_method, merge_data, merge_samples, overwrite, quiet) -> None:
     """Export ARTIFACT (with --adapter) for inference."""
     solver = None
-    if merge_method in ("gptq", "gptq-seq"):
+    if merge_method == "gptq":
         def solver(art_path, run):  # called by export once every input is checked
             from pact.calibrate.merge import gptq_merge
 
             return gptq_merge(art_path, run, merge_data or _run_data(run), max_samples=merge_samples,
-                              progress=not quiet, sequential=merge_method == "gptq-seq")
+                              progress=not quiet)
 
     r = export(artifact, out, fmt=fmt, adapter=adapter, merge=merge, overwrite=overwrite, progress=not quiet,
                merge_solver=solver)

@@ -132,27 +132,6 @@ def test_fused_sweep_matches_separate_sweeps(scaling, rule):
         r0 = r1
 
 
-def test_sequential_merge_target_keeps_w_where_the_texts_do_not_reach():
-    """gptq-seq's least-squares weight, ridged toward W: with no error below (X~ = X) it is W
-    exactly; inputs that never excite some directions leave W there (a ridge toward zero would
-    shrink it); and a linear error below is undone where the inputs reach."""
-    from pact.calibrate.merge import sequential_target
-
-    torch.manual_seed(6)
-    X = torch.randn(400, 32)
-    X[:, 24:] = 0  # directions the merge texts never reach
-    W = torch.randn(8, 32)
-    H = 2 * X.t() @ X / len(X)
-    torch.testing.assert_close(sequential_target(W, H, H, 0.01), W, rtol=1e-4, atol=1e-5)
-    M = torch.eye(32) + 0.1 * torch.randn(32, 32)  # the merged layers below distort the inputs: X~ = X M
-    M[:24, 24:] = 0  # (and still leave the unreached directions unreached)
-    Xq = X @ M
-    Q = sequential_target(W, 2 * Xq.t() @ Xq / len(X), 2 * Xq.t() @ X / len(X), 1e-6)
-    torch.testing.assert_close(Q[:, 24:], W[:, 24:], rtol=1e-4, atol=1e-4)  # untouched where nothing reaches
-    err = lambda Q_: float((Xq @ Q_.t() - X @ W.t()).norm() / (X @ W.t()).norm())  # noqa: E731
-    assert err(Q) < 1e-3 < err(W)
-
-
 def test_round_e2m1_is_encode_then_decode():
     """The one-pass rounding GPTQ uses per column equals encode_e2m1 + decode_e2m1, bit for bit:
     every midpoint and its float neighbours (ties to even), both signs, zeros, beyond 6."""
