@@ -78,8 +78,11 @@ def cli() -> None:
 @click.option("--train-only", is_flag=True, help="Train each seed's run (kept in --workdir) and stop: no scores.")
 @click.option("--variants", default="rtn,gptq,bf16,hf", show_default=True,
               help="Merges scored: rtn (plain), gptq, bf16, hf (the GPTQ export read by transformers).")
+@click.option("--merge-samples", default=128, show_default=True, help="The GPTQ merge's texts (gptq_merge).")
+@click.option("--merge-damp", default=0.01, show_default=True, help="The GPTQ merge's damping.")
+@click.option("--merge-act-order", is_flag=True, help="The GPTQ merge in act-order (scales fixed up front).")
 def run(name, artifact, train_f, test_f, workdir, seeds, steps, lr, max_len, limit, json_out, reuse_runs,
-        train_only, variants) -> None:
+        train_only, variants, merge_samples, merge_damp, merge_act_order) -> None:
     """Train each seed, then score zero-shot, unmerged and every merge of its adapter."""
     import importlib.util
 
@@ -118,7 +121,8 @@ def run(name, artifact, train_f, test_f, workdir, seeds, steps, lr, max_len, lim
                "train_s": None if reuse else round(time.perf_counter() - t, 1), "unmerged": acc(artifact, str(run))}
         for how in [h for h in ("rtn", "gptq") if h in variants.split(",")]:
             t = time.perf_counter()
-            solver = None if how == "rtn" else (lambda a, r: gptq_merge(a, r, train_f))
+            solver = None if how == "rtn" else (lambda a, r: gptq_merge(
+                a, r, train_f, max_samples=merge_samples, damp=merge_damp, actorder=merge_act_order))
             summary = export(str(artifact), d / f"ct-{how}", adapter=str(run), merge=True, overwrite=True,
                              merge_solver=solver)["merge"]
             row[f"{how}_merge_s"] = round(time.perf_counter() - t, 1)

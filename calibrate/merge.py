@@ -31,7 +31,8 @@ from .quantizer import NVFP4Quantizer
 
 def gptq_merge(artifact: str | os.PathLike, adapter: str | os.PathLike, data: str | os.PathLike, *,
                max_samples: int = 128, max_len: int = 512, damp: float = 0.01, blocksize: int = 128,
-               device: str | None = None, progress: bool = False) -> tuple[dict[str, NVFP4Tensor], dict]:
+               actorder: bool = False, device: str | None = None,
+               progress: bool = False) -> tuple[dict[str, NVFP4Tensor], dict]:
     """The merged NVFP4 forward-layout tensor of every projection the adapter adapts (1x16 blocks;
     a fused group's members share one global scale, as vLLM fuses q|k|v and gate|up), and a
     summary: samples, tokens, seconds and per projection the layer-output error on these inputs of
@@ -77,7 +78,7 @@ def gptq_merge(artifact: str | os.PathLike, adapter: str | os.PathLike, data: st
                 Ws.append(merged_weight(W.float(), name, lora_on_dev, scale))
             gs = global_scale_from_amax(max(float(W.abs().amax()) for W in Ws))
             q = NVFP4Quantizer(gs, scaling="1d", scale_rule=rule)
-            Q, _ = H.quantize(torch.cat(Ws), q, blocksize=blocksize, percdamp=damp)
+            Q, _ = H.quantize(torch.cat(Ws), q, blocksize=blocksize, percdamp=damp, actorder=actorder)
             packed = q.pack(Q)
             r0 = 0
             for name, W in zip(g.names, Ws):
