@@ -148,6 +148,8 @@ def run(name, artifact, train_f, test_f, workdir, seeds, steps, lr, max_len, lim
 
 
 def _mse(xs: list[float]) -> str:
+    if not xs:
+        return ""
     m = statistics.mean(xs)
     se = statistics.stdev(xs) / len(xs) ** 0.5 if len(xs) > 1 else float("nan")
     return f"{100 * m:+.1f} +- {100 * se:.1f}"
@@ -162,31 +164,38 @@ def table(files) -> None:
     by: dict[str, list[dict]] = {}
     for r in rows:
         by.setdefault(f"{r.get('task', '')} (lr {r.get('lr', '')})", []).append(r)
+    # gptq-seq: a removed method (BENCHMARKS.md re-tables its rows)
     names = {"rtn": "plain", "gptq": "GPTQ", "gptq-seq": "GPTQ-seq", "bf16": "bf16"}
-    shown = [v for v in names if all(f"merged_{v}" in r for r in rows)]
+    shown = [v for v in names if any(f"merged_{v}" in r for r in rows)]
+    paired = [v for v in shown if v != "bf16"]
     hf = any("merged_gptq_hf" in r for r in rows)
-    click.echo("| task | seeds | zero-shot | unmerged | " + " | ".join(f"{names[v]} merge" for v in shown)
-               + " | kept: " + " / ".join(names[v] for v in shown) + " | "
-               + " | ".join(f"{names[v]} - unmerged (paired)" for v in shown if v != "bf16") + " |"
-               + (" transformers - pact (GPTQ export) |" if hf else ""))
-    click.echo("|---" * (4 + len(shown) + 1 + len([v for v in shown if v != "bf16"]) + hf) + "|")
-    kept_all = []
+    head = (["task", "seeds", "zero-shot", "unmerged"] + [f"{names[v]} merge" for v in shown]
+            + (["kept: " + " / ".join(names[v] for v in shown)] if shown else [])
+            + [f"{names[v]} - unmerged (paired)" for v in paired]
+            + (["transformers - pact (GPTQ export)"] if hf else []))
+    click.echo("| " + " | ".join(head) + " |")
+    click.echo("|---" * len(head) + "|")
+    kept_all: dict[str, list[float]] = {v: [] for v in shown}
     for key, rs in sorted(by.items()):
-        keys = ["zero_shot", "unmerged"] + [f"merged_{v}" for v in shown]
-        mean = {k: statistics.mean(r[k] for r in rs) for k in keys}
+        mean = {k: statistics.mean(r[k] for r in rs) for k in ("zero_shot", "unmerged")}
         gain = mean["unmerged"] - mean["zero_shot"]
-        kept = [(mean[f"merged_{v}"] - mean["zero_shot"]) / gain if gain else float("nan") for v in shown]
-        kept_all.append(kept)
-        line = (f"| {key} | {len(rs)} | " + " | ".join(f"{100 * mean[k]:.1f}" for k in mean)
-                + f" | {' / '.join(f'{100 * k:.0f}%' for k in kept)} | "
-                + " | ".join(_mse([r[f"merged_{v}"] - r["unmerged"] for r in rs]) for v in shown if v != "bf16") + " |")
+        cells, kept = [], []
+        for v in shown:  # a variant some of this task's rows lack: a blank cell
+            have = all(f"merged_{v}" in r for r in rs)
+            m = statistics.mean(r[f"merged_{v}"] for r in rs) if have else None
+            cells.append(f"{100 * m:.1f}" if have else "")
+            k = (m - mean["zero_shot"]) / gain if have and gain else None
+            kept.append(f"{100 * k:.0f}%" if k is not None else "-")
+            if k is not None:
+                kept_all[v].append(k)
+        line = [key, str(len(rs)), f"{100 * mean['zero_shot']:.1f}", f"{100 * mean['unmerged']:.1f}", *cells]
+        line += [" / ".join(kept)] if shown else []
+        line += [_mse([r[f"merged_{v}"] - r["unmerged"] for r in rs if f"merged_{v}" in r]) for v in paired]
         if hf:
-            line += " " + _mse([r["merged_gptq_hf"] - r["merged_gptq"] for r in rs if "merged_gptq_hf" in r]) + " |"
-        click.echo(line)
-    avg = [statistics.mean(k[i] for k in kept_all) for i in range(len(shown))]
-    click.echo(f"\nmean gain kept over {len(kept_all)} tasks: "
-               + ", ".join(f"{names[v]} {100 * a:.0f}%" for v, a in zip(shown, avg)))
-
+            line.append(_mse([r["merged_gptq_hf"] - r["merged_gptq"] for r in rs if "merged_gptq_hf" in r]))
+        click.echo("| " + " | ".join(line) + " |")
+    click.echo("\nmean gain kept: " + ", ".join(f"{names[v]} {100 * statistics.mean(k):.0f}% ({len(k)} tasks)"
+                                              for v, k in kept_all.items() if k))
 
 if __name__ == "__main__":
     cli()

@@ -96,7 +96,7 @@ convert('/tmp/pact-bench/src-llama-1b', '/tmp/pact-bench/art-llama-1b-2d', progr
   if [ "${CALIB_1B:-0}" = 1 ]; then  # GPTQ of the 1B shapes on 128 texts of 512 tokens (Rotten Tomatoes snippets joined)
     python3 -c "
 import json; recs = [json.loads(l) for l in open('../.fid/rt-train.jsonl')]
-docs = [' '.join(r['prompt'] + r['completion'] for r in recs[i * 40:(i + 1) * 40]) for i in range(128)]
+docs = [' '.join(r['prompt'] + r['completion'] for r in (recs * 3)[i * 40:(i + 1) * 40]) for i in range(128)]
 open('/tmp/calib-1b.jsonl', 'w').write(''.join(json.dumps({'text': d}) + '\n' for d in docs))"
     ( time timeout 240 python3 -m pact.pipelines.calibrate /tmp/pact-bench/art-llama-1b-2d --prompts /tmp/calib-1b.jsonl --out /tmp/cal-1b --max-samples 128 \
       --seq-len 512 --overwrite ) 2>&1 | grep -v Warn | tail -6 | tee $OUT/calibrate_1b.txt

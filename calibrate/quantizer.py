@@ -69,7 +69,7 @@ class NVFP4Quantizer:
         self._s = torch.empty(k // BLOCK, n, dtype=torch.float32, device=W.device)
         self._rs = torch.empty_like(self._s)
         cols = perm if perm is not None else torch.arange(k, device=W.device)
-        self._grp = (cols // BLOCK).reshape(k // BLOCK, BLOCK).to(W.device, torch.int32)  # each sweep column's group
+        self._grp = (cols // BLOCK).reshape(k // BLOCK, BLOCK).to(W.device)  # each sweep column's group
         if not self.dynamic:  # act-order sweeps out of order: groups fixed up front
             orig = W[:, torch.argsort(perm)] if perm is not None else W
             self._fix(slice(None), self._block_scales(orig))
@@ -111,4 +111,4 @@ def _sweep_group(Wt: torch.Tensor, Hinv: torch.Tensor, c0: int, rs: torch.Tensor
         Qt[c0 + i] = q
         err = torch.sub(w, q, out=Errt[c0 + i]).div_(d[i])
         if i + 1 < BLOCK:
-            T[i + 1 :] -= Hinv[c0 + i, c0 + i + 1 : c0 + BLOCK, None] * err
+            T[i + 1 :].addr_(Hinv[c0 + i, c0 + i + 1 : c0 + BLOCK], err, alpha=-1)

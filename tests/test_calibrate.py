@@ -132,6 +132,63 @@ def test_fused_sweep_matches_separate_sweeps(scaling, rule):
         r0 = r1
 
 
+def _textbook_gptq(W, H, q, percdamp=0.01):
+    """GPTQ as the paper writes it, one column at a time with every later column updated at once
+    (no lazy blocks), dynamic scales fixed from the updated weights at each group's first column."""
+    W = W.double().clone()
+    H = H.double().clone()
+    H.diagonal().add_(percdamp * H.diagonal().mean())
+    Hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
+    q.begin(W.float(), None)
+    Q = torch.empty_like(W)
+    for c in range(W.shape[1]):
+        if c % 16 == 0:
+            q._fix(c // 16, q._block_scales(W[:, c : c + 16].float())[:, 0])
+        rs, sc = q._rs[c // 16].double(), q._s[c // 16].double()
+        Q[:, c] = (F.round_e2m1((W[:, c] * rs).float()).double() * sc) * q.g.double()
+        W[:, c + 1 :] -= torch.outer((W[:, c] - Q[:, c]) / Hinv[c, c], Hinv[c, c + 1 :])
+    return Q.float()
+
+
+def test_gptq_sweep_matches_the_textbook_loop():
+    """The blocked sweep (the quantizer's 16-column groups, lazy group and block updates) ends where
+    the textbook column-by-column loop ends: the same scales, the same codes for all but elements on
+    a rounding midpoint (float summation order differs), blocks of 32 on 96 columns."""
+    torch.manual_seed(7)
+    X = torch.randn(512, 8) @ torch.randn(8, 96) + 0.2 * torch.randn(512, 96)
+    W = torch.randn(40, 96) * 0.05 * (1 + 3 * torch.rand(40, 1) ** 4)
+    g = F.global_scale_from_amax(W.abs().amax())
+    gp = GPTQ(96)
+    gp.add_batch(X)
+    q = NVFP4Quantizer(g, scaling="1d", scale_rule="mse")
+    Q, _ = gp.quantize(W, q, blocksize=32)
+    ref_q = NVFP4Quantizer(g, scaling="1d", scale_rule="mse")
+    ref = _textbook_gptq(W, gp.H, ref_q)
+    assert (Q == ref).float().mean() > 0.99
+    assert (q.scales.view(torch.uint8) == ref_q.scales.view(torch.uint8)).float().mean() > 0.99
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gptq_on_the_gpu_matches_the_cpu():
+    """The same sweep on a CUDA device: the same scales and codes as on the CPU but for elements
+    on a rounding midpoint (fp32 sums in another order), the same loss."""
+    torch.manual_seed(5)
+    X = torch.randn(2048, 16) @ torch.randn(16, 512) + 0.2 * torch.randn(2048, 512)
+    W = torch.randn(384, 512) * 0.05 * (1 + 3 * torch.rand(384, 1) ** 4)
+    g = F.global_scale_from_amax(W.abs().amax())
+    out = []
+    for dev in ("cpu", "cuda"):
+        gp = GPTQ(512, dev)
+        gp.add_batch(X.to(dev))
+        q = NVFP4Quantizer(g, scaling="1d", scale_rule="mse")
+        Q, losses = gp.quantize(W.to(dev), q)
+        out.append((Q.cpu(), q.scales.view(torch.uint8).cpu(), losses.sum().cpu()))
+    (qa, sa, la), (qb, sb, lb) = out
+    assert (qa == qb).float().mean() > 0.99 and (sa == sb).float().mean() > 0.99
+    torch.testing.assert_close(la, lb, rtol=1e-2, atol=0)
+
+
 def test_round_e2m1_is_encode_then_decode():
     """The one-pass rounding GPTQ uses per column equals encode_e2m1 + decode_e2m1, bit for bit:
     every midpoint and its float neighbours (ties to even), both signs, zeros, beyond 6."""
