@@ -65,6 +65,17 @@ def test_quantizer_mse_rule_is_the_converters(scaling):
         NVFP4Quantizer(g, scale_rule="max")
 
 
+def _layer(seed: int, rows: int, cols: int = 96, n: int = 1024):
+    """Low-rank inputs X [n, cols] with their GPTQ Hessian, weights W [rows, cols] with a few heavy
+    rows, and W's global scale."""
+    torch.manual_seed(seed)
+    X = torch.randn(n, 8) @ torch.randn(8, cols) + 0.2 * torch.randn(n, cols)
+    W = torch.randn(rows, cols) * 0.05 * (1 + 3 * torch.rand(rows, 1) ** 4)
+    gp = GPTQ(cols)
+    gp.add_batch(X)
+    return X, W, F.global_scale_from_amax(W.abs().amax()), gp
+
+
 @pytest.mark.parametrize("scaling", ["2d", "1d"])
 def test_gptq_with_searched_scales_beats_amax(scaling):
     """1x16 blocks: GPTQ choosing each block scale by the mse rule (from the weights as the sweep
@@ -72,12 +83,7 @@ def test_gptq_with_searched_scales_beats_amax(scaling):
     8 seeds of this layer). 16x16 blocks: no consistent gain (0.92-1.07x: the block's later columns
     are updated after its scale is fixed, and the searched scale leaves them less headroom), so only
     "both beat round-to-nearest with the artifact's own searched scales" is claimed there."""
-    torch.manual_seed(0)
-    X = torch.randn(1024, 8) @ torch.randn(8, 96) + 0.2 * torch.randn(1024, 96)
-    W = torch.randn(48, 96) * 0.05 * (1 + 3 * torch.rand(48, 1) ** 4)
-    g = F.global_scale_from_amax(W.abs().amax())
-    gp = GPTQ(96)
-    gp.add_batch(X)
+    X, W, g, gp = _layer(0, 48)
 
     def out_err(Q):
         return float((X @ (W - Q).t()).norm() / (X @ W.t()).norm())
@@ -154,12 +160,7 @@ def test_gptq_sweep_matches_the_textbook_loop():
     """The blocked sweep (the quantizer's 16-column groups, lazy group and block updates) ends where
     the textbook column-by-column loop ends: the same scales, the same codes for all but elements on
     a rounding midpoint (float summation order differs), blocks of 32 on 96 columns."""
-    torch.manual_seed(7)
-    X = torch.randn(512, 8) @ torch.randn(8, 96) + 0.2 * torch.randn(512, 96)
-    W = torch.randn(40, 96) * 0.05 * (1 + 3 * torch.rand(40, 1) ** 4)
-    g = F.global_scale_from_amax(W.abs().amax())
-    gp = GPTQ(96)
-    gp.add_batch(X)
+    _, W, g, gp = _layer(7, 40, n=512)
     q = NVFP4Quantizer(g, scaling="1d", scale_rule="mse")
     Q, _ = gp.quantize(W, q, blocksize=32)
     ref_q = NVFP4Quantizer(g, scaling="1d", scale_rule="mse")
