@@ -67,7 +67,6 @@ class GPTQ:
         quantizer.begin(Wt.t(), perm)
         H.diagonal().add_(percdamp * torch.mean(torch.diag(H)))
         Hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
-        Hinv = Hinv.contiguous()  # the sweep reads its rows
         Qt = torch.empty_like(Wt)
         Errt = torch.empty_like(Wt)  # (w - q) / Hinv[i, i] per column
         for b0 in range(0, K, blocksize):

@@ -69,46 +69,35 @@ class NVFP4Quantizer:
         self._s = torch.empty(k // BLOCK, n, dtype=torch.float32, device=W.device)
         self._rs = torch.empty_like(self._s)
         cols = perm if perm is not None else torch.arange(k, device=W.device)
-        self._grp = (cols // BLOCK).reshape(k // BLOCK, BLOCK).to(W.device)  # each sweep column's group
+        self._grp = (cols // BLOCK).reshape(k // BLOCK, BLOCK)  # each sweep column's group
         if not self.dynamic:  # act-order sweeps out of order: groups fixed up front
             orig = W[:, torch.argsort(perm)] if perm is not None else W
             self._fix(slice(None), self._block_scales(orig))
 
     def sweep(self, Wt: torch.Tensor, Hinv: torch.Tensor, c0: int, Qt: torch.Tensor, Errt: torch.Tensor) -> None:
-        """GPTQ's sweep over the 16 columns c0 .. c0+16 (rows of Wt = W^T in sweep order, as the sweep
-        has updated them): dynamic scales are fixed here from those columns, then each column is
-        rounded with its block's scale, (q * s) * g with q = rne_e2m1(w * ((1 / g) / s)) as
-        formats.nvfp4 computes it, and its error fed to the group's later columns
-        (_sweep_group). Writes Qt and Errt's rows c0 .. c0+16."""
+        """GPTQ's innermost loop, over the 16 columns c0 .. c0+16 (rows of Wt = W^T in sweep order, as
+        the sweep has updated them). Dynamic scales are fixed first, from those columns; then each
+        column c in order, its block's scale s and rs = (1 / g) / s (formats.nvfp4's numerics):
+
+            w = Wt[c] as the group's earlier columns updated it (in a copy: afterwards the sweep
+                reads only Qt and Errt)
+            Qt[c] = q = (rne_e2m1(w * rs) * s) * g;  Errt[c] = err = (w - q) / Hinv[c, c]
+            Wt[c'] -= Hinv[c, c'] * err for the group's later columns c'
+        """
         if self.dynamic:
             self._fix(c0 // BLOCK, self._block_scales(Wt[c0 : c0 + BLOCK].t())[:, 0])
-        _sweep_group(Wt, Hinv, c0, self._rs, self._s, self._grp[c0 // BLOCK], self.g, Qt, Errt)
+        grp = self._grp[c0 // BLOCK]  # each column's group (act-order mixes them)
+        rows_rs, rows_s = self._rs[grp], self._s[grp]  # [16, N]
+        T = Wt[c0 : c0 + BLOCK].clone()
+        d = Hinv.diagonal()[c0 : c0 + BLOCK]
+        for i in range(BLOCK):
+            w = T[i]
+            q = (round_e2m1(w * rows_rs[i]) * rows_s[i]) * self.g
+            Qt[c0 + i] = q
+            err = torch.sub(w, q, out=Errt[c0 + i]).div_(d[i])
+            if i + 1 < BLOCK:
+                T[i + 1 :].addr_(Hinv[c0 + i, c0 + i + 1 : c0 + BLOCK], err, alpha=-1)
 
     def pack(self, Q: torch.Tensor) -> NVFP4Tensor:
         """The fake-quantized sweep result as stored NVFP4 (codes re-derived exactly)."""
         return NVFP4Tensor(encode_with_scales(Q, self.scales, self.g), self.scales, self.g)
-
-
-def _sweep_group(Wt: torch.Tensor, Hinv: torch.Tensor, c0: int, rs: torch.Tensor, s: torch.Tensor,
-                 grp: torch.Tensor, g: torch.Tensor, Qt: torch.Tensor, Errt: torch.Tensor) -> None:
-    """GPTQ's innermost loop, over one 16-column group c0 .. c0+16 of Wt [K, N] (fp32, = W^T: a column
-    is a contiguous row), each column in order:
-
-        w = Wt[c] as the group's earlier columns updated it (in a copy: afterwards the sweep reads
-            only Qt and Errt)
-        Qt[c] = q = (round_e2m1(w * rs) * s) * g;  Errt[c] = err = (w - q) / Hinv[c, c]
-        Wt[c'] -= Hinv[c, c'] * err for the group's later columns c'
-
-    rs, s [K/16, N] fp32: per group and row, (1 / g) / scale and the scale; grp [16] (int, on
-    Wt's device): the group of each of the 16 columns (c // 16 without act-order); g: the
-    global scale (fp32, 0-d)."""
-    T = Wt[c0 : c0 + BLOCK].clone()
-    d = Hinv.diagonal()[c0 : c0 + BLOCK]
-    rows_rs, rows_s = rs[grp], s[grp]  # [16, N]
-    for i in range(BLOCK):
-        w = T[i]
-        q = (round_e2m1(w * rows_rs[i]) * rows_s[i]) * g
-        Qt[c0 + i] = q
-        err = torch.sub(w, q, out=Errt[c0 + i]).div_(d[i])
-        if i + 1 < BLOCK:
-            T[i + 1 :].addr_(Hinv[c0 + i, c0 + i + 1 : c0 + BLOCK], err, alpha=-1)
