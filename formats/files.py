@@ -104,6 +104,14 @@ def replace_by_rename(tmp: Path, out: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def replace_text(path: Path, text: str) -> None:
+    """``path``'s new text, written beside it and renamed over it: a reader (or a killed writer)
+    leaves the old file or the new one, never half of one."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def sweep_leftovers(out: Path) -> None:
     """Remove temp folders a killed run left beside ``out`` (their process is gone)."""
     pattern = re.compile(rf"^\.{re.escape(out.name)}\.(tmp|old|gguf|src)-(\d+)-[0-9a-f]{{8}}$")

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import shutil
 from dataclasses import MISSING, fields
 from pathlib import Path
@@ -17,7 +16,7 @@ from safetensors.torch import load_file
 
 from pact.formats import PactError
 from pact.formats.errors import write_error
-from pact.formats.files import atomic_folder, save_safetensors
+from pact.formats.files import atomic_folder, replace_text, save_safetensors
 from pact.formats.peft import load_peft_adapter, save_peft_adapter
 
 from .config import PATH_FIELDS, TrainConfig, _absolute
@@ -181,6 +180,4 @@ def _truncate_metrics(path: Path, step: int) -> None:
 
     raw = path.read_bytes().decode("utf-8", errors="replace")
     keep = [line for line in raw.splitlines() if (n := step_of(line)) is not None and n <= step]
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(line + "\n" for line in keep))
-    os.replace(tmp, path)
+    replace_text(path, "".join(line + "\n" for line in keep))

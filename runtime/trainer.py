@@ -25,7 +25,7 @@ import torch
 from tqdm.auto import tqdm
 
 from pact.formats import PactError
-from pact.formats.files import atomic_folder, recover_aside
+from pact.formats.files import atomic_folder, recover_aside, replace_text
 from pact.formats.peft import reserve_peft_adapter, save_peft_adapter
 
 from .autorecipe import (
@@ -234,13 +234,10 @@ def _setup(cfg: TrainConfig, run: Path, resume: bool, dist: Dist, device: str | 
 def _write_run_config(run: Path, cfg: TrainConfig, model: PactModel, dist: Dist, state: dict) -> None:
     """RUN/train_config.json (rank 0): the config, the recipe the model runs, the world, the inputs'
     fingerprints and --activations auto's choice once made; written beside and renamed in."""
-    path = run / "train_config.json"
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps({
+    replace_text(run / "train_config.json", json.dumps({
         **cfg.as_json(), "recipe": model.recipe.as_json(), "world_size": dist.world,
         "global_batch": cfg.batch_size * dist.world * cfg.grad_accum, "inputs_sha256": state["inputs"],
         **({"recipe_auto": state["recipe_auto"]} if "recipe_auto" in state else {})}, indent=2) + "\n")
-    os.replace(tmp, path)
 
 
 def _step(r: _Run, cfg: TrainConfig, micro: list) -> dict:
