@@ -190,6 +190,16 @@ def test_gptq_on_the_gpu_matches_the_cpu():
     torch.testing.assert_close(la, lb, rtol=1e-2, atol=0)
 
 
+def test_gptq_refuses_columns_or_blocks_off_the_16_grid():
+    q = NVFP4Quantizer(torch.tensor(0.01), scaling="1d")
+    with pytest.raises(ValueError, match="groups of 16 columns: got 40 columns, blocksize 128"):
+        GPTQ(40).quantize(torch.randn(8, 40), q)
+    gp = GPTQ(64)
+    gp.add_batch(torch.randn(32, 64))
+    with pytest.raises(ValueError, match="got 64 columns, blocksize 24"):
+        gp.quantize(torch.randn(8, 64), q, blocksize=24)
+
+
 def test_round_e2m1_is_encode_then_decode():
     """The one-pass rounding GPTQ uses per column equals encode_e2m1 + decode_e2m1, bit for bit:
     every midpoint and its float neighbours (ties to even), both signs, zeros, beyond 6."""
