@@ -10,7 +10,8 @@
 #          METHODS (PEFT on the GGUF's and on the artifact's weights, pact fp8 and bf16-decode; a method's
 #          :WEIGHTS suffix converts that weight variant first, a +gptq.. suffix calibrates it per task,
 #          CALIB_WORKERS processes per GPU), WORKERS processes per GPU splitting the grid, seeds first,
-#          until BUDGET seconds (which starts after the artifacts are made)
+#          until BUDGET seconds (which starts after the artifacts are made); scoring in batches of EVAL_BATCH
+#          (16: 14 workers scoring 64 rows at once ran the GPU out of memory)
 #   tasks2 (no carry):       the same at lr 2e-4; the table covers both calls' rows
 #   big (carry .gg1):       stash the first half; 3B and 8B shapes under a 16 GiB cap, pact vs its peers
 #   merge (carry .gg2 .fid): bench_merge.py on MERGE_TASKS x SEEDS, one process per (task, seed)
@@ -32,7 +33,7 @@ grid() {  # $1 lrs, $2 tasks, $3.. methods: WORKERS processes per GPU split the 
   for k in $(seq 0 $(( n - 1 ))); do
     CUDA_VISIBLE_DEVICES=$(( k % NGPU )) OMP_NUM_THREADS=1 timeout $(( DEADLINE - $(date +%s) )) \
       python3 benchmarks/bench_fidelity.py tasks --workdir /tmp/wd --tasks $tasks --seeds ${SEEDS// /,} \
-      --lrs $lrs "${args[@]}" --shard $k/$n --csv /tmp/rows/$RUN-$k.csv > /tmp/rows/$RUN-$k.log 2>&1 &
+      --lrs $lrs --eval-batch ${EVAL_BATCH:-16} "${args[@]}" --shard $k/$n --csv /tmp/rows/$RUN-$k.csv > /tmp/rows/$RUN-$k.log 2>&1 &
   done
   wait
 }
