@@ -30,7 +30,11 @@ converter's defaults (`:1d-mse`); `-keepPCT` after it keeps PCT% of the projecti
 `:1d-mse+gptq` is that artifact after `pact-calibrate` on 128 of the task's own training texts
 (prompt + completion, <= 128 tokens) with the artifact's block-scale rule, `+gptq-amax` the same
 with amax block scales, `+gptq-actorder` with act-order (static scales), `+gptq-generic` calibrated on
-Rotten Tomatoes plot summaries for every task.
+Rotten Tomatoes plot summaries for every task. `+llmc-gptq` is the peer calibration: llm-compressor's
+NVFP4 GPTQ (llmc_nvfp4.py, its defaults: act-order, static scales) of the GGUF's bf16 folder on the
+same 128 task texts, imported as stored (it ignores the conversion options: llm-compressor quantizes
+from the bf16 source; write it `:1d-mse+llmc-gptq`). It needs llmcompressor and its dependencies
+where this runs (the device: the `.whl3` wheels, pip install --no-index --no-deps --target /tmp/site).
 `prepare` makes them before a grid's workers start. `--shard I/N` splits one grid between N
 worker processes (each keeps its imports, compiled kernels and tokenized tasks between runs).
 """
@@ -58,13 +62,16 @@ WEIGHT_VARIANTS = ("2d", "1d", "2d-mse", "1d-mse")  # -> pact-convert --scaling 
 # a variant may end in -keepPCT: pact-convert --keep-bf16 PCT/100 (that share of projections, largest error first)
 DEFAULT_VARIANT = "1d-mse"  # pact-convert's defaults
 # a weight variant may end in +CALIBRATION: pact-calibrate on CALIB_SAMPLES texts of <= CALIB_LEN tokens
-CALIBRATIONS = {  # -> (calibration texts, --block-scales, --act-order)
+CALIBRATIONS = {  # -> (calibration texts, --block-scales, --act-order); llmc-*: (texts, None, None)
     "gptq": ("task", "auto", False),  # the task's own training texts, the artifact's block-scale rule
     # the same with amax block scales (calibrate's rule before it followed the artifact)
     "gptq-amax": ("task", "amax", False),
     # act-order, static scales (llm-compressor's default; carried over to other text on the CPU)
     "gptq-actorder": ("task", "auto", True),
     "gptq-generic": ("generic", "auto", False),  # Rotten Tomatoes plot summaries, the same for every task
+    # the peer: llm-compressor's NVFP4 GPTQ (llmc_nvfp4.py gptq) of the GGUF's bf16 folder on the task's
+    # texts, imported as stored; the conversion options do not apply (it quantizes from the bf16 source)
+    "llmc-gptq": ("task", None, None),
 }
 CALIB_SAMPLES, CALIB_LEN = 128, 128
 # diagnostics: the MLP's RMSNorm output, saved as the recipe says, read exactly by one of its two readers
@@ -382,15 +389,66 @@ def method_artifact(workdir: Path, gguf: Path, weights: str, task: str, bigbench
     from pact.calibrate import calibrate
 
     conv, calib = split_variant(weights)
-    base = variant_artifact(workdir, gguf, conv)
     if calib is None:
-        return base
+        return variant_artifact(workdir, gguf, conv)
     kind, rule, actorder = CALIBRATIONS[calib]
     prompts = calibration_prompts(workdir, task, kind, bigbench)
     out = workdir / f"smollm2-135m-nvfp4-{conv}-{calib}{'' if kind == 'generic' else '-' + task}"
+    if calib.startswith("llmc-"):
+        from bench_accuracy import _bf16_folder
+
+        return llmc_artifact(_bf16_folder(gguf), prompts, out, calib.removeprefix("llmc-"))
+    base = variant_artifact(workdir, gguf, conv)
     return Path(cached_artifact(out, lambda p: calibrate(str(base), prompts, p, max_samples=CALIB_SAMPLES,
                                                          seq_len=CALIB_LEN, block_scales=rule, actorder=actorder,
                                                          overwrite=p.exists(), progress=False)))
+
+
+def llmc_artifact(folder: Path, prompts: Path, out: Path, kind: str = "gptq") -> Path:
+    """llm-compressor's NVFP4 ``kind`` (gptq | rtn) of the bf16 HF ``folder`` on the first
+    CALIB_SAMPLES texts of ``prompts`` (<= CALIB_LEN tokens each, as pact-calibrate reads them),
+    imported as stored into ``out`` (cached). llmc_nvfp4.py runs as a child of this python (the
+    same site-packages: /tmp/site on the device), its output kept in OUT.llmc.log beside ``out``."""
+    import importlib.util
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    from pact.assets.sentiment import cached_artifact
+    from pact.convert import convert
+
+    def make(p: Path) -> Path:
+        missing = [m for m in ("llmcompressor", "datasets") if importlib.util.find_spec(m) is None]
+        if missing:
+            raise click.ClickException(
+                f"+llmc-{kind}: {', '.join(missing)} not importable by {sys.executable}. On the device, carry the "
+                "`.whl3` wheels (llmcompressor 0.14.0.1, compressed-tensors 0.19.0, datasets and their deps) and "
+                "`pip install --no-index --no-deps --target /tmp/site --upgrade .whl3/*.whl` (run_h200_fidelity.sh "
+                "`tasks` does); here: pip install llmcompressor==0.14.0.1 (it pins transformers <= 5.17: best "
+                "in its own venv)")
+        tmp = out.with_name(f".{out.name}.llmc.{os.getpid()}")
+        log = out.with_name(out.name + ".llmc.log")
+        shutil.rmtree(tmp, ignore_errors=True)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, str(Path(__file__).with_name("llmc_nvfp4.py")), str(folder), str(prompts), str(tmp),
+               kind, str(CALIB_SAMPLES), str(CALIB_LEN)]
+        t = time.perf_counter()
+        with open(log, "w") as f:
+            f.write(" ".join(cmd) + "\n")
+            f.flush()
+            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT).returncode
+        if rc != 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tail = "".join(open(log).readlines()[-15:])
+            raise click.ClickException(f"llmc_nvfp4.py {kind} exited {rc} after {time.perf_counter() - t:.0f} s "
+                                       f"(log: {log}):\n{tail}")
+        try:
+            return convert(str(tmp), p, overwrite=p.exists(), progress=False)  # NVFP4 as stored
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    return Path(cached_artifact(out, make))
 
 
 def variant_artifact(workdir: Path, gguf: Path, variant: str) -> Path:

