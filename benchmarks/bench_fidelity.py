@@ -20,9 +20,11 @@ sees the same batches in the same order for a seed; SmolLM2-135M-Instruct from i
 bench_accuracy.py). Methods: `peft` (transformers + PEFT on the GGUF dequantized to bf16) and
 `peft@nvfp4` (the same on the RTN artifact's weights dequantized to bf16: the weight format's share),
 `pact=RECIPE` (pact-train on the RTN artifact, `--activations RECIPE`, `--compute auto`) or
-`pact@COMPUTE=RECIPE` (the same with `--compute COMPUTE`); `pact~PROBE=RECIPE` patches one reader of
-the gate_up site's saved copy to read the exact rows instead (`PROBES`: a diagnostic of which
-reader a saved copy bends, never a mode of pact-train). A method may end in `:WEIGHTS`, one of
+`pact@COMPUTE=RECIPE` (the same with `--compute COMPUTE`), `pact%LAYERS=RECIPE` (with
+`--lora-layers LAYERS`, `topN` for `top:N`: `pact%top8=mixed` puts adapters on the 8 last blocks
+only); `pact~PROBE=RECIPE` patches one reader of the gate_up site's saved copy to read the exact
+rows instead (`PROBES`: a diagnostic of which reader a saved copy bends, never a mode of
+pact-train). A method may end in `:WEIGHTS`, one of
 `WEIGHT_VARIANTS` (scaling, then `-mse` for searched block scales): the same on an artifact
 converted that way (`pact-convert --scaling 2d --block-scales amax` is `:2d`); without it, the
 converter's defaults (`:1d-mse`); `-keepPCT` after it keeps PCT% of the projections in bf16
@@ -548,15 +550,18 @@ def tasks(workdir, bigbench, tasks, methods, lrs, seeds, steps, eval_batch, shar
             base, variant = split_method(method)
             art = artifact(variant, task)
             head, _, spec = base.partition("=")
+            head, _, layers = head.partition("%")  # pact%top8=RECIPE: --lora-layers top:8 (last in the head)
             probe = head.partition("~")[2] or None
             compute = head.partition("~")[0].partition("@")[2] or None
-            run = workdir / "fidelity-runs" / (f"{task}-{head}-{spec.replace(',', '+').replace('*', 'all')}"
+            name, layers = head + (f"-{layers}" if layers else ""), _lora_layers(layers)
+            run = workdir / "fidelity-runs" / (f"{task}-{name}-{spec.replace(',', '+').replace('*', 'all')}"
                                                f"-{variant or DEFAULT_VARIANT}-lr{lr:g}-s{seed}-st{steps}")
             shutil.rmtree(run, ignore_errors=True)
             with gate_up_probe(probe):
                 train(TrainConfig(artifact=str(art), data=str(train_f), out=str(run), steps=steps, batch_size=BATCH,
                                   max_len=MAX_LEN, lr=lr, lora_r=RANK, lora_alpha=ALPHA, warmup_ratio=WARMUP,
-                                  seed=seed, compute=compute, activations=spec), progress=False)
+                                  seed=seed, compute=compute, activations=spec, lora_layers=layers),
+                      progress=False)
             losses = [json.loads(x)["loss"] for x in open(run / "metrics.jsonl")]
             loss = statistics.mean(losses[-25:])
             acc = evaluate_artifact(str(art), str(test_f), adapter=str(run), max_len=MAX_LEN, batch_size=eval_batch,
@@ -573,12 +578,30 @@ def tasks(workdir, bigbench, tasks, methods, lrs, seeds, steps, eval_batch, shar
         tmp.replace(csv_path)
 
 
+def _lora_layers(spec: str) -> str:
+    """A method's %LAYERS as --lora-layers: '' -> all, top8 -> top:8 (a colon would end the method's
+    name), A-B as it is."""
+    return "all" if not spec else f"top:{spec[3:]}" if spec.startswith("top") else spec
+
+
+def _layers_ok(spec: str) -> bool:
+    from pact.formats.peft import parse_layers
+
+    try:
+        parse_layers(_lora_layers(spec), None)
+    except Exception:
+        return False
+    return True
+
+
 def _check_methods(methods) -> None:
     for method in methods:
         base, variant = split_method(method)
         try:
-            probe = base.partition("=")[0].partition("~")[2]
-            ok = base in ("peft", "peft@nvfp4") or base.startswith(("pact=", "pact@", "pact~"))
+            head, _, layers = base.partition("=")[0].partition("%")
+            probe = head.partition("~")[2]
+            ok = base in ("peft", "peft@nvfp4") or base.startswith(("pact=", "pact@", "pact~", "pact%"))
+            ok = ok and (not layers or bool(_layers_ok(layers)))
             ok = ok and (not probe or probe in PROBES)
             ok = ok and not (variant and base == "peft") and (not variant or split_variant(variant))
             ok = ok and not (base == "peft@nvfp4" and "+" in variant)
@@ -586,7 +609,8 @@ def _check_methods(methods) -> None:
             ok = False
         if not ok:
             raise click.BadParameter(
-                f"{method!r}: peft, peft@nvfp4, pact[@COMPUTE][~PROBE]=RECIPE (PROBE: {', '.join(PROBES)}), "
+                f"{method!r}: peft, peft@nvfp4, pact[@COMPUTE][~PROBE][%LAYERS]=RECIPE (PROBE: {', '.join(PROBES)}; "
+                f"LAYERS: --lora-layers, top8 for top:8, or A-B), "
                 f"the last two optionally "
                 f":WEIGHTS ({', '.join(WEIGHT_VARIANTS)}), pact's optionally followed by +CALIBRATION "
                 f"({', '.join(CALIBRATIONS)})", param_hint="--methods")
