@@ -16,8 +16,7 @@
 #          (16: 14 workers scoring 64 rows at once ran the GPU out of memory)
 #   tasks2 (no carry):       the same at lr 2e-4; the table covers both calls' rows
 #   big (carry .gg1):       stash the first half; 3B and 8B shapes under a 16 GiB cap, pact vs its peers
-#   merge (carry .gg2 .fid): bench_merge.py on MERGE_TASKS x SEEDS, one process per (task, seed); MA_STEPS=N:
-#          each also trains a run with --merge-aware-steps N and scores its plain merge
+#   merge (carry .gg2 .fid): bench_merge.py on MERGE_TASKS x SEEDS, one process per (task, seed)
 #   packing (no carry, after tasks or merge): bench_packing.py on PACK_TASKS (comma-separated); CALIB_SMOL=1:
 #          one SmolLM2 GPTQ calibration alone, its time
 set -uo pipefail
@@ -162,7 +161,6 @@ merge)  # (carry .gg2 .fid) what merged exports keep of the adapter's gain: one 
 print(*f('$t', Path('/tmp/wd'), None))")
     for s in $SEEDS; do
       args="--name $t --artifact $ART --train $tr --test $te --workdir /tmp/mg/$t --seeds $s --lr ${LR:-5e-4}"
-      [ -n "${MA_STEPS:-}" ] && args="$args --merge-aware-steps $MA_STEPS"  # also a merge-aware run per seed
       if [ "${MERGE_PHASE:-all}" != merge ] && [ ! -f /tmp/mg/$t/seed$s/run/adapter_model.safetensors ]; then
         CUDA_VISIBLE_DEVICES=$(( s % NGPU )) OMP_NUM_THREADS=1 timeout $(( DEADLINE - $(date +%s) )) python3 \
           benchmarks/bench_merge.py run $args --train-only > /tmp/rows/train-$t-$s.log 2>&1 &
