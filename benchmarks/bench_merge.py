@@ -1,9 +1,7 @@
 """What a merged NVFP4 export keeps of what the adapter learned: held-out accuracy of zero-shot,
 the NVFP4 base + adapter unmerged (pact, the reference: 100% of the gain), the plain
 re-quantizing merge (`pact-export --merge --merge-method rtn`), the GPTQ merge (`--merge`, its
-default for an ordinary run), the bf16 merge (`--format bf16`, scored by PEFT-free transformers),
-and with --merge-aware-steps N a second run per seed whose last N steps trained the merged,
-re-quantized weights, merged plainly (its gain kept is taken against the ordinary run's).
+default) and the bf16 merge (`--format bf16`, scored by PEFT-free transformers).
 
     python benchmarks/bench_merge.py run --artifact ART --train train.jsonl --test test.jsonl --seeds 0 \\
         --workdir W [--name rt --steps 250 --lr 5e-4 --limit 200 --json-out rows.json]
@@ -83,11 +81,8 @@ def cli() -> None:
 @click.option("--merge-samples", default=128, show_default=True, help="The GPTQ merge's texts (gptq_merge).")
 @click.option("--merge-damp", default=0.01, show_default=True, help="The GPTQ merge's damping.")
 @click.option("--merge-act-order", is_flag=True, help="The GPTQ merge in act-order (scales fixed up front).")
-@click.option("--merge-aware-steps", default=0, show_default=True,
-              help="Also train each seed with pact-train --merge-aware-steps N (run-ma/) and score its plain "
-                   "merge (`ma`), against the ordinary run's unmerged accuracy (0: not run).")
 def run(name, artifact, train_f, test_f, workdir, seeds, steps, lr, max_len, limit, json_out, reuse_runs,
-        train_only, variants, merge_samples, merge_damp, merge_act_order, merge_aware_steps) -> None:
+        train_only, variants, merge_samples, merge_damp, merge_act_order) -> None:
     """Train each seed, then score zero-shot, unmerged and every merge of its adapter."""
     import importlib.util
 
@@ -109,29 +104,21 @@ def run(name, artifact, train_f, test_f, workdir, seeds, steps, lr, max_len, lim
 
     rows = []
     zero = None if train_only else acc(artifact)
-    def trained(run: Path, seed: int, ma: int) -> bool:  # True: trained now (False: reused)
-        if reuse_runs and (run / "adapter_model.safetensors").is_file():
-            return False
-        shutil.rmtree(run, ignore_errors=True)
-        train(TrainConfig(artifact=str(artifact), data=str(train_f), out=str(run), steps=steps, batch_size=8,
-                          max_len=max_len, lr=lr, lora_r=16, lora_alpha=32, warmup_ratio=0.1, seed=seed,
-                          merge_aware_steps=ma), progress=False)
-        return True
-
     for seed in (int(s) for s in seeds.split(",")):
         d = workdir / f"seed{seed}"
         run = d / "run"
         t = time.perf_counter()
-        train_s = round(time.perf_counter() - t, 1) if trained(run, seed, 0) else None
-        t_ma = time.perf_counter()
-        if merge_aware_steps:
-            trained(d / "run-ma", seed, merge_aware_steps)
-        t_ma = time.perf_counter() - t_ma
+        reuse = reuse_runs and (run / "adapter_model.safetensors").is_file()
+        if not reuse:
+            shutil.rmtree(run, ignore_errors=True)
+            train(TrainConfig(artifact=str(artifact), data=str(train_f), out=str(run), steps=steps, batch_size=8,
+                              max_len=max_len, lr=lr, lora_r=16, lora_alpha=32, warmup_ratio=0.1, seed=seed),
+                  progress=False)
         if train_only:
             click.echo(f"{name} seed {seed}: trained in {time.perf_counter() - t:.0f} s")
             continue
         row = {"task": name, "lr": lr, "seed": seed, "zero_shot": zero,
-               "train_s": train_s, "unmerged": acc(artifact, str(run))}
+               "train_s": None if reuse else round(time.perf_counter() - t, 1), "unmerged": acc(artifact, str(run))}
         for how in [h for h in ("rtn", "gptq") if h in variants.split(",")]:
             t = time.perf_counter()
             solver = None if how == "rtn" else (lambda a, r: gptq_merge(
@@ -148,17 +135,11 @@ def run(name, artifact, train_f, test_f, workdir, seeds, steps, lr, max_len, lim
                 errs = summary["output_error"].values()
                 row["layer_error_plain_vs_gptq"] = [statistics.median(e["plain"] for e in errs),
                                                     statistics.median(e["gptq"] for e in errs)]
-        if merge_aware_steps:  # the merge-aware run's plain merge (export's auto for such a run)
-            t = time.perf_counter()
-            export(str(artifact), d / "ct-ma", adapter=str(d / "run-ma"), merge=True, overwrite=True)
-            back = convert(str(d / "ct-ma"), d / "art-ma", overwrite=True, progress=False)
-            row.update(merge_aware_steps=merge_aware_steps, ma_train_s=round(t_ma, 1), merged_ma=acc(back),
-                       ma_total_s=round(time.perf_counter() - t, 1))
         if "bf16" in variants.split(","):
             export(str(artifact), d / "bf16", fmt="bf16", adapter=str(run), overwrite=True)
             row["merged_bf16"] = _score_hf(d / "bf16", test, max_len, 0)
         gain = row["unmerged"] - zero
-        for k in (k for k in ("merged_rtn", "merged_gptq", "merged_bf16", "merged_ma") if k in row):
+        for k in (k for k in ("merged_rtn", "merged_gptq", "merged_bf16") if k in row):
             row[k.replace("merged", "kept")] = round((row[k] - zero) / gain, 3) if gain else None
         rows.append(row)
         click.echo(json.dumps(row))
@@ -184,7 +165,7 @@ def table(files) -> None:
     for r in rows:
         by.setdefault(f"{r.get('task', '')} (lr {r.get('lr', '')})", []).append(r)
     # gptq-seq: a removed method (BENCHMARKS.md re-tables its rows)
-    names = {"rtn": "plain", "gptq": "GPTQ", "gptq-seq": "GPTQ-seq", "ma": "merge-aware + plain", "bf16": "bf16"}
+    names = {"rtn": "plain", "gptq": "GPTQ", "gptq-seq": "GPTQ-seq", "bf16": "bf16"}
     shown = [v for v in names if any(f"merged_{v}" in r for r in rows)]
     paired = [v for v in shown if v != "bf16"]
     hf = any("merged_gptq_hf" in r for r in rows)

@@ -24,12 +24,10 @@ from .common import cli_errors
                    "quantized bases), or merged (bf16, or --merge).")
 @click.option("--merge", is_flag=True, help="Fold the adapter into the weights and re-quantize them to NVFP4 "
                                             "(the added error per projection is printed).")
-@click.option("--merge-method", type=click.Choice(["auto", "gptq", "rtn"]), default="auto", show_default=True,
+@click.option("--merge-method", type=click.Choice(["gptq", "rtn"]), default="gptq", show_default=True,
               help="gptq: re-quantize W + BA by GPTQ on the layer inputs the trained model produces on "
                    "--merge-data, which keeps what the adapter learned; "
-                   "rtn: round to nearest (faster; a delta below half an NVFP4 step is lost, unless the run "
-                   "trained the rounded weights: pact-train --merge-aware-steps); "
-                   "auto: rtn for a --merge-aware-steps run, else gptq.")
+                   "rtn: round to nearest (faster; a delta below half an NVFP4 step is lost).")
 @click.option("--merge-data", default=None, type=click.Path(dir_okay=True),
               help="Texts like the training data for --merge-method gptq (JSONL as pact-train reads it). "
                    "Default: the run's --data, as its train_config.json records it.")
@@ -42,8 +40,6 @@ from .common import cli_errors
 def main(artifact, out, fmt, adapter, merge, merge_method, merge_data, merge_samples, overwrite, quiet) -> None:
     """Export ARTIFACT (with --adapter) for inference."""
     solver = None
-    if merge_method == "auto":
-        merge_method = "rtn" if adapter and _run_config(adapter).get("merge_aware_steps") else "gptq"
     if merge_method == "gptq":
         def solver(art_path, run):  # called by export once every input is checked
             from pact.calibrate.merge import gptq_merge
@@ -62,18 +58,6 @@ def main(artifact, out, fmt, adapter, merge, merge_method, merge_data, merge_sam
     click.echo(json.dumps(r, indent=2))
 
 
-def _run_config(adapter: str) -> dict:
-    """A pact-train run's train_config.json ({} for an adapter from elsewhere, or one unreadable:
-    export's own checks of the adapter name what is wrong with it)."""
-    from pathlib import Path
-
-    try:
-        cfg = json.loads((Path(adapter) / "train_config.json").read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return {}
-    return cfg if isinstance(cfg, dict) else {}
-
-
 def _run_data(adapter: str) -> str:
     """The training data a pact-train run recorded (its train_config.json), checked to exist."""
     from pathlib import Path
@@ -81,7 +65,7 @@ def _run_data(adapter: str) -> str:
     from pact.formats import PactError
 
     cfg = Path(adapter) / "train_config.json"
-    data = _run_config(adapter).get("data")
+    data = json.loads(cfg.read_text()).get("data") if cfg.is_file() else None
     if not data or not Path(data).exists():
         where = f"the run's --data ({data}) is not there" if data else f"{cfg} does not name the training data"
         raise PactError(f"--merge-method gptq needs texts like the training data and {where}: pass --merge-data FILE, "

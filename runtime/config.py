@@ -82,10 +82,6 @@ class TrainConfig:
                     "parameter) instead of re-encoding them from NVFP4 at every GEMM; same numbers, faster steps.",
         choices=FP8_WEIGHTS)
     activations: str | None = _opt(None, RECIPE_HELP, metavar="RECIPE")
-    merge_aware_steps: int = _opt(
-        0, "Train the last N steps on W + BA re-quantized to NVFP4 as a merged export holds it (straight-"
-           "through gradients), so `pact-export --merge` keeps what the adapter learned; such a run's merge "
-           "rounds to nearest by default (0: off).")
     checkpoint: bool = _opt(False, "Recompute each decoder layer in backward (less memory, ~1/3 more compute).",
                             aliases=("--gradient-checkpointing",))
     device: str | None = _opt(None, "cuda, cuda:1, cpu (default: cuda if available).")
@@ -117,8 +113,6 @@ class TrainConfig:
             ("early-stopping-patience", self.early_stopping_patience, self.early_stopping_patience >= 0,
              ">= 0 (0: never stop early)"),
             ("max-len", self.max_len, self.max_len >= 2, ">= 2 (a prompt token and a completion token)"),
-            ("merge-aware-steps", self.merge_aware_steps, self.merge_aware_steps >= 0,
-             ">= 0 (the last N steps train the merged weights; 0: off)"),
         )
         for flag, value, ok, want in checks:
             if not ok:

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pact.formats.nvfp4 import NVFP4Tensor, dequantize, global_scale_from_amax, quantize
+from pact.formats.nvfp4 import NVFP4Tensor
 
 from .ops.rows import DenseRows, E4M3Rows
 from .recipe import Site, parse_recipe
@@ -61,9 +61,6 @@ class FrozenGroup:
     dense: torch.Tensor | None = None
     bias: torch.Tensor | None = None
     loras: list[Lora | None] = field(default_factory=list)
-    # merge-aware training (--merge-aware-steps): the forward reads W + s B A re-quantized to NVFP4
-    # with these block scales, as `pact-export --merge --merge-method rtn` writes it; None: off
-    merge_rule: str | None = None
 
     def lora_params(self) -> list[torch.nn.Parameter]:
         return [p for lo in self.loras if lo is not None for p in (lo.A, lo.B)]
@@ -90,20 +87,6 @@ def _a_cat(g: FrozenGroup, dtype) -> torch.Tensor:
     return torch.cat([lo.A for lo in g.loras if lo is not None]).to(dtype)
 
 
-def requantized_merge(g: FrozenGroup, rule: str) -> torch.Tensor:
-    """The group's weights [N, K] (fp32) as a merged NVFP4 export holds them: each adapted member's
-    W + s * B A (export's ``merged_weight``: W decoded in fp32, B A in fp32), every member re-quantized
-    with 1x16 blocks under one global scale from the members' amax (vLLM fuses q|k|v and gate|up),
-    ``rule``'s block scales, decoded. The same numbers as the plain merge (tests/test_merge_aware.py)."""
-    W, parts, off = dequantize(g.weight), [], 0
-    for lo, n in zip(g.loras, g.sizes):
-        w = W[off : off + n]
-        off += n
-        parts.append(w if lo is None else w + lo.scale * (lo.B.detach().float() @ lo.A.detach().float()))
-    gs = global_scale_from_amax(torch.stack([p.abs().amax() for p in parts]).amax())
-    return torch.cat([dequantize(quantize(p, global_scale=gs, scaling="1d", scale_rule=rule)) for p in parts])
-
-
 def project(ops, g: FrozenGroup, a, x_hat: torch.Tensor, a_hat: torch.Tensor | None = None
             ) -> tuple[torch.Tensor, list, list]:
     """Frozen GEMM (+bias) + LoRA per member. Returns y [T,N] bf16, saved xa's, dropout seeds.
@@ -111,16 +94,9 @@ def project(ops, g: FrozenGroup, a, x_hat: torch.Tensor, a_hat: torch.Tensor | N
     ``a`` is the GEMM's operand (NVFP4 rows, or DenseRows), ``a_hat`` its bf16 value when already
     decoded, ``x_hat`` the LoRA branch's bf16 input (runtime/recipe.py: the same, or unquantized).
     Without dropout, one GEMM computes every member's xa and each member's update is added
-    into its slice of y by cuBLAS (addmm, alpha = scale): no [T, N_i] temporaries.
-
-    Merge-aware (``g.merge_rule``): y is the GEMM with the re-quantized merged weights instead, and
-    backward stays LoRA's (straight-through: the rounding is taken as the identity)."""
-    merged = g.merge_rule is not None and g.weight is not None and any(lo is not None for lo in g.loras)
+    into its slice of y by cuBLAS (addmm, alpha = scale): no [T, N_i] temporaries."""
     a_val = a.data if isinstance(a, DenseRows) and a.fp8 is None else a  # with an E4M3 copy: the fp8 GEMM reads it
-    if merged:
-        dense_a = a.data if isinstance(a, DenseRows) else a_hat if a_hat is not None else ops.dequant_rows(a)
-        y = dense_a @ requantized_merge(g, g.merge_rule).to(dense_a.dtype).t()
-    elif g.weight is not None:
+    if g.weight is not None:
         y = ops.nvfp4_gemm(a_val, g.weight, a_hat)
     else:
         dense_a = a.data if isinstance(a, DenseRows) else a_hat if a_hat is not None else ops.dequant_rows(a)
@@ -143,7 +119,7 @@ def project(ops, g: FrozenGroup, a, x_hat: torch.Tensor, a_hat: torch.Tensor | N
             xas.append(None if lo is None else xd @ lo.A.to(x_hat.dtype).t())
     off = 0
     for lora, n, xa in zip(g.loras, g.sizes, xas):
-        if lora is not None and not merged:
+        if lora is not None:
             y[:, off : off + n].addmm_(xa, lora.B.to(x_hat.dtype).t(), alpha=lora.scale)
         off += n
     return y, xas, seeds

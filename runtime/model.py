@@ -18,7 +18,6 @@ from torch import nn
 
 from pact.formats import Artifact, PactError
 from pact.formats.families import FAMILIES, check_config, family_spec
-from pact.formats.nvfp4 import SCALE_RULES
 from pact.formats.peft import LoraConfig
 
 from .bind import Layer, bind
@@ -122,18 +121,6 @@ class PactModel(nn.Module):
         self.first_adapted = min((i for i, L in enumerate(self.layers)
                                   if any(lo is not None for g in (L.qkv, L.o, L.gate_up, L.down) for lo in g.loras)),
                                  default=0)
-
-    def merge_aware(self, on: bool = True) -> None:
-        """From now on (``on``) every adapted NVFP4 group computes its forward with W + s B A
-        re-quantized as a plain merged export holds it (`--merge-aware-steps`), or again with the
-        base and the adapter apart. The block-scale rule is the artifact's, as pact-export's."""
-        rule = (self.artifact.meta.get("provenance") or {}).get("block_scales", "amax") if on else None
-        if rule is not None and rule not in SCALE_RULES:
-            raise PactError(f"{self.artifact.path}/zarr.json: provenance block_scales {rule!r} is not one of "
-                            f"{', '.join(SCALE_RULES)}: re-run pact-convert")
-        for L in self.layers:
-            for g in (L.qkv, L.o, L.gate_up, L.down):
-                g.merge_rule = rule
 
     @contextlib.contextmanager
     def observing(self, observe):

@@ -190,9 +190,6 @@ def _setup(cfg: TrainConfig, run: Path, resume: bool, dist: Dist, device: str | 
         log.info("--packing: %d examples in %d rows of <= %d tokens", n, len(examples), cfg.max_len)
     per_epoch = math.ceil(math.ceil(len(examples) / (cfg.batch_size * dist.world)) / cfg.grad_accum)
     total = cfg.steps or max(1, math.ceil(cfg.epochs * per_epoch))
-    if cfg.merge_aware_steps > total:
-        raise PactError(f"--merge-aware-steps {cfg.merge_aware_steps} is more than the run's {total} steps: pass at "
-                        f"most {total} (a fifth of the steps, say)")
     params = list(model.lora_params.values())
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, foreach=ses.device.type == "cuda")
     state = {"step": 0, "epoch": 0, "pos": 0, "tokens": 0}
@@ -387,8 +384,6 @@ def _train(cfg: TrainConfig, run: Path, resume: bool, progress: bool, stop_after
         while state["step"] < r.total:
             if auto is not None and "recipe_auto" not in state and state["step"] == probe_step(r.total):
                 _probe(r, cfg, run, auto)
-            if cfg.merge_aware_steps and state["step"] >= r.total - cfg.merge_aware_steps:
-                r.model.merge_aware()  # the last steps (a resumed run's too) train the merged weights
             t0 = time.perf_counter()
             last = _step(r, cfg, [next(stream) for _ in range(cfg.grad_accum)])
             dt = time.perf_counter() - t0
@@ -422,8 +417,6 @@ def _train(cfg: TrainConfig, run: Path, resume: bool, progress: bool, stop_after
                 log.info("early stopping at step %d: %d evaluations without improvement of %s (best: step %d)",
                          state["step"], state["bad_evals"], state["best"]["metric"], state["best"]["step"])
                 break
-        if cfg.merge_aware_steps:  # the final evaluation scores what a merged export will hold
-            r.model.merge_aware()
         result = _finish(r, cfg, run, last)
         if reporter is not None and "eval_loss" in result:
             reporter.log({k: v for k, v in result.items() if k.startswith("eval_")}, state["step"])
