@@ -77,7 +77,8 @@ def cli() -> None:
 @click.option("--reuse-runs", is_flag=True, help="A seed whose run folder holds an adapter is not trained again.")
 @click.option("--train-only", is_flag=True, help="Train each seed's run (kept in --workdir) and stop: no scores.")
 @click.option("--variants", default="rtn,gptq,bf16,hf", show_default=True,
-              help="Merges scored: rtn (plain), gptq, bf16, hf (the GPTQ export read by transformers).")
+              help="Merges scored: rtn (plain), gptq, gptq-keepNN (GPTQ with NN% of the adapted projections "
+                   "kept bf16: --merge-keep-bf16), bf16, hf (the GPTQ export read by transformers).")
 @click.option("--merge-samples", default=128, show_default=True, help="The GPTQ merge's texts (gptq_merge).")
 @click.option("--merge-damp", default=0.01, show_default=True, help="The GPTQ merge's damping.")
 @click.option("--merge-act-order", is_flag=True, help="The GPTQ merge in act-order (scales fixed up front).")
@@ -119,19 +120,29 @@ def run(name, artifact, train_f, test_f, workdir, seeds, steps, lr, max_len, lim
             continue
         row = {"task": name, "lr": lr, "seed": seed, "zero_shot": zero,
                "train_s": None if reuse else round(time.perf_counter() - t, 1), "unmerged": acc(artifact, str(run))}
-        for how in [h for h in ("rtn", "gptq") if h in variants.split(",")]:
+        solved = {}
+
+        def solver(a, r):  # the GPTQ merge once per seed: the -keepNN variants reuse it
+            if "out" not in solved:
+                solved["out"] = gptq_merge(a, r, train_f, max_samples=merge_samples, damp=merge_damp,
+                                           actorder=merge_act_order)
+            return solved["out"][0], dict(solved["out"][1])
+
+        hows = [h for h in variants.split(",") if h in ("rtn", "gptq") or h.startswith("gptq-keep")]
+        for how in hows:
             t = time.perf_counter()
-            solver = None if how == "rtn" else (lambda a, r: gptq_merge(
-                a, r, train_f, max_samples=merge_samples, damp=merge_damp, actorder=merge_act_order))
+            keep = int(how.removeprefix("gptq-keep")) / 100 if how.startswith("gptq-keep") else 0.0
             summary = export(str(artifact), d / f"ct-{how}", adapter=str(run), merge=True, overwrite=True,
-                             merge_solver=solver)["merge"]
+                             merge_solver=None if how == "rtn" else solver, merge_keep_bf16=keep)["merge"]
             row[f"{how}_merge_s"] = round(time.perf_counter() - t, 1)
             back = convert(str(d / f"ct-{how}"), d / f"art-{how}", overwrite=True, progress=False)
             row[f"merged_{how}"] = acc(back)
             row[f"{how}_total_s"] = round(time.perf_counter() - t, 1)
             if how == "gptq" and "hf" in variants and importlib.util.find_spec("compressed_tensors"):  # as served
                 row["merged_gptq_hf"] = _score_hf(d / "ct-gptq", test, max_len, 0)
-            if "output_error" in summary:
+            if keep:
+                row[f"{how}_kept_bf16"] = len(summary.get("kept_bf16", []))
+            if "output_error" in summary and not keep:
                 errs = summary["output_error"].values()
                 row["layer_error_plain_vs_gptq"] = [statistics.median(e["plain"] for e in errs),
                                                     statistics.median(e["gptq"] for e in errs)]
@@ -139,7 +150,7 @@ def run(name, artifact, train_f, test_f, workdir, seeds, steps, lr, max_len, lim
             export(str(artifact), d / "bf16", fmt="bf16", adapter=str(run), overwrite=True)
             row["merged_bf16"] = _score_hf(d / "bf16", test, max_len, 0)
         gain = row["unmerged"] - zero
-        for k in (k for k in ("merged_rtn", "merged_gptq", "merged_bf16") if k in row):
+        for k in (k for k in row if k.startswith("merged_") and k != "merged_gptq_hf"):
             row[k.replace("merged", "kept")] = round((row[k] - zero) / gain, 3) if gain else None
         rows.append(row)
         click.echo(json.dumps(row))
@@ -166,6 +177,8 @@ def table(files) -> None:
         by.setdefault(f"{r.get('task', '')} (lr {r.get('lr', '')})", []).append(r)
     # gptq-seq: a removed method (BENCHMARKS.md re-tables its rows)
     names = {"rtn": "plain", "gptq": "GPTQ", "gptq-seq": "GPTQ-seq", "bf16": "bf16"}
+    for k in sorted({k for r in rows for k in r if k.startswith("merged_gptq-keep")}):  # GPTQ, NN% kept bf16
+        names[k.removeprefix("merged_")] = f"GPTQ + {k.removeprefix('merged_gptq-keep')}% bf16"
     shown = [v for v in names if any(f"merged_{v}" in r for r in rows)]
     paired = [v for v in shown if v != "bf16"]
     hf = any("merged_gptq_hf" in r for r in rows)

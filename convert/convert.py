@@ -185,6 +185,7 @@ def _convert(source: Source, out: Path, *, scaling: str, block_scales: str, keep
                         "drop --scaling 2d")
     units = _plan(source, scaling)
     errors: dict[str, float] = {}
+    stored_bf16: list[str] = []  # projections an NVFP4 checkpoint holds unquantized
     # the source's bytes are hashed by a thread while the main one quantizes (hashlib releases the GIL)
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="pact-source-hash") as pool, \
             ArtifactWriter(out, overwrite=overwrite) as writer:
@@ -199,6 +200,15 @@ def _convert(source: Source, out: Path, *, scaling: str, block_scales: str, keep
                                  source_dtype=str(t.dtype))
                 continue
             imported = {name: source.nvfp4(name) for name in unit}
+            if source.packed and all(t is None for t in imported.values()):
+                # an NVFP4 checkpoint left this group unquantized (its ignore list): kept as stored, in bf16
+                for name, w in tensors.items():
+                    role = classify(name)
+                    writer.add_dense(name, w.to(torch.bfloat16), role=role.role, layer=role.layer, group=role.group,
+                                     kept_bf16=True, imported="unquantized", source_dtype=str(w.dtype))
+                    stored_bf16.append(name)
+                del tensors, loaded
+                continue
             one_scale = len({float(t.global_scale) for t in imported.values() if t is not None}) == 1
             if all(t is not None for t in imported.values()) and one_scale:
                 _add_imported(writer, imported, tensors, block_scales, errors, source.producer)
@@ -240,7 +250,7 @@ def _convert(source: Source, out: Path, *, scaling: str, block_scales: str, keep
                 "scaling": scaling,
                 "block_scales": block_scales,
                 "keep_bf16": keep_bf16,
-                "kept_bf16": protected,
+                "kept_bf16": stored_bf16 + protected,
                 "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
                 "pact_version": __version__,
                 "torch_version": torch.__version__,

@@ -53,16 +53,25 @@ log = logging.getLogger(__name__)
 
 def export(artifact: str, out: str | os.PathLike, *, fmt: str = "compressed-tensors", adapter: str | None = None,
            merge: bool = False, overwrite: bool = False, progress: bool = False,
-           merge_solver=None) -> dict:
+           merge_solver=None, merge_keep_bf16: float = 0.0) -> dict:
     """Export ``artifact`` (with a PEFT ``adapter``) to ``out`` in ``fmt``; returns a summary (for
     a merged NVFP4 export: each projection's added relative error from re-quantizing).
     ``merge_solver(artifact_path, adapter) -> (tensors, summary)``: makes the merged NVFP4 tensors
     of the adapted projections (calibrate.merge's error-compensating one, which runtime cannot
-    import), called once every input is checked; without it a merge rounds to nearest."""
+    import), called once every input is checked; without it a merge rounds to nearest.
+    ``merge_keep_bf16``: that share of the adapted projections, whole fused groups with the largest
+    layer-output error of the solver's merge first, written in bf16 with the adapter folded in exactly
+    (compressed-tensors' ignore list) instead of re-quantized."""
     if fmt not in FORMATS:
         raise PactError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
     if merge and not adapter:
         raise PactError("--merge folds an adapter into the weights: give --adapter RUN")
+    if not 0 <= merge_keep_bf16 < 1:
+        raise PactError(f"--merge-keep-bf16 must be in [0, 1) (a share of the adapted projections), "
+                        f"got {merge_keep_bf16}")
+    if merge_keep_bf16 and not (merge and fmt == "compressed-tensors" and merge_solver):
+        raise PactError("--merge-keep-bf16 ranks the projections by the GPTQ merge's error: it needs --merge with "
+                        "--merge-method gptq and --format compressed-tensors")
     out = Path(out)
     if out.name in ("", ".", ".."):  # "." or "..": the folder by its name (temp folders go beside it)
         out = out.resolve()
@@ -82,12 +91,15 @@ def export(artifact: str, out: str | os.PathLike, *, fmt: str = "compressed-tens
     requantized = merge and bool(adapters) and fmt != "bf16"
     merged_weights, how = (merge_solver(art.path, adapter) if requantized and merge_solver
                            else (None, {"method": "rtn"} if requantized else None))
+    keep = _worst_groups(art, how.get("output_error") or {}, merge_keep_bf16) if merge_keep_bf16 and how else set()
+    if keep:
+        how["kept_bf16"] = sorted(keep)
     existed = out.exists()
     try:
         # filled beside out, then renamed in: the earlier export renamed aside, removed last (_recover
         # undoes a kill between the renames); an error removes the temp folder
         with atomic_folder(out) as tmp:
-            summary = _write(art, tmp, fmt, lora_cfg, adapters, merged, progress, merged_weights)
+            summary = _write(art, tmp, fmt, lora_cfg, adapters, merged, progress, merged_weights, keep)
             if adapters and not merged:  # served beside the quantized base (vLLM LoRA)
                 save_peft_adapter(tmp / "adapter", adapters, lora_cfg, str(out.resolve()))
             _write_marker(tmp, art, fmt, adapter, summary["adapter"])
@@ -100,6 +112,23 @@ def export(artifact: str, out: str | os.PathLike, *, fmt: str = "compressed-tens
 
 # --------------------------------------------------------------------------------------
 # where an export may go
+
+
+def _worst_groups(art, errors: dict[str, dict[str, float]], share: float) -> set[str]:
+    """The members of the fused groups (q|k|v, gate|up, or one projection) with the largest merge
+    error (the worst member's ``gptq`` layer-output error), taken until they hold ``share`` of the
+    adapted projections (rounded up)."""
+    groups: dict[str, list[str]] = {}
+    for name in art.names("nvfp4"):
+        groups.setdefault(art.entry(name).get("group") or name, []).append(name)
+    scored = sorted(((max(errors[m]["gptq"] for m in ms if m in errors), ms) for ms in groups.values()
+                     if any(m in errors for m in ms)), key=lambda t: -t[0])
+    want, keep = math.ceil(share * len(errors)), set()
+    for _, ms in scored:
+        if sum(m in errors for m in keep) >= want:
+            break
+        keep.update(ms)
+    return keep
 
 
 def _check_out(out: Path, overwrite: bool, sources: dict[str, Path]) -> None:
@@ -343,7 +372,7 @@ FORMATS = tuple(WRITERS)  # --format's choices
 
 
 def _write(art, tmp: Path, fmt: str, lora_cfg, adapters: dict, merge: bool, progress: bool = False,
-           merged_weights: dict[str, NVFP4Tensor] | None = None) -> dict:
+           merged_weights: dict[str, NVFP4Tensor] | None = None, keep: set[str] = frozenset()) -> dict:
     from tqdm.auto import tqdm
 
     side = _side_files(art)
@@ -375,9 +404,13 @@ def _write(art, tmp: Path, fmt: str, lora_cfg, adapters: dict, merge: bool, prog
         merged = None
         if merge and (writer.folds_adapter or any(m in adapters for m in members)):
             merged = {m: merged_weight(dequantize(_nvfp4(art, m)), m, adapters, scale) for m in members}
+        done.update(members)
+        if merged is not None and keep & set(members):  # the adapter folded in exactly, in bf16
+            for m in members:
+                tensors.update(writer.dense(m, merged[m].to(torch.bfloat16)))
+            continue
         tensors.update(writer.projections(members, merged, merged_weights, added))
         quantized += members
-        done.update(members)
     _save_sharded(tensors, tmp, art)
     (tmp / "config.json").write_text(json.dumps(writer.config(dict(art.meta["hf_config"])), indent=2) + "\n")
     for rel in side:

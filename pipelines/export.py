@@ -32,12 +32,16 @@ from .common import cli_errors
               help="Texts like the training data for --merge-method gptq (JSONL as pact-train reads it). "
                    "Default: the run's --data, as its train_config.json records it.")
 @click.option("--merge-samples", default=128, show_default=True, help="Examples of --merge-data used (max-len 512).")
+@click.option("--merge-keep-bf16", default=0.0, show_default=True, type=float,
+              help="With the GPTQ merge: this share of the adapted projections (whole q|k|v and gate|up groups, "
+                   "largest merge error first) stays bf16 with the adapter folded in exactly (4x their bytes).")
 @click.option("--overwrite", is_flag=True,
               help="Replace --out if it is an earlier export (it carries pact_export.json, listing every file in "
                    "it); any other folder is refused. Replaced by rename: the old export is removed last.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @cli_errors
-def main(artifact, out, fmt, adapter, merge, merge_method, merge_data, merge_samples, overwrite, quiet) -> None:
+def main(artifact, out, fmt, adapter, merge, merge_method, merge_data, merge_samples, merge_keep_bf16, overwrite,
+         quiet) -> None:
     """Export ARTIFACT (with --adapter) for inference."""
     solver = None
     if merge_method == "gptq":
@@ -48,7 +52,7 @@ def main(artifact, out, fmt, adapter, merge, merge_method, merge_data, merge_sam
                               progress=not quiet)
 
     r = export(artifact, out, fmt=fmt, adapter=adapter, merge=merge, overwrite=overwrite, progress=not quiet,
-               merge_solver=solver)
+               merge_solver=solver, merge_keep_bf16=merge_keep_bf16)
     if r.get("merge", {}).get("output_error"):
         errs = r["merge"].pop("output_error").values()
         r["merge"]["layer_output_error_median"] = {

@@ -322,6 +322,50 @@ def test_gptq_merge_keeps_more_of_the_adapter(trained, tmp_path):
     assert r.exit_code == 0 and json.loads(r.output)["merge"]["samples"] == 4, r.output
 
 
+def test_merge_keeping_the_worst_groups_in_bf16(trained, tmp_path):
+    """--merge-keep-bf16: whole fused groups, the largest GPTQ merge error first, are written in bf16
+    with the adapter folded in exactly and listed in compressed-tensors' ignore list; the rest is the
+    GPTQ merge. transformers loads it, pact imports it back (those groups dense), and the kept
+    weights are W + s B A. Without the GPTQ merge, or outside [0, 1), it is refused."""
+    from click.testing import CliRunner
+    from transformers import AutoModelForCausalLM
+
+    from pact.convert.export import export, merged_weight
+    from pact.formats.peft import load_peft_adapter
+    from pact.pipelines.export import main as export_cli
+
+    art, run = str(trained / "art"), str(trained / "run")
+    r = CliRunner().invoke(export_cli, [art, "--out", str(tmp_path / "k"), "--adapter", run, "--merge",
+                                        "--merge-samples", "4", "--merge-keep-bf16", "0.3", "--quiet"])
+    assert r.exit_code == 0, r.output
+    summary = json.loads(r.output)
+    kept = summary["merge"]["kept_bf16"]
+    a = open_artifact(art)
+    groups = {}
+    for name in a.names("nvfp4"):
+        groups.setdefault(a.entry(name).get("group") or name, []).append(name)
+    assert 0 < len(kept) < 14 and len(kept) >= 0.3 * 14
+    assert all(set(ms) <= set(kept) or not set(ms) & set(kept) for ms in groups.values())  # whole groups
+    assert summary["quantized_projections"] == 14 - len(kept)
+    ignore = json.loads((tmp_path / "k" / "config.json").read_text())["quantization_config"]["ignore"]
+    assert set(kept) <= {m + ".weight" for m in ignore}
+    back = open_artifact(convert(str(tmp_path / "k"), tmp_path / "back", progress=False))
+    cfg, adapters = load_peft_adapter(run)
+    for name in kept:
+        assert back.entry(name)["kind"] != "nvfp4"
+        want = merged_weight(a.dequantize(name), name, adapters, cfg.scale).to(torch.bfloat16)
+        assert torch.equal(back.dense(name), want), name
+    assert all(back.entry(n)["kind"] == "nvfp4" for n in a.names("nvfp4") if n not in kept)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "k", dtype=torch.bfloat16)
+    ids = torch.randint(0, 200, (1, 16))
+    assert _rel(hf(input_ids=ids).logits.detach(), _pact_logits(art, ids, run)) < 0.5
+    with pytest.raises(PactError, match="needs --merge with --merge-method gptq"):
+        export(art, tmp_path / "x", adapter=run, merge=True, merge_keep_bf16=0.2)
+    with pytest.raises(PactError, match=r"must be in \[0, 1\)"):
+        export(art, tmp_path / "x", adapter=run, merge=True, merge_keep_bf16=1.0)
+    assert not (tmp_path / "x").exists()
+
+
 def test_gptq_merge_in_act_order(trained):
     """The merge's GPTQ in act-order (a benchmark knob: scales fixed up front from W + BA) also ends
     with less layer-output error than rounding W + BA, on every adapted projection."""
