@@ -150,7 +150,7 @@ def run(name, artifact, train_f, test_f, workdir, seeds, steps, lr, max_len, lim
             export(str(artifact), d / "bf16", fmt="bf16", adapter=str(run), overwrite=True)
             row["merged_bf16"] = _score_hf(d / "bf16", test, max_len, 0)
         gain = row["unmerged"] - zero
-        for k in (k for k in row if k.startswith("merged_") and k != "merged_gptq_hf"):
+        for k in [k for k in row if k.startswith("merged_") and k != "merged_gptq_hf"]:
             row[k.replace("merged", "kept")] = round((row[k] - zero) / gain, 3) if gain else None
         rows.append(row)
         click.echo(json.dumps(row))
