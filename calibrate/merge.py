@@ -24,7 +24,7 @@ from pact.formats.peft import load_peft_adapter
 from pact.runtime.data import read_records, tokenize
 from pact.runtime.session import open_session
 
-from .calibrate import GROUPS, _output_error, _units
+from .calibrate import GROUPS, _Clock, _output_error, _units
 from .gptq import GPTQ
 from .quantizer import NVFP4Quantizer
 
@@ -35,8 +35,9 @@ def gptq_merge(artifact: str | os.PathLike, adapter: str | os.PathLike, data: st
                progress: bool = False) -> tuple[dict[str, NVFP4Tensor], dict]:
     """The merged NVFP4 forward-layout tensor of every projection the adapter adapts (1x16 blocks;
     a fused group's members share one global scale, as vLLM fuses q|k|v and gate|up), and a
-    summary: samples, tokens, seconds and per projection the layer-output error on these inputs of
-    the plain (round-to-nearest) merge and of this one, relative to the adapted layer's output."""
+    summary: samples, tokens, seconds (``stages``: load, activations, solve) and per projection the
+    layer-output error on these inputs of the plain (round-to-nearest) merge and of this one,
+    relative to the adapted layer's output."""
     t0 = time.perf_counter()
     if max_samples < 1:
         raise PactError(f"--merge-samples must be >= 1, got {max_samples}")
@@ -53,6 +54,9 @@ def gptq_merge(artifact: str | os.PathLike, adapter: str | os.PathLike, data: st
         raise PactError(f"--merge-data {data}: no example of 2 tokens or more")
     units = _units(model, art, samples)
     scale, dev = lora_cfg.scale, model.device
+    clock = _Clock(dev)
+    clock.t0 = clock.t = t0  # from the start: opening the artifact, the adapter and the texts is "load"
+    clock.lap("load")
     lora_on_dev = {k: tuple(t.to(dev) for t in ab) for k, ab in weights.items()}
     out: dict[str, NVFP4Tensor] = {}
     errors: dict[str, dict[str, float]] = {}
@@ -69,6 +73,7 @@ def gptq_merge(artifact: str | os.PathLike, adapter: str | os.PathLike, data: st
 
                 with model.observing(add):
                     u.x = model.layer(L, u.x, u.cos, u.sin, u.B, u.S)
+        clock.lap("activations")
         for g in todo.values():
             H = hess[id(g.weight)]
             Ws = []
@@ -89,10 +94,13 @@ def gptq_merge(artifact: str | os.PathLike, adapter: str | os.PathLike, data: st
                     plain = _rtn(W, gs, rule)
                     errors[name] = {"plain": _output_error(W, plain, H.H), "gptq": _output_error(W, Q[r0:r1], H.H)}
                 r0 = r1
+        clock.lap("solve")
     errors = {k: {m: round(float(v), 6) for m, v in e.items()} for k, e in errors.items()}  # one sync, at the end
+    clock.lap("solve")
     summary = {"method": "gptq", "samples": len(samples),
                "tokens": int(sum(s.numel() for s in samples)),
-               "damp": damp, "seconds": round(time.perf_counter() - t0, 1), "output_error": errors}
+               "damp": damp, "seconds": round(time.perf_counter() - t0, 1), "stages": clock.report(),
+               "output_error": errors}
     return out, summary
 
 

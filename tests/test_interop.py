@@ -374,6 +374,8 @@ def test_gptq_merge_in_act_order(trained):
     out, summary = gptq_merge(str(trained / "art"), str(trained / "run"), str(trained / "train.jsonl"),
                               max_samples=8, actorder=True)
     errs = summary["output_error"]
+    assert set(summary["stages"]) == {"load", "activations", "solve", "total"}
+    assert summary["stages"]["total"] == pytest.approx(summary["seconds"], abs=0.2)
     assert out and set(errs) <= set(out)
     assert all(e["gptq"] < e["plain"] for e in errs.values()), errs
 
