@@ -13,6 +13,8 @@ never falls back to coarser scales than conversion chose.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from pact.formats.nvfp4 import (
@@ -87,17 +89,64 @@ class NVFP4Quantizer:
         if self.dynamic:
             self._fix(c0 // BLOCK, self._block_scales(Wt[c0 : c0 + BLOCK].t())[:, 0])
         grp = self._grp[c0 // BLOCK]  # each column's group (act-order mixes them)
-        rows_rs, rows_s = self._rs[grp], self._s[grp]  # [16, N]
-        T = Wt[c0 : c0 + BLOCK].clone()
-        d = Hinv.diagonal()[c0 : c0 + BLOCK]
-        for i in range(BLOCK):
-            w = T[i]
-            q = (round_e2m1(w * rows_rs[i]) * rows_s[i]) * self.g
-            Qt[c0 + i] = q
-            err = torch.sub(w, q, out=Errt[c0 + i]).div_(d[i])
-            if i + 1 < BLOCK:
-                T[i + 1 :].addr_(Hinv[c0 + i, c0 + i + 1 : c0 + BLOCK], err, alpha=-1)
+        cols = slice(c0, c0 + BLOCK)
+        args = (self._rs[grp], self._s[grp], self.g, Hinv[cols, cols], Qt[cols], Errt[cols])  # rows [16, N]
+        if Wt.is_cuda and os.environ.get("PACT_GPTQ_CUDA_GRAPH") == "1":
+            _graph(Wt.device, Wt.shape[1])(Wt[cols], *args)
+        else:
+            _columns(Wt[cols].clone(), *args)
 
     def pack(self, Q: torch.Tensor) -> NVFP4Tensor:
         """The fake-quantized sweep result as stored NVFP4 (codes re-derived exactly)."""
         return NVFP4Tensor(encode_with_scales(Q, self.scales, self.g), self.scales, self.g)
+
+
+def _columns(T: torch.Tensor, rs: torch.Tensor, s: torch.Tensor, g: torch.Tensor, Hb: torch.Tensor,
+             Q: torch.Tensor, E: torch.Tensor) -> None:
+    """``sweep``'s 16 columns in order: T [16, N] the group's columns (updated in place), rs and s
+    [16, N] their factors, g the global scale (0-dim), Hb [16, 16] Hinv's block; writes Q and E."""
+    d = Hb.diagonal()
+    for i in range(BLOCK):
+        w = T[i]
+        q = (round_e2m1(w * rs[i]) * s[i]) * g
+        Q[i] = q
+        err = torch.sub(w, q, out=E[i]).div_(d[i])
+        if i + 1 < BLOCK:
+            T[i + 1 :].addr_(Hb[i, i + 1 :], err, alpha=-1)
+
+
+class _ColumnsGraph:
+    """``_columns`` on static [16, N] buffers, captured once as a CUDA graph: the ~180 kernel
+    launches of a group replayed as one, behind 7 copies. Opt-in (PACT_GPTQ_CUDA_GRAPH=1): it has
+    not yet run on a GPU (tests/test_calibrate.py's GPU test compares it with the eager sweep)."""
+
+    def __init__(self, device: torch.device, n: int):
+        f32 = {"dtype": torch.float32, "device": device}
+        self.ins = [torch.zeros(BLOCK, n, **f32), torch.ones(BLOCK, n, **f32), torch.ones(BLOCK, n, **f32),
+                    torch.ones((), **f32), torch.eye(BLOCK, **f32)]  # T, rs, s, g, Hb
+        self.outs = [torch.empty(BLOCK, n, **f32), torch.empty(BLOCK, n, **f32)]  # Q, E
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):  # warm-up off the capture: lookup tables on the device, kernels loaded
+            for _ in range(2):
+                _columns(*self.ins, *self.outs)
+        torch.cuda.current_stream(device).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            _columns(*self.ins, *self.outs)
+
+    def __call__(self, T, rs, s, g, Hb, Q, E) -> None:
+        for buf, src in zip(self.ins, (T, rs, s, g, Hb)):
+            buf.copy_(src)
+        self.graph.replay()
+        Q.copy_(self.outs[0])
+        E.copy_(self.outs[1])
+
+
+_GRAPHS: dict[tuple[torch.device, int], _ColumnsGraph] = {}
+
+
+def _graph(device: torch.device, n: int) -> _ColumnsGraph:
+    if (device, n) not in _GRAPHS:
+        _GRAPHS[device, n] = _ColumnsGraph(device, n)
+    return _GRAPHS[device, n]

@@ -1,6 +1,7 @@
 """pact-calibrate: GPTQ beats round-to-nearest on every projection, stays bit-compatible, trains."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -173,7 +174,8 @@ def test_gptq_sweep_matches_the_textbook_loop():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gptq_on_the_gpu_matches_the_cpu():
     """The same sweep on a CUDA device: the same scales and codes as on the CPU but for elements
-    on a rounding midpoint (fp32 sums in another order), the same loss."""
+    on a rounding midpoint (fp32 sums in another order), the same loss; with each group's columns
+    replayed as a CUDA graph, the same bits as without."""
     torch.manual_seed(5)
     X = torch.randn(2048, 16) @ torch.randn(16, 512) + 0.2 * torch.randn(2048, 512)
     W = torch.randn(384, 512) * 0.05 * (1 + 3 * torch.rand(384, 1) ** 4)
@@ -188,6 +190,17 @@ def test_gptq_on_the_gpu_matches_the_cpu():
     (qa, sa, la), (qb, sb, lb) = out
     assert (qa == qb).float().mean() > 0.99 and (sa == sb).float().mean() > 0.99
     torch.testing.assert_close(la, lb, rtol=1e-2, atol=0)
+    # the group's columns replayed as one CUDA graph (PACT_GPTQ_CUDA_GRAPH=1): the same kernels, the same bits
+    gp = GPTQ(512, "cuda")
+    gp.add_batch(X.cuda())
+    q = NVFP4Quantizer(g, scaling="1d", scale_rule="mse")
+    os.environ["PACT_GPTQ_CUDA_GRAPH"] = "1"
+    try:
+        Q, losses = gp.quantize(W.cuda(), q)
+    finally:
+        del os.environ["PACT_GPTQ_CUDA_GRAPH"]
+    assert torch.equal(Q.cpu(), qb) and torch.equal(q.scales.view(torch.uint8).cpu(), sb)
+    assert torch.equal(losses.sum().cpu(), lb)
 
 
 def test_gptq_refuses_columns_or_blocks_off_the_16_grid():
