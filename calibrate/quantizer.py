@@ -121,6 +121,10 @@ class _ColumnsGraph:
     not yet run on a GPU (tests/test_calibrate.py's GPU test compares it with the eager sweep)."""
 
     def __init__(self, device: torch.device, n: int):
+        with torch.cuda.device(device):  # capture on this device's stream (not the current device's)
+            self._capture(device, n)
+
+    def _capture(self, device: torch.device, n: int) -> None:
         f32 = {"dtype": torch.float32, "device": device}
         self.ins = [torch.zeros(BLOCK, n, **f32), torch.ones(BLOCK, n, **f32), torch.ones(BLOCK, n, **f32),
                     torch.ones((), **f32), torch.eye(BLOCK, **f32)]  # T, rs, s, g, Hb
@@ -136,11 +140,12 @@ class _ColumnsGraph:
             _columns(*self.ins, *self.outs)
 
     def __call__(self, T, rs, s, g, Hb, Q, E) -> None:
-        for buf, src in zip(self.ins, (T, rs, s, g, Hb)):
-            buf.copy_(src)
-        self.graph.replay()
-        Q.copy_(self.outs[0])
-        E.copy_(self.outs[1])
+        with torch.cuda.device(T.device):
+            for buf, src in zip(self.ins, (T, rs, s, g, Hb)):
+                buf.copy_(src)
+            self.graph.replay()
+            Q.copy_(self.outs[0])
+            E.copy_(self.outs[1])
 
 
 _GRAPHS: dict[tuple[torch.device, int], _ColumnsGraph] = {}

@@ -349,7 +349,8 @@ class CompressedTensorsWriter(Writer):
         g = global_scale_from_amax(max(float(w.abs().amax()) for w in merged.values()))
         out = {}
         for m, w in merged.items():
-            t = solved[m] if solved else quantize(w, global_scale=g, scaling="1d", scale_rule=self.rule)
+            # (a group the solver left out, one with a member kept bf16 in the artifact: rounded to nearest)
+            t = solved[m] if solved and m in solved else quantize(w, global_scale=g, scaling="1d", scale_rule=self.rule)
             added[m] = float((dequantize(t) - w).norm() / w.norm()) if float(w.norm()) > 0 else 0.0
             out.update(ct_tensors(m, t))
         return out

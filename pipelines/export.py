@@ -53,10 +53,12 @@ def main(artifact, out, fmt, adapter, merge, merge_method, merge_data, merge_sam
 
     r = export(artifact, out, fmt=fmt, adapter=adapter, merge=merge, overwrite=overwrite, progress=not quiet,
                merge_solver=solver, merge_keep_bf16=merge_keep_bf16)
-    if r.get("merge", {}).get("output_error"):
-        errs = r["merge"].pop("output_error").values()
-        r["merge"]["layer_output_error_median"] = {
-            k: sorted(e[k] for e in errs)[len(errs) // 2] for k in ("plain", "gptq")}
+    if "output_error" in r.get("merge", {}):  # of the re-quantized projections (not those kept bf16)
+        kept = set(r["merge"].get("kept_bf16", []))
+        errs = [e for k, e in r["merge"].pop("output_error").items() if k not in kept]
+        if errs:
+            r["merge"]["layer_output_error_median"] = {
+                k: sorted(e[k] for e in errs)[len(errs) // 2] for k in ("plain", "gptq")}
     if "requantization_error" in r:
         r["requantization_error"] = {k: v for k, v in r["requantization_error"].items() if k != "per_projection"}
     click.echo(json.dumps(r, indent=2))

@@ -347,6 +347,7 @@ def test_merge_keeping_the_worst_groups_in_bf16(trained, tmp_path):
     assert 0 < len(kept) < 14 and len(kept) >= 0.3 * 14
     assert all(set(ms) <= set(kept) or not set(ms) & set(kept) for ms in groups.values())  # whole groups
     assert summary["quantized_projections"] == 14 - len(kept)
+    assert set(summary["merge"]) >= {"layer_output_error_median", "stages"} and "output_error" not in summary["merge"]
     ignore = json.loads((tmp_path / "k" / "config.json").read_text())["quantization_config"]["ignore"]
     assert set(kept) <= {m + ".weight" for m in ignore}
     back = open_artifact(convert(str(tmp_path / "k"), tmp_path / "back", progress=False))
@@ -364,6 +365,31 @@ def test_merge_keeping_the_worst_groups_in_bf16(trained, tmp_path):
     with pytest.raises(PactError, match=r"must be in \[0, 1\)"):
         export(art, tmp_path / "x", adapter=run, merge=True, merge_keep_bf16=1.0)
     assert not (tmp_path / "x").exists()
+
+
+def test_gptq_merge_of_an_artifact_with_a_member_kept_bf16(trained, tmp_path):
+    """An artifact converted with --keep-bf16 holds fused groups with one member dense: the GPTQ merge
+    leaves such a group out (the runtime runs it dense), and the export rounds its NVFP4 members to
+    nearest and folds the adapter into the dense one exactly, instead of failing on the missing
+    solution."""
+    from pact.convert.export import export
+    from pact.runtime.trainer import TrainConfig, train
+
+    art = convert(str(trained / "src"), tmp_path / "kb", keep_bf16=0.15, progress=False)
+    kept = open_artifact(art).meta["provenance"]["kept_bf16"]
+    assert kept
+    train(TrainConfig(artifact=str(art), data=str(trained / "train.jsonl"), out=str(tmp_path / "run"), steps=2,
+                      batch_size=4, max_len=64, lr=5e-3, warmup_ratio=0.0), progress=False)
+    from pact.calibrate.merge import gptq_merge
+
+    r = export(str(art), tmp_path / "m", adapter=str(tmp_path / "run"), merge=True, merge_solver=lambda a, run: (
+        gptq_merge(a, run, str(trained / "train.jsonl"), max_samples=4)))
+    assert r["merge"]["method"] == "gptq" and r["adapter"] == "merged"
+    from safetensors.torch import load_file
+
+    sd = load_file(tmp_path / "m" / "model.safetensors")
+    ignore = json.loads((tmp_path / "m" / "config.json").read_text())["quantization_config"]["ignore"]
+    assert all(sd[n].dtype == torch.bfloat16 and n.removesuffix(".weight") in ignore for n in kept)
 
 
 def test_gptq_merge_in_act_order(trained):
