@@ -601,7 +601,7 @@ def _check_methods(methods) -> None:
             head, _, layers = base.partition("=")[0].partition("%")
             probe = head.partition("~")[2]
             ok = base in ("peft", "peft@nvfp4") or base.startswith(("pact=", "pact@", "pact~", "pact%"))
-            ok = ok and (not layers or bool(_layers_ok(layers)))
+            ok = ok and (not layers or _layers_ok(layers))
             ok = ok and (not probe or probe in PROBES)
             ok = ok and not (variant and base == "peft") and (not variant or split_variant(variant))
             ok = ok and not (base == "peft@nvfp4" and "+" in variant)

@@ -12,7 +12,6 @@ come from the adapted (unmerged) model: the target is what training produced.
 from __future__ import annotations
 
 import os
-import time
 
 import torch
 from tqdm.auto import tqdm
@@ -38,7 +37,7 @@ def gptq_merge(artifact: str | os.PathLike, adapter: str | os.PathLike, data: st
     summary: samples, tokens, seconds (``stages``: load, activations, solve) and per projection the
     layer-output error on these inputs of the plain (round-to-nearest) merge and of this one,
     relative to the adapted layer's output."""
-    t0 = time.perf_counter()
+    clock = _Clock("cpu")  # as calibration's: the device is known once the session is open
     if max_samples < 1:
         raise PactError(f"--merge-samples must be >= 1, got {max_samples}")
     ses = open_session(artifact, device=device, tool="pact-export")
@@ -54,9 +53,8 @@ def gptq_merge(artifact: str | os.PathLike, adapter: str | os.PathLike, data: st
         raise PactError(f"--merge-data {data}: no example of 2 tokens or more")
     units = _units(model, art, samples)
     scale, dev = lora_cfg.scale, model.device
-    clock = _Clock(dev)
-    clock.t0 = clock.t = t0  # from the start: opening the artifact, the adapter and the texts is "load"
-    clock.lap("load")
+    clock.device = torch.device(dev)
+    clock.lap("load")  # opening the artifact, the adapter and the texts
     lora_on_dev = {k: tuple(t.to(dev) for t in ab) for k, ab in weights.items()}
     out: dict[str, NVFP4Tensor] = {}
     errors: dict[str, dict[str, float]] = {}
@@ -97,10 +95,10 @@ def gptq_merge(artifact: str | os.PathLike, adapter: str | os.PathLike, data: st
         clock.lap("solve")
     errors = {k: {m: round(float(v), 6) for m, v in e.items()} for k, e in errors.items()}  # one sync, at the end
     clock.lap("solve")
+    stages = clock.report()
     summary = {"method": "gptq", "samples": len(samples),
                "tokens": int(sum(s.numel() for s in samples)),
-               "damp": damp, "seconds": round(time.perf_counter() - t0, 1), "stages": clock.report(),
-               "output_error": errors}
+               "damp": damp, "seconds": round(stages["total"], 1), "stages": stages, "output_error": errors}
     return out, summary
 
 

@@ -114,14 +114,19 @@ def export(artifact: str, out: str | os.PathLike, *, fmt: str = "compressed-tens
 # where an export may go
 
 
+def _nvfp4_groups(art) -> dict[str, list[str]]:
+    """The artifact's NVFP4 projections by fused group (q|k|v, gate|up; a lone projection by its name)."""
+    groups: dict[str, list[str]] = {}
+    for name in art.names("nvfp4"):
+        groups.setdefault(art.entry(name).get("group") or name, []).append(name)
+    return groups
+
+
 def _worst_groups(art, errors: dict[str, dict[str, float]], share: float) -> set[str]:
     """The members of the fused groups (q|k|v, gate|up, or one projection) with the largest merge
     error (the worst member's ``gptq`` layer-output error), taken until they hold ``share`` of the
     adapted projections (rounded up)."""
-    groups: dict[str, list[str]] = {}
-    for name in art.names("nvfp4"):
-        groups.setdefault(art.entry(name).get("group") or name, []).append(name)
-    scored = sorted(((max(errors[m]["gptq"] for m in ms if m in errors), ms) for ms in groups.values()
+    scored = sorted(((max(errors[m]["gptq"] for m in ms if m in errors), ms) for ms in _nvfp4_groups(art).values()
                      if any(m in errors for m in ms)), key=lambda t: -t[0])
     want, keep = math.ceil(share * len(errors)), set()
     for _, ms in scored:
@@ -387,9 +392,7 @@ def _write(art, tmp: Path, fmt: str, lora_cfg, adapters: dict, merge: bool, prog
     tensors: dict[str, torch.Tensor] = {}
     added: dict[str, float] = {}
     quantized = []
-    groups: dict[str, list[str]] = {}
-    for name in art.names("nvfp4"):
-        groups.setdefault(art.entry(name).get("group") or name, []).append(name)
+    groups = _nvfp4_groups(art)
     done = set()
     for name in tqdm(art.names(), desc="export", unit="tensor", disable=not progress):
         if name in done:
