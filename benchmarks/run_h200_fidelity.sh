@@ -57,7 +57,12 @@ speed)  # (carry .whl; .gg1 too, to stash it for `tasks`) 1B: bs 16 step time / 
   [ -d .gg1 ] && cp .gg1/* /tmp/wd/
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   if [ "${GPU_TESTS:-0}" = 1 ]; then
-    timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels.py tests/test_model.py tests/test_convert.py tests/test_calibrate.py -rf --tb=line 2>&1 | tail -20 | tee $OUT/gpu_tests.txt
+    timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider ${GPU_TEST_FILES:-tests/test_kernels.py tests/test_model.py tests/test_convert.py tests/test_calibrate.py} -rf --tb=line 2>&1 | tail -20 | tee $OUT/gpu_tests.txt
+  fi
+  if [ -d .whl3 ]; then  # llm-compressor's wheels importable here? (apart: /tmp/site3, tried before a `tasks` call needs them)
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site3 .whl3/*.whl \
+      && PYTHONPATH=/tmp/site3:$PYTHONPATH python3 -c "import pyarrow, fsspec, datasets, llmcompressor, compressed_tensors as c
+print('llmc import ok: pyarrow', pyarrow.__version__, 'fsspec', fsspec.__version__, 'compressed-tensors', c.__version__)" 2>&1 | tail -3 | tee $OUT/llmc_check.txt
   fi
   cd benchmarks
   if [ "${CONVERT:-0}" = 1 ]; then  # pact-convert of the 1B shapes on this machine (GPU), and the math alone vs the CPU's bits
@@ -125,6 +130,11 @@ open('/tmp/merge-1b.jsonl', 'w').write(''.join(json.dumps({'prompt': d[:len(d) /
     ( time timeout 240 python3 -m pact.pipelines.export /tmp/pact-bench/art-llama-1b-2d --out /tmp/merged-1b --adapter /tmp/run-1b \
       --merge --merge-data /tmp/merge-1b.jsonl --merge-samples 128 --overwrite --quiet ) 2>&1 \
       | python3 -c "import sys; t = sys.stdin.read(); print(t[-600:])" | tee $OUT/merge_1b.txt
+    if [ "${GRAPH:-0}" = 1 ]; then  # the same merge with the GPTQ sweep's CUDA graphs
+      ( time PACT_GPTQ_CUDA_GRAPH=1 timeout 240 python3 -m pact.pipelines.export /tmp/pact-bench/art-llama-1b-2d --out /tmp/merged-1b-graph \
+        --adapter /tmp/run-1b --merge --merge-data /tmp/merge-1b.jsonl --merge-samples 128 --overwrite --quiet ) 2>&1 \
+        | python3 -c "import sys; t = sys.stdin.read(); print(t[-600:])" | tee -a $OUT/merge_1b.txt
+    fi
   fi
   cat /tmp/rows/bs16-*.csv | awk 'NR == 1 || !/^model,/' > $OUT/speed_bs16.csv
   cat /tmp/rows/cap16-*.csv | awk 'NR == 1 || !/^model,/' > $OUT/speed_cap16.csv
@@ -208,6 +218,10 @@ tasks|tasks2)  # tasks: lr LRS (5e-4); tasks2: LRS (2e-4) on the machine `tasks`
     if [ -d .whl3 ]; then  # llm-compressor for +llmc-gptq (its compressed-tensors pin replaces .whl2's, metadata too)
       rm -rf /tmp/site/compressed_tensors-*.dist-info
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl3/*.whl || exit 1
+    fi
+    if echo "${METHODS:-}" | grep -q llmc && ! python3 -c "import datasets, llmcompressor" > /tmp/rows/llmc-import.log 2>&1; then
+      tail -3 /tmp/rows/llmc-import.log; METHODS=$(echo $METHODS | tr ' ' '\n' | grep -v llmc | tr '\n' ' ')
+      echo "llmcompressor NOT importable here: the grid runs without its methods: $METHODS" | tee $OUT/llmc_dropped.txt
     fi
     t=$(date +%s)  # the bf16 folders, converted and calibrated artifacts, before the workers read them
     margs=(); for m in ${METHODS:-peft@nvfp4}; do margs+=(--methods "$m"); done
