@@ -91,7 +91,7 @@ class NVFP4Quantizer:
         grp = self._grp[c0 // BLOCK]  # each column's group (act-order mixes them)
         cols = slice(c0, c0 + BLOCK)
         args = (self._rs[grp], self._s[grp], self.g, Hinv[cols, cols], Qt[cols], Errt[cols])  # rows [16, N]
-        if Wt.is_cuda and os.environ.get("PACT_GPTQ_CUDA_GRAPH") == "1":
+        if Wt.is_cuda and os.environ.get("PACT_GPTQ_CUDA_GRAPH", "1") != "0":
             _graph(Wt.device, Wt.shape[1])(Wt[cols], *args)
         else:
             _columns(Wt[cols].clone(), *args)
@@ -117,8 +117,9 @@ def _columns(T: torch.Tensor, rs: torch.Tensor, s: torch.Tensor, g: torch.Tensor
 
 class _ColumnsGraph:
     """``_columns`` on static [16, N] buffers, captured once as a CUDA graph: the ~180 kernel
-    launches of a group replayed as one, behind 7 copies. Opt-in (PACT_GPTQ_CUDA_GRAPH=1): it has
-    not yet run on a GPU (tests/test_calibrate.py's GPU test compares it with the eager sweep)."""
+    launches of a group replayed as one, behind 7 copies. The sweep's way on CUDA (PACT_GPTQ_CUDA_GRAPH=0:
+    the eager ops): the same bits (tests/test_calibrate.py's GPU test), half the solve's time on the
+    H200 (Llama-3.2-1B shapes: 54.5 -> 27.3 s; BENCHMARKS.md)."""
 
     def __init__(self, device: torch.device, n: int):
         with torch.cuda.device(device):  # capture on this device's stream (not the current device's)
