@@ -52,7 +52,8 @@ def gptq_merge(artifact: str | os.PathLike, adapter: str | os.PathLike, data: st
     a fused group's members share one global scale, as vLLM fuses q|k|v and gate|up), and a
     summary: samples, tokens, seconds (``stages``: load, activations, solve) and per projection the
     layer-output error on these inputs of the plain (round-to-nearest) merge and of this one,
-    relative to the adapted layer's output."""
+    relative to the adapted layer's output (``inputs="merged-cv"``: this one's against the target it
+    fitted, and ``ridge``: per group, named by its first member, the ridge taken or None)."""
     clock = _Clock("cpu")  # as calibration's: the device is known once the session is open
     if inputs not in INPUTS:
         raise PactError(f"merge inputs must be one of {', '.join(INPUTS)}, got {inputs!r}")
@@ -130,7 +131,9 @@ def gptq_merge(artifact: str | os.PathLike, adapter: str | os.PathLike, data: st
                                         packed.global_scale.cpu())
                 if name in weights:
                     plain = _rtn(W, gs, rule)
-                    errors[name] = {"plain": _output_error(W, plain, H.H), "gptq": _output_error(W, Q[r0:r1], H.H)}
+                    # merged-cv: GPTQ's error against the target it fitted (W + Delta), not against W + BA
+                    errors[name] = {"plain": _output_error(W, plain, H.H),
+                                    "gptq": _output_error(Wc[r0:r1], Q[r0:r1], H.H)}
                 r0 = r1
             if cv:  # the merged stream runs this group as exported: merged codes, no adapter
                 g.weight = type(g.weight)(packed.packed, packed.scales, packed.global_scale)
