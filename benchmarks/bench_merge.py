@@ -78,9 +78,7 @@ def cli() -> None:
 @click.option("--train-only", is_flag=True, help="Train each seed's run (kept in --workdir) and stop: no scores.")
 @click.option("--variants", default="rtn,gptq,bf16,hf", show_default=True,
               help="Merges scored: rtn (plain), gptq, gptq-keepNN (GPTQ with NN% of the adapted projections "
-                   "kept bf16: --merge-keep-bf16), gptq-cv[-keepNN] (gptq_merge inputs=merged-cv: each layer "
-                   "also fitted on the merged layers' outputs below it, its ridge chosen on held-out merge texts), "
-                   "bf16, hf (the GPTQ export read by transformers).")
+                   "kept bf16: --merge-keep-bf16), bf16, hf (the GPTQ export read by transformers).")
 @click.option("--merge-samples", default=128, show_default=True, help="The GPTQ merge's texts (gptq_merge).")
 @click.option("--merge-damp", default=0.01, show_default=True, help="The GPTQ merge's damping.")
 @click.option("--merge-act-order", is_flag=True, help="The GPTQ merge in act-order (scales fixed up front).")
@@ -124,25 +122,18 @@ def run(name, artifact, train_f, test_f, workdir, seeds, steps, lr, max_len, lim
                "train_s": None if reuse else round(time.perf_counter() - t, 1), "unmerged": acc(artifact, str(run))}
         solved = {}
 
-        def solver(inputs):  # each GPTQ merge once per seed: its -keepNN variants reuse it
-            def solve(a, r):
-                if inputs not in solved:
-                    solved[inputs] = gptq_merge(a, r, train_f, max_samples=merge_samples, damp=merge_damp,
-                                                actorder=merge_act_order, inputs=inputs)
-                return solved[inputs][0], dict(solved[inputs][1])
-            return solve
+        def solver(a, r):  # the GPTQ merge once per seed: the -keepNN variants reuse it
+            if "out" not in solved:
+                solved["out"] = gptq_merge(a, r, train_f, max_samples=merge_samples, damp=merge_damp,
+                                           actorder=merge_act_order)
+            return solved["out"][0], dict(solved["out"][1])
 
-        hows = [h for h in variants.split(",") if h.partition("-keep")[0] in ("rtn", "gptq", "gptq-cv")]
+        hows = [h for h in variants.split(",") if h in ("rtn", "gptq") or h.startswith("gptq-keep")]
         for how in hows:
             t = time.perf_counter()
-            base, _, keep = how.partition("-keep")
-            keep = int(keep) / 100 if keep else 0.0
+            keep = int(how.removeprefix("gptq-keep")) / 100 if how.startswith("gptq-keep") else 0.0
             summary = export(str(artifact), d / f"ct-{how}", adapter=str(run), merge=True, overwrite=True,
-                             merge_solver=None if how == "rtn" else
-                             solver("merged-cv" if base == "gptq-cv" else "adapted"), merge_keep_bf16=keep)["merge"]
-            if "ridge" in summary:
-                rs = list(summary["ridge"].values())
-                row[f"{how}_ridged_groups"] = [sum(v is not None for v in rs), len(rs)]
+                             merge_solver=None if how == "rtn" else solver, merge_keep_bf16=keep)["merge"]
             row[f"{how}_merge_s"] = round(time.perf_counter() - t, 1)
             back = convert(str(d / f"ct-{how}"), d / f"art-{how}", overwrite=True, progress=False)
             row[f"merged_{how}"] = acc(back)
@@ -185,7 +176,7 @@ def table(files) -> None:
     for r in rows:
         by.setdefault(f"{r.get('task', '')} (lr {r.get('lr', '')})", []).append(r)
     # gptq-seq: a removed method (BENCHMARKS.md re-tables its rows)
-    names = {"rtn": "plain", "gptq": "GPTQ", "gptq-seq": "GPTQ-seq", "gptq-cv": "GPTQ-cv", "bf16": "bf16"}
+    names = {"rtn": "plain", "gptq": "GPTQ", "gptq-seq": "GPTQ-seq", "bf16": "bf16"}
     for k in sorted({k for r in rows for k in r if k.startswith("merged_gptq-keep")}):  # GPTQ, NN% kept bf16
         names[k.removeprefix("merged_")] = f"GPTQ + {k.removeprefix('merged_gptq-keep')}% bf16"
     shown = [v for v in names if any(f"merged_{v}" in r for r in rows)]

@@ -406,52 +406,6 @@ def test_gptq_merge_in_act_order(trained):
     assert all(e["gptq"] < e["plain"] for e in errs.values()), errs
 
 
-def test_merge_target_ridge_chosen_on_held_out_rows():
-    """merged-cv's target: W itself where the merged stream lost nothing; where it lost something
-    a shared map can undo, the held-out rows pick a ridge and W + Delta reproduces the target
-    outputs; where the fit does not carry over to held-out rows, W."""
-    from pact.calibrate.merge import _Pairs
-
-    torch.manual_seed(0)
-    X = torch.randn(4000, 32) * torch.linspace(0.2, 2.0, 32)
-    W = torch.randn(48, 32)
-    held = torch.arange(4000) % 5 == 4
-    same = _Pairs(32, "cpu")
-    same.add(X, X, held)
-    assert same.target(W)[0] is W and same.target(W)[1] is None
-    M = torch.eye(32) + 0.1 * torch.randn(32, 32)  # what the layers below changed, the same on every row
-    Xq = X @ M
-    p = _Pairs(32, "cpu")
-    for a, b, h in zip(X.split(1000), Xq.split(1000), held.split(1000)):
-        p.add(a, b, h)
-    Wt, r = p.target(W)
-    assert r is not None
-    assert _rel(Xq @ Wt.t(), X @ W.t()) < 0.05 < _rel(Xq @ W.t(), X @ W.t()), r
-    # the target rows are the merged rows plus independent noise: no map of X~ predicts it, what the
-    # fit finds is chance, and the held-out rows reject every ridge
-    noise = _Pairs(32, "cpu")
-    noise.add(X[:400] + torch.randn(400, 32), X[:400], held[:400])
-    assert noise.target(W)[1] is None
-
-
-def test_gptq_merge_on_the_merged_layers_inputs(trained):
-    """inputs="merged-cv": the first layer sees the same inputs either way (nothing below it is
-    merged): the same codes as the plain GPTQ merge and no ridge; the summary says which groups took
-    one. Another value is refused."""
-    from pact.calibrate.merge import gptq_merge
-
-    args = (str(trained / "art"), str(trained / "run"), str(trained / "train.jsonl"))
-    a, _ = gptq_merge(*args, max_samples=10)
-    b, summary = gptq_merge(*args, max_samples=10, inputs="merged-cv")
-    assert summary["inputs"] == "merged-cv" and set(a) == set(b)
-    first = [k for k in a if ".layers.0." in k]
-    assert first and all(torch.equal(a[k].packed, b[k].packed) for k in first)
-    assert all(v is None for k, v in summary["ridge"].items() if ".layers.0." in k)
-    assert summary["ridge"] and set(summary["ridge"]) <= set(a)
-    with pytest.raises(PactError, match="merge inputs must be one of adapted, merged-cv"):
-        gptq_merge(*args, inputs="merged")
-
-
 def test_export_refusals(trained, tmp_path):
     from pact.convert.export import export
 
