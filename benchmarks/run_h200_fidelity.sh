@@ -5,8 +5,8 @@
 #   speed (carry .whl .gg1 .fid): wheels (zarr + deps, gguf, liger-kernel), first half; bench_train 1B: bs 16
 #          memory and the 16 GiB capped tokens/s per recipe (RECIPES), vs PEFT + Liger (GPU_TESTS=1: GPU tests
 #          first; GRADS_1B=1: LoRA gradients per recipe on the 1B shapes; CALIB_1B=1 / MERGE_1B=1: GPTQ
-#          calibration / merge of the 1B shapes, their time; GRAPH=1: the calibration again with
-#          PACT_GPTQ_CUDA_GRAPH=1, its time and codes against the first)
+#          calibration / merge of the 1B shapes, their time; GRAPH=1: the calibration and merge again
+#          with the eager GPTQ sweep, PACT_GPTQ_CUDA_GRAPH=0, their time and codes against the CUDA-graph default)
 #   tasks (carry .gg2 .fid; .whl3 for +llmc-gptq): second half, task files; bench_fidelity at lr 5e-4 on TASKS x
 #          SEEDS for METHODS (PEFT on the GGUF's and on the artifact's weights, pact fp8 and bf16-decode; a method's
 #          :WEIGHTS suffix converts that weight variant first, a +gptq.. suffix calibrates it per task, +llmc-gptq
@@ -111,11 +111,11 @@ open('/tmp/calib-1b.jsonl', 'w').write(''.join(json.dumps({'text': d}) + '\n' fo
       --seq-len 512 --overwrite ) 2>&1 | grep -v Warn | tail -6 | tee $OUT/calibrate_1b.txt
     python3 -c "from pact.formats import open_artifact as o; print(o('/tmp/cal-1b').meta['provenance']['calibration'].get('seconds'))" \
       2>&1 | tee -a $OUT/calibrate_1b.txt
-    if [ "${GRAPH:-0}" = 1 ]; then  # the same with each GPTQ group's 16 columns replayed as a CUDA graph
-      PACT_GPTQ_CUDA_GRAPH=1 timeout 240 python3 -m pact.pipelines.calibrate /tmp/pact-bench/art-llama-1b-2d \
-        --prompts /tmp/calib-1b.jsonl --out /tmp/cal-1b-graph --max-samples 128 --seq-len 512 --overwrite 2>&1 | tail -2
+    if [ "${GRAPH:-0}" = 1 ]; then  # the same without replaying each GPTQ group's 16 columns as a CUDA graph
+      PACT_GPTQ_CUDA_GRAPH=0 timeout 240 python3 -m pact.pipelines.calibrate /tmp/pact-bench/art-llama-1b-2d \
+        --prompts /tmp/calib-1b.jsonl --out /tmp/cal-1b-eager --max-samples 128 --seq-len 512 --overwrite 2>&1 | tail -2
       python3 -c "from pact.formats import open_artifact as o; import torch
-a, b = o('/tmp/cal-1b'), o('/tmp/cal-1b-graph'); print('graph', b.meta['provenance']['calibration'].get('seconds'))
+a, b = o('/tmp/cal-1b'), o('/tmp/cal-1b-eager'); print('eager', b.meta['provenance']['calibration'].get('seconds'))
 n = [k for k in a.names('nvfp4')]; print('codes equal:', sum(torch.equal(a.nvfp4(k).packed, b.nvfp4(k).packed) for k in n), 'of', len(n))" \
         2>&1 | tee -a $OUT/calibrate_1b.txt
     fi
@@ -130,8 +130,8 @@ open('/tmp/merge-1b.jsonl', 'w').write(''.join(json.dumps({'prompt': d[:len(d) /
     ( time timeout 240 python3 -m pact.pipelines.export /tmp/pact-bench/art-llama-1b-2d --out /tmp/merged-1b --adapter /tmp/run-1b \
       --merge --merge-data /tmp/merge-1b.jsonl --merge-samples 128 --overwrite --quiet ) 2>&1 \
       | python3 -c "import sys; t = sys.stdin.read(); print(t[-600:])" | tee $OUT/merge_1b.txt
-    if [ "${GRAPH:-0}" = 1 ]; then  # the same merge with the GPTQ sweep's CUDA graphs
-      ( time PACT_GPTQ_CUDA_GRAPH=1 timeout 240 python3 -m pact.pipelines.export /tmp/pact-bench/art-llama-1b-2d --out /tmp/merged-1b-graph \
+    if [ "${GRAPH:-0}" = 1 ]; then  # the same merge with the eager GPTQ sweep
+      ( time PACT_GPTQ_CUDA_GRAPH=0 timeout 240 python3 -m pact.pipelines.export /tmp/pact-bench/art-llama-1b-2d --out /tmp/merged-1b-eager \
         --adapter /tmp/run-1b --merge --merge-data /tmp/merge-1b.jsonl --merge-samples 128 --overwrite --quiet ) 2>&1 \
         | python3 -c "import sys; t = sys.stdin.read(); print(t[-600:])" | tee -a $OUT/merge_1b.txt
     fi
