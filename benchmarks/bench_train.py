@@ -63,6 +63,7 @@ def _time_training(loss_fn, params, warmup: int, iters: int) -> tuple[float, flo
 
 ACTIVATIONS = {"spec": None}  # --activations: the precision recipe of every pact method (None: the default)
 LAYERS = {"spec": "all"}  # --lora-layers: the decoder blocks that get adapters (pact-train --lora-layers)
+GRAPHS = {"on": False}  # --cuda-graphs: pact's steps replay the decoder stack as CUDA graphs
 
 
 def _pact(art_path: Path, compute: str, checkpoint: bool):
@@ -74,7 +75,7 @@ def _pact(art_path: Path, compute: str, checkpoint: bool):
     return PactModel(open_artifact(art_path), LoraConfig(r=16, alpha=32, layers=LAYERS["spec"]), device="cuda",
                      compute=COMPUTE[compute],
                      checkpoint=checkpoint, fp8_weights="resident" if compute == "fp8res" else "per-call",
-                     activations=ACTIVATIONS["spec"])
+                     activations=ACTIVATIONS["spec"], cuda_graphs=GRAPHS["on"])
 
 
 def bench_pact(art_path: Path, bs: int, seq: int, warmup: int, iters: int, compute: str,
@@ -226,7 +227,8 @@ def measure(method: str, art: Path, src: Path, shape: str, bs: int, seq: int, wa
     torch.cuda.empty_cache()
     row = {"model": shape, "method": method, "bs": bs, "seq": seq,
            "recipe": ACTIVATIONS["spec"] if method.startswith("pact") else "",
-           "lora_layers": LAYERS["spec"] if method.startswith("pact") else "all"}
+           "lora_layers": LAYERS["spec"] if method.startswith("pact") else "all",
+           "graphs": GRAPHS["on"] and method.startswith("pact")}
     try:
         ckpt = method.endswith("-ckpt")
         if method.startswith("pact"):
@@ -234,7 +236,9 @@ def measure(method: str, art: Path, src: Path, shape: str, bs: int, seq: int, wa
         else:
             ms, peak = bench_peft(shape, bs, seq, warmup, iters, checkpoint=ckpt, liger=method.startswith("liger"),
                                   qlora_src=src if method.startswith("qlora") else None)
-        row.update(step_ms=round(ms, 1), tok_s=round(bs * seq / ms * 1e3), peak_gib=round(peak, 2))
+        # reserved: what the process holds from the device (a CUDA graph's pool counts here, not in allocated)
+        row.update(step_ms=round(ms, 1), tok_s=round(bs * seq / ms * 1e3), peak_gib=round(peak, 2),
+                   reserved_gib=round(torch.cuda.max_memory_reserved() / 2**30, 2))
     except torch.OutOfMemoryError:
         row["oom"] = True
     except LoadOOM as e:
@@ -267,14 +271,17 @@ def measure(method: str, art: Path, src: Path, shape: str, bs: int, seq: int, wa
               help="pact's precision recipe (pact-train --activations; default: its default).")
 @click.option("--lora-layers", default="all", show_default=True,
               help="Decoder blocks of pact's adapters (pact-train --lora-layers: all, top:N, A-B); peers adapt all.")
+@click.option("--cuda-graphs", is_flag=True, help="pact's steps replay the decoder layers as CUDA graphs "
+                                                  "(pact-train --cuda-graphs on; the capture is in the warm-up).")
 def main(shape, batches, methods, memory_cap_gib, seq, workdir, warmup, iters, cap_batches, json_out, csv_out,
-         profile, activations, lora_layers) -> None:
+         profile, activations, lora_layers, cuda_graphs) -> None:
     from pact.convert import convert
     from pact.runtime.recipe import parse_recipe
 
     ACTIVATIONS["spec"] = parse_recipe(activations).spec()
     LAYERS["spec"] = lora_layers
-    print(f"pact recipe: --activations {ACTIVATIONS['spec']} --lora-layers {lora_layers}")
+    GRAPHS["on"] = cuda_graphs
+    print(f"pact recipe: --activations {ACTIVATIONS['spec']} --lora-layers {lora_layers} --cuda-graphs {cuda_graphs}")
 
     print(f"gpu={torch.cuda.get_device_name()} torch={torch.__version__}")
     src, art = workdir / f"src-{shape}", workdir / f"art-{shape}-2d"
@@ -311,7 +318,7 @@ def main(shape, batches, methods, memory_cap_gib, seq, workdir, warmup, iters, c
     if json_out:
         json_out.write_text(json.dumps(rows, indent=1))
     if csv_out:
-        fields = ["model", "method", "recipe", "lora_layers", "bs", "seq", "step_ms", "tok_s", "peak_gib", "cap_gib",
+        fields = ["model", "method", "recipe", "lora_layers", "graphs", "bs", "seq", "step_ms", "tok_s", "peak_gib", "reserved_gib", "cap_gib",
                   "largest_bs", "oom", "error"]
         with open(csv_out, "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=fields)

@@ -16,6 +16,8 @@
 #          scoring in batches of EVAL_BATCH
 #          (16: 14 workers scoring 64 rows at once ran the GPU out of memory)
 #   tasks2 (no carry):       the same at lr 2e-4; the table covers both calls' rows
+#   graphs (carry .whl .gg1): --cuda-graphs on the 1B shapes (bs 6 and 16, and under a 16 GiB cap), eager and
+#          graphed beside PEFT + Liger; the GPU tests of the graphs first
 #   big (carry .gg1):       stash the first half; 3B and 8B shapes under a 16 GiB cap, pact vs its peers
 #   merge (carry .gg2 .fid): bench_merge.py on MERGE_TASKS x SEEDS, one process per (task, seed)
 #   packing (no carry, after tasks or merge): bench_packing.py on PACK_TASKS (comma-separated); CALIB_SMOL=1:
@@ -143,6 +145,40 @@ open('/tmp/merge-1b.jsonl', 'w').write(''.join(json.dumps({'prompt': d[:len(d) /
       --warm-steps 20 --batches 6 --recipes "${GRAD_RECIPES:-nvfp4-saved}" --csv $OUT/grads_1b.csv 2>&1 | grep -v Warn | tail -12
   fi
   cat $OUT/speed_bs16.csv $OUT/speed_cap16.csv | cut -c1-150
+  ;;
+graphs)  # (carry .whl; .gg1 too, to stash it for `tasks`) --cuda-graphs: the 1B step at bs 6 and 16, eager and
+  # graphed, beside PEFT + Liger, and each one's best tokens/s under a 16 GiB cap (GPU tests of the graphs first;
+  # B3=1: the 3B shapes under the cap too, beside PEFT + Liger + checkpointing)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  [ -d .gg1 ] && cp .gg1/* /tmp/wd/
+  nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+  timeout ${TEST_LIMIT:-200} python3 -m pytest -q -m gpu -p no:cacheprovider ${GPU_TEST_FILES:-tests/test_graphs.py} -rf \
+    --tb=short 2>&1 | tail -30 | tee $OUT/gpu_tests.txt
+  cd benchmarks
+  B="--model llama-1b --warmup 2 --iters ${ITERS:-10}"
+  for g in "" --cuda-graphs; do
+    timeout 150 python3 bench_train.py $B --batch ${BATCH:-6,16} --methods pact-bf16 $g --csv-out /tmp/rows/g-bs$g.csv \
+      2>&1 | grep "^{\|^converted\|Error\|error"
+  done
+  [ "${PEERS:-1}" = 1 ] && timeout 150 python3 bench_train.py $B --batch ${BATCH:-6,16} --methods liger \
+    --csv-out /tmp/rows/g-bs-liger.csv 2>&1 | grep "^{"
+  if [ "${CAP_RUNS:-1}" = 1 ]; then
+    timeout 150 python3 bench_train.py $B --memory-cap-gib 16 --methods pact-bf16 --cuda-graphs \
+      --cap-batches ${CAP_G:-20,24,28} --csv-out /tmp/rows/g-cap-graphs.csv 2>&1 | grep "^{"
+    timeout 150 python3 bench_train.py $B --memory-cap-gib 16 --methods pact-bf16 --cap-batches ${CAP_E:-20,24,28} \
+      --csv-out /tmp/rows/g-cap.csv 2>&1 | grep "^{"
+    [ "${PEERS:-1}" = 1 ] && timeout 150 python3 bench_train.py $B --memory-cap-gib 16 --methods liger --cap-batches 6,8 \
+      --csv-out /tmp/rows/g-cap-liger.csv 2>&1 | grep "^{"
+  fi
+  if [ "${B3:-0}" = 1 ]; then
+    for g in "" --cuda-graphs; do
+      timeout 200 python3 bench_train.py --model llama-3b --memory-cap-gib 16 --warmup 2 --iters 5 --methods pact-bf16 $g \
+        --cap-batches ${CAP3B:-8,10,12} --csv-out /tmp/rows/g-3b$g.csv 2>&1 | grep "^{\|^converted"
+    done
+  fi
+  cat /tmp/rows/g-bs*.csv | awk 'NR == 1 || !/^model,/' > $OUT/graphs_bs.csv
+  cat /tmp/rows/g-cap*.csv /tmp/rows/g-3b*.csv 2>/dev/null | awk 'NR == 1 || !/^model,/' > $OUT/graphs_cap16.csv
+  cut -d, -f1-12 $OUT/graphs_bs.csv $OUT/graphs_cap16.csv
   ;;
 big)  # (carry .whl .whl2 on a cold machine) 3B and 8B shapes under a 16 GiB cap: pact's default vs the peers that fit
   python3 -c "import zarr, bitsandbytes" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --no-compile \

@@ -84,6 +84,10 @@ class TrainConfig:
     activations: str | None = _opt(None, RECIPE_HELP, metavar="RECIPE")
     checkpoint: bool = _opt(False, "Recompute each decoder layer in backward (less memory, ~1/3 more compute).",
                             aliases=("--gradient-checkpointing",))
+    cuda_graphs: str = _opt("off", "Replay each training step's decoder layers as CUDA graphs (one capture per "
+                                   "batch shape; sequence lengths padded to powers of two up to --max-len): "
+                                   "shorter steps where kernel launches set the pace (small batches). auto: on "
+                                   "where they can run (CUDA, no --lora-dropout).", choices=("auto", "on", "off"))
     device: str | None = _opt(None, "cuda, cuda:1, cpu (default: cuda if available).")
 
     def __post_init__(self) -> None:

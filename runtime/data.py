@@ -497,12 +497,12 @@ def pack(examples: list[Example], max_len: int) -> list[Example]:
     return packed
 
 
-def collate_packed(examples: list[Example], index: list[int], pad_id: int, device
+def collate_packed(examples: list[Example], index: list[int], pad_id: int, device, width=None
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Packed rows -> ids, labels, positions [B, S] (from 0 in each example) and the attention mask
     [B, 1, S, S] (True: may attend): causal inside each example, nothing across them; padding
     attends to itself (never a target)."""
-    ids, labels = collate(examples, index, pad_id, "cpu")
+    ids, labels = collate(examples, index, pad_id, "cpu", width=width)
     B, S = ids.shape
     seg = torch.full((B, S), -1, dtype=torch.long)
     for r, i in enumerate(index):
@@ -548,10 +548,13 @@ def pad_id(tokenizer) -> int:
     return tokenizer.eos_token_id or 0
 
 
-def collate(examples: list[Example], index: list[int], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded ids and labels (padding is never a target; causal attention ignores it)."""
+def collate(examples: list[Example], index: list[int], pad_id: int, device, width=None
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded ids and labels (padding is never a target; causal attention ignores it).
+    ``width``: the row length as a function of the longest example's (default: that length)."""
     seqs = [examples[i] for i in index]
-    width = max(len(e.ids) for e in seqs)
+    longest = max(len(e.ids) for e in seqs)
+    width = longest if width is None else width(longest)
     ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
     labels = torch.full((len(seqs), width), IGNORE, dtype=torch.long)
     for r, e in enumerate(seqs):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 
 import torch
 import torch.nn.functional as F
@@ -22,9 +23,12 @@ from pact.formats.peft import LoraConfig
 
 from .bind import Layer, bind
 from .functions import Lora, MlpFn, NormProjectionFn, ProjectionFn, RopeFn
+from .graphs import GraphedLayersFn, LayerGraphs, graphable
 from .loss import target_cross_entropy
 from .ops import get_ops, resolve_compute, resolve_kernels
 from .recipe import Recipe, parse_recipe
+
+log = logging.getLogger(__name__)
 
 TRAINABLE_FAMILIES = FAMILIES  # the language model of every family pact-convert reads
 
@@ -69,7 +73,8 @@ class PactModel(nn.Module):
 
     def __init__(self, artifact: Artifact, lora: LoraConfig | None, *, device: str | torch.device = "cpu",
                  kernels: str | None = None, compute: str | None = None, activations: str | Recipe | None = None,
-                 checkpoint: bool = False, seed: int = 0, fp8_weights: str = "per-call"):
+                 checkpoint: bool = False, seed: int = 0, fp8_weights: str = "per-call",
+                 cuda_graphs: bool | str = False):
         super().__init__()
         self.artifact, self.lora_cfg = artifact, lora
         self.family = artifact.meta["family"]
@@ -121,6 +126,16 @@ class PactModel(nn.Module):
         self.first_adapted = min((i for i, L in enumerate(self.layers)
                                   if any(lo is not None for g in (L.qkv, L.o, L.gate_up, L.down) for lo in g.loras)),
                                  default=0)
+        # --cuda-graphs: training steps replay the decoder stack's captured forward and backward
+        # (runtime/graphs.py), one capture per input shape, all in one memory pool
+        self._graphs: dict[tuple, LayerGraphs] = {}
+        self._graph_pool = None
+        why = graphable(self) if cuda_graphs else None
+        if why and cuda_graphs is True:
+            raise PactError(f"--cuda-graphs on: {why}; use --cuda-graphs auto (eager where graphs cannot run) or off")
+        if why:
+            log.info("--cuda-graphs auto: eager steps (%s)", why)
+        self.cuda_graphs = bool(cuda_graphs) and not why  # train_config.json records it ("graphed")
 
     @contextlib.contextmanager
     def observing(self, observe):
@@ -137,18 +152,22 @@ class PactModel(nn.Module):
     def recipe_as(self, recipe: Recipe):
         """Within: forward and backward under ``recipe``'s site precisions (this model's backend and
         dgrad: the ops stay as built). `--activations auto`'s probe."""
-        kept = self.recipe
+        kept, graphs, self._graphs, on = self.recipe, self._graphs, {}, self.cuda_graphs
+        self.cuda_graphs = False  # a probe's few steps run eagerly; the run's captures are kept for after
         self.use_recipe(recipe)
         try:
             yield
         finally:
             self.use_recipe(kept)
+            self._graphs, self.cuda_graphs = graphs, on
 
     def use_recipe(self, recipe: Recipe) -> None:
         """Train from now on with ``recipe``'s site precisions (backend and dgrad as built)."""
         recipe = dataclasses.replace(recipe, compute=self.compute)
         if recipe.dgrad != self.recipe.dgrad:
             raise ValueError(f"use_recipe: dgrad {recipe.dgrad} differs from the model's ({self.recipe.dgrad})")
+        if recipe != self.recipe:
+            self._graphs.clear()  # captured under the old site precisions
         self.recipe, self._no_backward = recipe, recipe.forward_only()
 
     # -- forward
@@ -238,7 +257,23 @@ class PactModel(nn.Module):
 
     def run_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, B: int, S: int,
                    mask: torch.Tensor | None = None) -> torch.Tensor:
-        """The decoder layers over input embeddings x [B * S, H] -> [B, S, H] bf16."""
+        """The decoder layers over input embeddings x [B * S, H] -> [B, S, H] bf16 (with --cuda-graphs,
+        a training step's by replay: runtime/graphs.py)."""
+        if self.cuda_graphs and torch.is_grad_enabled() and not x.requires_grad:
+            key = (B, S, tuple(cos.shape), None if mask is None else tuple(mask.shape))
+            graphs = self._graphs.get(key)
+            if graphs is None:
+                if self._graph_pool is None:
+                    self._graph_pool = torch.cuda.graph_pool_handle()
+                params = list(self.lora_params.values())
+                graphs = self._graphs[key] = LayerGraphs(
+                    lambda x_, c_, s_, m_: self._run_layers(x_, c_, s_, B, S, m_), params, x, cos, sin, mask,
+                    self._graph_pool)
+            return GraphedLayersFn.apply(x, cos, sin, mask, graphs, *graphs.params)
+        return self._run_layers(x, cos, sin, B, S, mask)
+
+    def _run_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, B: int, S: int,
+                    mask: torch.Tensor | None = None) -> torch.Tensor:
         for i, L in enumerate(self.layers):
             if i < self.first_adapted and torch.is_grad_enabled():
                 with torch.no_grad():  # below the lowest adapter: no gradient flows here, nothing is saved

@@ -54,6 +54,7 @@ from .config import PATH_FIELDS, SCHEDULERS, TrainConfig, _absolute  # noqa: F40
 from .data import batches, collate, collate_packed, pack, pad_id, read_records, tokenize
 from .distributed import Dist, from_env, leave
 from .evaluate import evaluate, label_candidates
+from .graphs import bucket_length
 from .model import PactModel
 from .recipe import DEFAULT as DEFAULT_RECIPE
 from .reporting import Reporter, check_available, parse_report_to
@@ -180,7 +181,8 @@ def _setup(cfg: TrainConfig, run: Path, resume: bool, dist: Dist, device: str | 
     auto = parse_auto(cfg.activations)  # --activations auto: the default recipe until the probe picks
     model = ses.model(cfg.lora(), kernels=cfg.kernels, compute=cfg.compute,
                       activations=DEFAULT_RECIPE if auto is not None else cfg.activations,
-                      checkpoint=cfg.checkpoint, seed=cfg.seed, fp8_weights=cfg.fp8_weights)
+                      checkpoint=cfg.checkpoint, seed=cfg.seed, fp8_weights=cfg.fp8_weights,
+                      cuda_graphs={"on": True, "off": False}.get(cfg.cuda_graphs, "auto"))
     vocab = model.embed.shape[0]
     examples = tokenize(records, ses.tokenizer, max_len=cfg.max_len,
                         overlong=cfg.overlong, vocab_size=vocab)
@@ -235,7 +237,7 @@ def _write_run_config(run: Path, cfg: TrainConfig, model: PactModel, dist: Dist,
     """RUN/train_config.json (rank 0): the config, the recipe the model runs, the world, the inputs'
     fingerprints and --activations auto's choice once made; written beside and renamed in."""
     replace_text(run / "train_config.json", json.dumps({
-        **cfg.as_json(), "recipe": model.recipe.as_json(), "world_size": dist.world,
+        **cfg.as_json(), "recipe": model.recipe.as_json(), "graphed": model.cuda_graphs, "world_size": dist.world,
         "global_batch": cfg.batch_size * dist.world * cfg.grad_accum, "inputs_sha256": state["inputs"],
         **({"recipe_auto": state["recipe_auto"]} if "recipe_auto" in state else {})}, indent=2) + "\n")
 
@@ -246,7 +248,9 @@ def _step(r: _Run, cfg: TrainConfig, micro: list) -> dict:
     device, state, dist = r.model.device, r.state, r.dist
     shares = [idx[dist.share(len(idx))] for _, _, idx in micro]
     make = collate_packed if cfg.packing else collate
-    loaded = [make(r.examples, share, r.pad, device) for share in shares if share]
+    # graphed steps: sequence lengths padded to a few buckets (one capture each); padding is never a target
+    width = (lambda n: bucket_length(n, cfg.max_len)) if r.model.cuda_graphs else None
+    loaded = [make(r.examples, share, r.pad, device, width=width) for share in shares if share]
     local_targets = sum(int((b[1][:, 1:] != -100).sum()) for b in loaded)
     local_tokens = sum(int(b[0].numel()) for b in loaded)
     n_targets, tokens = (int(v) for v in dist.sum([local_targets, local_tokens], device))

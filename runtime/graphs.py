@@ -1,0 +1,108 @@
+"""The decoder layers of a training step replayed as two CUDA graphs (`--cuda-graphs`).
+
+A small-batch step launches a few thousand kernels (every layer's Functions, forward and backward),
+and the host's launch time, not the GPU, then sets the step time. Here the whole stack of decoder
+layers is captured once per input shape: one graph for its forward, one for its backward (the LoRA
+parameters' gradients). A step then costs two replays plus what stays eager around them (embedding,
+RoPE tables, the loss, the optimizer).
+
+What a capture holds fixed, and so what the model refuses to graph (it runs those eagerly):
+- the shape: one capture per (batch, sequence length, mask or not); the trainer pads the sequence
+  length to a bucket (`bucket_length`) so that a run meets a handful of shapes;
+- every input besides the hidden states, the RoPE tables and the attention mask (copied in before
+  each replay): frozen weights, LoRA parameters (updated in place by the optimizer: same address)
+  and the recipe (a new recipe drops the captures);
+- randomness: LoRA dropout and stochastically rounded copies draw a seed on the host per call, which
+  a replay would repeat, so models with either run eagerly.
+
+All captures of a model share one memory pool. That is safe because a capture's forward and
+backward always run back to back: nothing another shape's replay writes is read across them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# padded sequence lengths: powers of two from 64, and the run's --max-len (the last bucket)
+MIN_BUCKET = 64
+
+
+def bucket_length(length: int, max_len: int) -> int:
+    """The padded sequence length a graphed step runs at: the next power of two >= ``length`` (at
+    least MIN_BUCKET), never above ``max_len`` (nor below ``length``)."""
+    b = MIN_BUCKET
+    while b < length:
+        b *= 2
+    return max(length, min(b, max_len))
+
+
+class LayerGraphs:
+    """One shape's captured forward and backward of ``run`` (the eager decoder stack)."""
+
+    def __init__(self, run, params: list[torch.Tensor], x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 mask: torch.Tensor | None, pool, warmup: int = 2):
+        self.params = params
+        self.x, self.cos, self.sin = x.detach().clone(), cos.detach().clone(), sin.detach().clone()
+        self.mask = None if mask is None else mask.detach().clone()
+
+        def fwd():
+            return run(self.x, self.cos, self.sin, self.mask)
+
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up: Triton compilation and tuning, cuBLAS and cuDNN plans
+            for _ in range(warmup):
+                out = fwd()
+                torch.autograd.grad(out, params, torch.zeros_like(out), allow_unused=True)
+                del out
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # the warm-up's cached blocks back to the device for the graphs' pool
+        self.fwd, self.bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.fwd, pool=pool):
+            out = fwd()
+        self.gout = torch.empty_like(out)
+        with torch.cuda.graph(self.bwd, pool=pool):
+            self.grads = torch.autograd.grad(out, params, self.gout, allow_unused=True)
+        self.out = out.detach()
+
+    def matches(self, x: torch.Tensor, cos: torch.Tensor, mask: torch.Tensor | None) -> bool:
+        return (x.shape == self.x.shape and cos.shape == self.cos.shape
+                and (mask is None) == (self.mask is None) and (mask is None or mask.shape == self.mask.shape))
+
+
+class GraphedLayersFn(torch.autograd.Function):
+    """The decoder stack by replay: forward copies the inputs in and replays the forward graph;
+    backward copies the output's gradient in, replays the backward graph and hands autograd the
+    parameters' gradients (copies: the graph's own buffers are rewritten by the next replay)."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin, mask, graphs: LayerGraphs, *params):
+        graphs.x.copy_(x)
+        graphs.cos.copy_(cos)
+        graphs.sin.copy_(sin)
+        if mask is not None:
+            graphs.mask.copy_(mask)
+        graphs.fwd.replay()
+        ctx.graphs = graphs
+        return graphs.out.clone()
+
+    @staticmethod
+    def backward(ctx, dout):
+        g = ctx.graphs
+        g.gout.copy_(dout)
+        g.bwd.replay()
+        return (None, None, None, None, None, *(None if t is None else t.clone() for t in g.grads))
+
+
+def graphable(model) -> str | None:
+    """Why ``model``'s training steps cannot be graphed (None: they can)."""
+    if model.device.type != "cuda":
+        return "not on a CUDA device"
+    if any(lo.dropout > 0 for lo in model.adapters.values()):
+        return "LoRA dropout draws a new mask every call"
+    if any(getattr(model.recipe, s).saved == "nvfp4-sr" for s in ("qkv", "o", "gate_up", "down")):
+        return "stochastically rounded copies draw new random bits every call"
+    if not model.lora_params:
+        return "no LoRA parameters"
+    return None
