@@ -63,6 +63,7 @@ def _time_training(loss_fn, params, warmup: int, iters: int) -> tuple[float, flo
 
 ACTIVATIONS = {"spec": None}  # --activations: the precision recipe of every pact method (None: the default)
 LAYERS = {"spec": "all"}  # --lora-layers: the decoder blocks that get adapters (pact-train --lora-layers)
+VOCAB = {"n": 128000}  # token ids drawn below this (the shape's vocabulary)
 GRAPHS = {"on": False}  # --cuda-graphs: pact's steps replay the decoder stack as CUDA graphs
 
 
@@ -81,7 +82,7 @@ def _pact(art_path: Path, compute: str, checkpoint: bool):
 def bench_pact(art_path: Path, bs: int, seq: int, warmup: int, iters: int, compute: str,
                checkpoint: bool = False) -> tuple[float, float]:
     model = _pact(art_path, compute, checkpoint)
-    ids = torch.randint(0, 128000, (bs, seq), device="cuda")
+    ids = torch.randint(0, VOCAB["n"], (bs, seq), device="cuda")
 
     def loss():
         total, n = model(ids, ids)
@@ -129,7 +130,7 @@ def profile_pact(art_path: Path, bs: int, seq: int, compute: str, checkpoint: bo
 
     model = _pact(art_path, compute, checkpoint)
     model.ops = _annotate(model.ops)
-    ids = torch.randint(0, 128000, (bs, seq), device="cuda")
+    ids = torch.randint(0, VOCAB["n"], (bs, seq), device="cuda")
     opt = torch.optim.AdamW(list(model.lora_params.values()), lr=1e-4, foreach=True)
 
     def step():
@@ -209,7 +210,7 @@ def _peft_step(model, bs: int, seq: int, warmup: int, iters: int, checkpoint: bo
     if checkpoint:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()
-    ids = torch.randint(0, 128000, (bs, seq), device="cuda")
+    ids = torch.randint(0, VOCAB["n"], (bs, seq), device="cuda")
     return _time_training(lambda: model(input_ids=ids, labels=ids).loss,
                           [p for p in model.parameters() if p.requires_grad], warmup, iters)
 
@@ -252,7 +253,8 @@ def measure(method: str, art: Path, src: Path, shape: str, bs: int, seq: int, wa
 
 
 @click.command()
-@click.option("--model", "shape", type=click.Choice(["llama-1b", "llama-3b", "llama-8b"]), default="llama-1b")
+@click.option("--model", "shape", type=click.Choice(["smollm2-135m", "llama-1b", "llama-3b", "llama-8b"]),
+              default="llama-1b")
 @click.option("--batch", "batches", default="4", show_default=True, help="Comma-separated batch sizes (no cap).")
 @click.option("--methods", default="pact-fp8,peft", show_default=True,
               help=f"Comma-separated, from {', '.join(METHODS)}.")
@@ -281,6 +283,7 @@ def main(shape, batches, methods, memory_cap_gib, seq, workdir, warmup, iters, c
     ACTIVATIONS["spec"] = parse_recipe(activations).spec()
     LAYERS["spec"] = lora_layers
     GRAPHS["on"] = cuda_graphs
+    VOCAB["n"] = min(VOCAB["n"], SHAPES[shape]["vocab_size"])
     print(f"pact recipe: --activations {ACTIVATIONS['spec']} --lora-layers {lora_layers} --cuda-graphs {cuda_graphs}")
 
     print(f"gpu={torch.cuda.get_device_name()} torch={torch.__version__}")

@@ -170,6 +170,14 @@ graphs)  # (carry .whl; .gg1 too, to stash it for `tasks`) --cuda-graphs: the 1B
     [ "${PEERS:-1}" = 1 ] && timeout 150 python3 bench_train.py $B --memory-cap-gib 16 --methods liger --cap-batches 6,8 \
       --csv-out /tmp/rows/g-cap-liger.csv 2>&1 | grep "^{"
   fi
+  if [ "${SMALL:-0}" = 1 ]; then  # SmolLM2-135M shapes (random weights) at the fidelity protocol's size: bs 8 x 128
+    for g in "" --cuda-graphs; do
+      timeout 100 python3 bench_train.py --model smollm2-135m --seq 128 --warmup 2 --iters 20 --batch 8 --methods pact-bf16 $g \
+        --csv-out /tmp/rows/g-bs-small$g.csv 2>&1 | grep "^{\|Error\|error"
+    done
+    [ "${PEERS:-1}" = 1 ] && timeout 100 python3 bench_train.py --model smollm2-135m --seq 128 --warmup 2 --iters 20 --batch 8 \
+      --methods liger --csv-out /tmp/rows/g-bs-small-liger.csv 2>&1 | grep "^{"
+  fi
   if [ "${B3:-0}" = 1 ]; then
     for g in "" --cuda-graphs; do
       timeout 200 python3 bench_train.py --model llama-3b --memory-cap-gib 16 --warmup 2 --iters 5 --methods pact-bf16 $g \

@@ -21,6 +21,8 @@ backward always run back to back: nothing another shape's replay writes is read 
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 # padded sequence lengths: powers of two from 64, and the run's --max-len (the last bucket)
@@ -36,12 +38,34 @@ def bucket_length(length: int, max_len: int) -> int:
     return max(length, min(b, max_len))
 
 
-class LayerGraphs:
-    """One shape's captured forward and backward of ``run`` (the eager decoder stack)."""
+@contextlib.contextmanager
+def _aliased(adapters, params: list[torch.Tensor]):
+    """Within: every adapter reads a fresh leaf sharing its parameter's storage (yielded in ``params``'
+    order). A capture's autograd graph then ends at new AccumulateGrad nodes made on the capture
+    stream: a parameter's own node may outlive an earlier step (a loss still referenced) on the
+    default stream, and the backward capture would wait on that stream, which invalidates it."""
+    alias = {id(p): p.detach().requires_grad_(True) for p in params}
+    kept = [(lo, lo.A, lo.B) for lo in adapters]
+    for lo in adapters:
+        lo.A, lo.B = alias[id(lo.A)], alias[id(lo.B)]
+    try:
+        yield [alias[id(p)] for p in params]
+    finally:
+        for lo, A, B in kept:
+            lo.A, lo.B = A, B
 
-    def __init__(self, run, params: list[torch.Tensor], x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 mask: torch.Tensor | None, pool, warmup: int = 2):
+
+class LayerGraphs:
+    """One shape's captured forward and backward of ``run`` (the eager decoder stack, reading the
+    LoRA parameters through ``adapters``)."""
+
+    def __init__(self, run, adapters, params: list[torch.Tensor], x: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor, mask: torch.Tensor | None, pool, warmup: int = 2):
         self.params = params
+        with _aliased(adapters, params) as leaves:
+            self._capture(run, leaves, x, cos, sin, mask, pool, warmup)
+
+    def _capture(self, run, params, x, cos, sin, mask, pool, warmup):
         self.x, self.cos, self.sin = x.detach().clone(), cos.detach().clone(), sin.detach().clone()
         self.mask = None if mask is None else mask.detach().clone()
 
@@ -65,10 +89,6 @@ class LayerGraphs:
         with torch.cuda.graph(self.bwd, pool=pool):
             self.grads = torch.autograd.grad(out, params, self.gout, allow_unused=True)
         self.out = out.detach()
-
-    def matches(self, x: torch.Tensor, cos: torch.Tensor, mask: torch.Tensor | None) -> bool:
-        return (x.shape == self.x.shape and cos.shape == self.cos.shape
-                and (mask is None) == (self.mask is None) and (mask is None or mask.shape == self.mask.shape))
 
 
 class GraphedLayersFn(torch.autograd.Function):

@@ -267,8 +267,8 @@ class PactModel(nn.Module):
                     self._graph_pool = torch.cuda.graph_pool_handle()
                 params = list(self.lora_params.values())
                 graphs = self._graphs[key] = LayerGraphs(
-                    lambda x_, c_, s_, m_: self._run_layers(x_, c_, s_, B, S, m_), params, x, cos, sin, mask,
-                    self._graph_pool)
+                    lambda x_, c_, s_, m_: self._run_layers(x_, c_, s_, B, S, m_), list(self.adapters.values()),
+                    params, x, cos, sin, mask, self._graph_pool)
             return GraphedLayersFn.apply(x, cos, sin, mask, graphs, *graphs.params)
         return self._run_layers(x, cos, sin, B, S, mask)
 

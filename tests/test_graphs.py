@@ -64,6 +64,19 @@ def test_graphs_refused_where_they_cannot_run(tmp_path):
     assert "stochastically" in graphable(fake)
 
 
+def test_capture_reads_aliases_and_restores_the_parameters(tmp_path):
+    from pact.runtime.graphs import _aliased
+
+    model = PactModel(_artifact(tmp_path), LoraConfig(r=4, alpha=8))
+    los, params = list(model.adapters.values()), list(model.lora_params.values())
+    with pytest.raises(RuntimeError, match="boom"), _aliased(los, params) as leaves:
+        assert len(leaves) == len(params) and all(a is not p for a, p in zip(leaves, params))
+        assert all(a.data_ptr() == p.data_ptr() and a.requires_grad and a.is_leaf for a, p in zip(leaves, params))
+        assert {id(t) for lo in los for t in (lo.A, lo.B)} == {id(a) for a in leaves}
+        raise RuntimeError("boom")
+    assert {id(t) for lo in los for t in (lo.A, lo.B)} == {id(p) for p in params}
+
+
 def test_train_config_records_eager_steps_on_the_cpu(tmp_path):
     from pact.runtime.config import TrainConfig
     from pact.runtime.trainer import train
