@@ -24,7 +24,9 @@ bench_accuracy.py). Methods: `peft` (transformers + PEFT on the GGUF dequantized
 `--lora-layers LAYERS`, `topN` for `top:N`: `pact%top8=mixed` puts adapters on the 8 last blocks
 only); `pact~PROBE=RECIPE` patches one reader of the gate_up site's saved copy to read the exact
 rows instead (`PROBES`: a diagnostic of which reader a saved copy bends, never a mode of
-pact-train). A method may end in `:WEIGHTS`, one of
+pact-train); `pact~eager=RECIPE` trains with `--cuda-graphs off` (eager steps; pact-train's default
+replays a GPU step's decoder layers as CUDA graphs at this protocol's batch size). A method may end in
+`:WEIGHTS`, one of
 `WEIGHT_VARIANTS` (scaling, then `-mse` for searched block scales): the same on an artifact
 converted that way (`pact-convert --scaling 2d --block-scales amax` is `:2d`); without it, the
 converter's defaults (`:1d-mse`); `-keepPCT` after it keeps PCT% of the projections in bf16
@@ -78,14 +80,15 @@ CALIBRATIONS = {  # -> (calibration texts, --block-scales, --act-order); llmc-*:
 CALIB_SAMPLES, CALIB_LEN = 128, 128
 # diagnostics: the MLP's RMSNorm output, saved as the recipe says, read exactly by one of its two readers
 PROBES = ("exact-dA",  # dA of gate and up reads the exact rows; the RMSNorm backward the saved copy
-          "exact-norm")  # the RMSNorm backward reads the exact rows; dA the saved copy
+          "exact-norm",  # the RMSNorm backward reads the exact rows; dA the saved copy
+          "eager")  # not a probe: pact-train --cuda-graphs off (the default replays graphed steps on a GPU)
 
 
 @contextlib.contextmanager
 def gate_up_probe(probe: str | None):
     """Within: MlpFn keeps the exact bf16 RMSNorm output beside its saved copy (more memory: a
     diagnostic) and hands it to the reader ``probe`` names. Nothing changes with ``probe`` None."""
-    if probe is None:
+    if probe in (None, "eager"):
         yield
         return
     from pact.runtime import functions as fn
@@ -560,7 +563,8 @@ def tasks(workdir, bigbench, tasks, methods, lrs, seeds, steps, eval_batch, shar
             with gate_up_probe(probe):
                 train(TrainConfig(artifact=str(art), data=str(train_f), out=str(run), steps=steps, batch_size=BATCH,
                                   max_len=MAX_LEN, lr=lr, lora_r=RANK, lora_alpha=ALPHA, warmup_ratio=WARMUP,
-                                  seed=seed, compute=compute, activations=spec, lora_layers=layers),
+                                  seed=seed, compute=compute, activations=spec, lora_layers=layers,
+                                  cuda_graphs="off" if probe == "eager" else "auto"),
                       progress=False)
             losses = [json.loads(x)["loss"] for x in open(run / "metrics.jsonl")]
             loss = statistics.mean(losses[-25:])

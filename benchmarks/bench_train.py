@@ -321,7 +321,8 @@ def main(shape, batches, methods, memory_cap_gib, seq, workdir, warmup, iters, c
     if json_out:
         json_out.write_text(json.dumps(rows, indent=1))
     if csv_out:
-        fields = ["model", "method", "recipe", "lora_layers", "graphs", "bs", "seq", "step_ms", "tok_s", "peak_gib", "reserved_gib", "cap_gib",
+        fields = ["model", "method", "recipe", "lora_layers", "graphs", "bs", "seq", "step_ms", "tok_s", "peak_gib",
+                  "reserved_gib", "cap_gib",
                   "largest_bs", "oom", "error"]
         with open(csv_out, "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=fields)

@@ -27,6 +27,18 @@ import torch
 
 # padded sequence lengths: powers of two from 64, and the run's --max-len (the last bucket)
 MIN_BUCKET = 64
+# --cuda-graphs auto: graphed steps for micro-batches of at most this many tokens (--batch-size x --max-len).
+# H200, Llama-3.2-1B shapes: 2 x 1024 tokens 71.5 -> 34.6 ms a step, 6 x 1024 87.8 -> 81.5 ms, 16 x 1024 198.1 ->
+# 199.9 ms with 1.17x the memory held (BENCHMARKS.md "CUDA graphs"): above this the launches hide behind the GPU's work
+GRAPH_TOKENS = 8192
+
+
+def use_graphs(setting: str, batch_size: int, max_len: int) -> bool | str:
+    """PactModel's ``cuda_graphs`` for pact-train's --cuda-graphs ``setting``: True (on: refused where
+    graphs cannot run), False, or "auto" (on where they can run)."""
+    if setting == "auto":
+        return "auto" if batch_size * max_len <= GRAPH_TOKENS else False
+    return setting == "on"
 
 
 def bucket_length(length: int, max_len: int) -> int:

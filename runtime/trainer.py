@@ -54,7 +54,7 @@ from .config import PATH_FIELDS, SCHEDULERS, TrainConfig, _absolute  # noqa: F40
 from .data import batches, collate, collate_packed, pack, pad_id, read_records, tokenize
 from .distributed import Dist, from_env, leave
 from .evaluate import evaluate, label_candidates
-from .graphs import bucket_length
+from .graphs import bucket_length, use_graphs
 from .model import PactModel
 from .recipe import DEFAULT as DEFAULT_RECIPE
 from .reporting import Reporter, check_available, parse_report_to
@@ -182,7 +182,7 @@ def _setup(cfg: TrainConfig, run: Path, resume: bool, dist: Dist, device: str | 
     model = ses.model(cfg.lora(), kernels=cfg.kernels, compute=cfg.compute,
                       activations=DEFAULT_RECIPE if auto is not None else cfg.activations,
                       checkpoint=cfg.checkpoint, seed=cfg.seed, fp8_weights=cfg.fp8_weights,
-                      cuda_graphs={"on": True, "off": False}.get(cfg.cuda_graphs, "auto"))
+                      cuda_graphs=use_graphs(cfg.cuda_graphs, cfg.batch_size, cfg.max_len))
     vocab = model.embed.shape[0]
     examples = tokenize(records, ses.tokenizer, max_len=cfg.max_len,
                         overlong=cfg.overlong, vocab_size=vocab)

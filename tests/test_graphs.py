@@ -11,7 +11,7 @@ from pact.convert import convert
 from pact.formats import PactError, open_artifact
 from pact.formats.peft import LoraConfig
 from pact.runtime.data import Example, collate, collate_packed
-from pact.runtime.graphs import bucket_length, graphable
+from pact.runtime.graphs import GRAPH_TOKENS, bucket_length, graphable, use_graphs
 from pact.runtime.model import PactModel
 from pact.runtime.recipe import parse_recipe
 
@@ -19,7 +19,8 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GP
 
 
 def _ex(ids, prompt=1):
-    return Example(ids=list(ids), labels=[-100] * prompt + list(ids[prompt:]), completion="", prompt_ids=list(ids[:prompt]))
+    return Example(ids=list(ids), labels=[-100] * prompt + list(ids[prompt:]), completion="",
+                   prompt_ids=list(ids[:prompt]))
 
 
 def _jsonl(path, recs):
@@ -37,6 +38,12 @@ def test_bucket_lengths():
     assert bucket_length(100, 96) == 100  # never below the batch's own length
     assert bucket_length(90, 96) == 96  # --max-len is the last bucket
     assert bucket_length(30, 48) == 48
+
+
+def test_auto_graphs_small_micro_batches_only():
+    assert use_graphs("auto", 8, 128) == "auto" and use_graphs("auto", 8, GRAPH_TOKENS // 8) == "auto"
+    assert use_graphs("auto", 16, 1024) is False
+    assert use_graphs("on", 16, 1024) is True and use_graphs("off", 1, 16) is False
 
 
 def test_collate_pads_to_the_bucket():
