@@ -136,6 +136,7 @@ class PactModel(nn.Module):
         if why:
             log.info("--cuda-graphs auto: eager steps (%s)", why)
         self.cuda_graphs = bool(cuda_graphs) and not why  # train_config.json records it ("graphed")
+        self._graphs_asked = cuda_graphs is True  # on: a failed capture is an error; auto: eager from then on
 
     @contextlib.contextmanager
     def observing(self, observe):
@@ -261,16 +262,31 @@ class PactModel(nn.Module):
         a training step's by replay: runtime/graphs.py)."""
         if self.cuda_graphs and torch.is_grad_enabled() and not x.requires_grad:
             key = (B, S, tuple(cos.shape), None if mask is None else tuple(mask.shape))
-            graphs = self._graphs.get(key)
-            if graphs is None:
-                if self._graph_pool is None:
-                    self._graph_pool = torch.cuda.graph_pool_handle()
-                params = list(self.lora_params.values())
-                graphs = self._graphs[key] = LayerGraphs(
-                    lambda x_, c_, s_, m_: self._run_layers(x_, c_, s_, B, S, m_), list(self.adapters.values()),
-                    params, x, cos, sin, mask, self._graph_pool)
-            return GraphedLayersFn.apply(x, cos, sin, mask, graphs, *graphs.params)
+            graphs = self._graphs.get(key) or self._capture(key, x, cos, sin, B, S, mask)
+            if graphs is not None:
+                return GraphedLayersFn.apply(x, cos, sin, mask, graphs, *graphs.params)
         return self._run_layers(x, cos, sin, B, S, mask)
+
+    def _capture(self, key, x, cos, sin, B, S, mask) -> LayerGraphs | None:
+        """A new shape's capture; None (and eager steps from now on, said once) where it fails under
+        --cuda-graphs auto, e.g. out of memory, or an op a CUDA graph cannot hold."""
+        try:
+            if self._graph_pool is None:
+                self._graph_pool = torch.cuda.graph_pool_handle()
+            self._graphs[key] = LayerGraphs(
+                lambda x_, c_, s_, m_: self._run_layers(x_, c_, s_, B, S, m_), list(self.adapters.values()),
+                list(self.lora_params.values()), x, cos, sin, mask, self._graph_pool)
+            return self._graphs[key]
+        except (RuntimeError, torch.OutOfMemoryError) as e:
+            if self._graphs_asked:
+                raise PactError(f"--cuda-graphs on: capturing a step of shape {B} x {S} failed ({e}); "
+                                "use --cuda-graphs off") from e
+            log.warning("--cuda-graphs auto: capturing a step of shape %d x %d failed (%s); every step runs "
+                        "eagerly from here (--cuda-graphs off says so up front)", B, S, str(e).splitlines()[0])
+            self.cuda_graphs, self._graphs, self._graph_pool = False, {}, None
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            return None
 
     def _run_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, B: int, S: int,
                     mask: torch.Tensor | None = None) -> torch.Tensor:

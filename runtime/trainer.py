@@ -104,9 +104,9 @@ def _micro_batches(examples, cfg: TrainConfig, epoch: int, pos: int, world: int 
         epoch, pos = epoch + 1, 0
 
 
-def _peak_memory_gb(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
+def _peak_memory_gb(device: torch.device, graphed: bool = False) -> float:
+    if device.type == "cuda":  # graphed steps: what is held (the captures' pool is never "allocated")
+        return (torch.cuda.max_memory_reserved if graphed else torch.cuda.max_memory_allocated)(device) / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
@@ -383,7 +383,7 @@ def _train(cfg: TrainConfig, run: Path, resume: bool, progress: bool, stop_after
     metrics_f = open(run / "metrics.jsonl", "a") if dist.main else open(os.devnull, "w")  # failure leaves no file open)
     bar = tqdm(total=r.total, initial=state["step"], desc="train", unit="step", disable=not progress)
     t_start = time.perf_counter()
-    last = {}
+    last, graphed = {}, r.model.cuda_graphs
     try:
         while state["step"] < r.total:
             if auto is not None and "recipe_auto" not in state and state["step"] == probe_step(r.total):
@@ -391,8 +391,12 @@ def _train(cfg: TrainConfig, run: Path, resume: bool, progress: bool, stop_after
             t0 = time.perf_counter()
             last = _step(r, cfg, [next(stream) for _ in range(cfg.grad_accum)])
             dt = time.perf_counter() - t0
+            if graphed and not r.model.cuda_graphs:  # a capture failed under --cuda-graphs auto: eager from here
+                graphed = False
+                if dist.main:
+                    _write_run_config(run, cfg, r.model, dist, state)
             last.update(tokens_per_s=last["tokens"] / dt, epoch=state["epoch"],
-                        peak_mem_gb=round(_peak_memory_gb(device), 3),
+                        peak_mem_gb=round(_peak_memory_gb(device, graphed), 3),
                         elapsed_s=round(time.perf_counter() - t_start, 3))
             stop = False
             if cfg.eval_every and state["step"] % cfg.eval_every == 0 and state["step"] < r.total:

@@ -84,6 +84,31 @@ def test_capture_reads_aliases_and_restores_the_parameters(tmp_path):
     assert {id(t) for lo in los for t in (lo.A, lo.B)} == {id(p) for p in params}
 
 
+@pytest.mark.parametrize("asked", [True, False])
+def test_a_failed_capture(tmp_path, monkeypatch, caplog, asked):
+    """auto: a capture that fails (out of memory, an op a graph cannot hold) leaves eager steps and a
+    warning; on: an error naming the flag. (CPU: graphs switched on by hand, the capture made to fail.)"""
+    import pact.runtime.model as model_mod
+
+    def fail(*a, **k):
+        raise torch.OutOfMemoryError("CUDA out of memory while capturing")
+
+    monkeypatch.setattr(model_mod, "LayerGraphs", fail)
+    model = PactModel(_artifact(tmp_path), LoraConfig(r=4, alpha=8))
+    model.cuda_graphs, model._graphs_asked = True, asked
+    model._graph_pool = object()  # (no CUDA here: the pool handle is not the point)
+    ids = torch.randint(0, 256, (2, 16))
+    if asked:
+        with pytest.raises(PactError, match="--cuda-graphs on: capturing a step of shape 2 x 16 failed"):
+            model(ids, ids)
+        return
+    with caplog.at_level("WARNING"):
+        loss, n = model(ids, ids)
+    loss.backward()
+    assert model.cuda_graphs is False and "every step runs eagerly" in caplog.text
+    assert all(p.grad is not None for p in model.lora_params.values())
+
+
 def test_train_config_records_eager_steps_on_the_cpu(tmp_path):
     from pact.runtime.config import TrainConfig
     from pact.runtime.trainer import train
