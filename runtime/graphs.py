@@ -15,8 +15,10 @@ What a capture holds fixed, and so what the model refuses to graph (it runs thos
 - randomness: LoRA dropout and stochastically rounded copies draw a seed on the host per call, which
   a replay would repeat, so models with either run eagerly.
 
-All captures of a model share one memory pool. That is safe because a capture's forward and
-backward always run back to back: nothing another shape's replay writes is read across them.
+All captures of a model share one memory pool and one set of input / output buffers
+(`GraphBuffers`). That is safe because a capture's forward and backward always run back to back,
+and a replay's outputs are copied out before anything else runs: nothing another shape's replay
+writes is read across them. So a new shape costs its capture time, not memory.
 """
 
 from __future__ import annotations
@@ -67,18 +69,36 @@ def _aliased(adapters, params: list[torch.Tensor]):
             lo.A, lo.B = A, B
 
 
+class GraphBuffers:
+    """What every capture of a model reads and writes outside its pool, shared by all of them: the
+    stack's input, its output, the output's gradient (``capacity`` tokens each; a capture uses the
+    first B * S rows) and one gradient per LoRA parameter. Replays run one shape at a time and each
+    copies its results out at once, so sharing costs nothing, and a new shape adds no live memory:
+    whatever a capture makes lives in the pool, freed there once its backward is captured."""
+
+    def __init__(self, capacity: int, x: torch.Tensor, params: list[torch.Tensor]):
+        self.capacity = capacity
+        self.x = torch.empty((capacity, x.shape[1]), dtype=x.dtype, device=x.device)
+        self.out = torch.empty_like(self.x)
+        self.gout = torch.empty_like(self.x)
+        self.grads = [torch.zeros_like(p) for p in params]
+
+
 class LayerGraphs:
     """One shape's captured forward and backward of ``run`` (the eager decoder stack, reading the
-    LoRA parameters through ``adapters``)."""
+    LoRA parameters through ``adapters``), its inputs and outputs in ``bufs``."""
 
-    def __init__(self, run, adapters, params: list[torch.Tensor], x: torch.Tensor, cos: torch.Tensor,
-                 sin: torch.Tensor, mask: torch.Tensor | None, pool, warmup: int = 2):
-        self.params = params
+    def __init__(self, run, adapters, params: list[torch.Tensor], bufs: GraphBuffers, x: torch.Tensor,
+                 cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None, pool, warmup: int = 2):
+        self.params, self.bufs = params, bufs
         with _aliased(adapters, params) as leaves:
             self._capture(run, leaves, x, cos, sin, mask, pool, warmup)
 
     def _capture(self, run, params, x, cos, sin, mask, pool, warmup):
-        self.x, self.cos, self.sin = x.detach().clone(), cos.detach().clone(), sin.detach().clone()
+        T = x.shape[0]
+        self.x = self.bufs.x[:T]
+        self.x.copy_(x)
+        self.cos, self.sin = cos.detach().clone(), sin.detach().clone()
         self.mask = None if mask is None else mask.detach().clone()
 
         def fwd():
@@ -90,23 +110,28 @@ class LayerGraphs:
             for _ in range(warmup):
                 out = fwd()
                 torch.autograd.grad(out, params, torch.zeros_like(out), allow_unused=True)
+                shape = out.shape
                 del out
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
         torch.cuda.empty_cache()  # the warm-up's cached blocks back to the device for the graphs' pool
+        self.out, self.gout = self.bufs.out[:T].view(shape), self.bufs.gout[:T].view(shape)
         self.fwd, self.bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.fwd, pool=pool):
             out = fwd()
-        self.gout = torch.empty_like(out)
+            self.out.copy_(out)
         with torch.cuda.graph(self.bwd, pool=pool):
-            self.grads = torch.autograd.grad(out, params, self.gout, allow_unused=True)
-        self.out = out.detach()
+            grads = torch.autograd.grad(out, params, self.gout, allow_unused=True)
+            for buf, g in zip(self.bufs.grads, grads):
+                if g is not None:
+                    buf.copy_(g)
+        self.used = [g is not None for g in grads]
 
 
 class GraphedLayersFn(torch.autograd.Function):
     """The decoder stack by replay: forward copies the inputs in and replays the forward graph;
     backward copies the output's gradient in, replays the backward graph and hands autograd the
-    parameters' gradients (copies: the graph's own buffers are rewritten by the next replay)."""
+    parameters' gradients (copies: the shared buffers are rewritten by the next replay)."""
 
     @staticmethod
     def forward(ctx, x, cos, sin, mask, graphs: LayerGraphs, *params):
@@ -124,7 +149,8 @@ class GraphedLayersFn(torch.autograd.Function):
         g = ctx.graphs
         g.gout.copy_(dout)
         g.bwd.replay()
-        return (None, None, None, None, None, *(None if t is None else t.clone() for t in g.grads))
+        return (None, None, None, None, None,
+                *(buf.clone() if used else None for buf, used in zip(g.bufs.grads, g.used)))
 
 
 def graphable(model) -> str | None:

@@ -23,7 +23,7 @@ from pact.formats.peft import LoraConfig
 
 from .bind import Layer, bind
 from .functions import Lora, MlpFn, NormProjectionFn, ProjectionFn, RopeFn
-from .graphs import GraphedLayersFn, LayerGraphs, graphable
+from .graphs import GraphBuffers, GraphedLayersFn, LayerGraphs, graphable
 from .loss import target_cross_entropy
 from .ops import get_ops, resolve_compute, resolve_kernels
 from .recipe import Recipe, parse_recipe
@@ -129,7 +129,8 @@ class PactModel(nn.Module):
         # --cuda-graphs: training steps replay the decoder stack's captured forward and backward
         # (runtime/graphs.py), one capture per input shape, all in one memory pool
         self._graphs: dict[tuple, LayerGraphs] = {}
-        self._graph_pool = None
+        self._graph_pool, self._graph_bufs = None, None
+        self.graph_tokens = 0  # the largest micro-batch (tokens) the run will meet, when known: buffers sized once
         why = graphable(self) if cuda_graphs else None
         if why and cuda_graphs is True:
             raise PactError(f"--cuda-graphs on: {why}; use --cuda-graphs auto (eager where graphs cannot run) or off")
@@ -273,9 +274,14 @@ class PactModel(nn.Module):
         try:
             if self._graph_pool is None:
                 self._graph_pool = torch.cuda.graph_pool_handle()
+            params = list(self.lora_params.values())
+            if self._graph_bufs is None or self._graph_bufs.capacity < x.shape[0]:
+                self._graphs.clear()  # captured on the smaller buffers
+                self._graph_bufs = None
+                self._graph_bufs = GraphBuffers(max(x.shape[0], self.graph_tokens), x, params)
             self._graphs[key] = LayerGraphs(
                 lambda x_, c_, s_, m_: self._run_layers(x_, c_, s_, B, S, m_), list(self.adapters.values()),
-                list(self.lora_params.values()), x, cos, sin, mask, self._graph_pool)
+                params, self._graph_bufs, x, cos, sin, mask, self._graph_pool)
             return self._graphs[key]
         except (RuntimeError, torch.OutOfMemoryError) as e:
             if self._graphs_asked:
@@ -283,7 +289,7 @@ class PactModel(nn.Module):
                                 "use --cuda-graphs off") from e
             log.warning("--cuda-graphs auto: capturing a step of shape %d x %d failed (%s); every step runs "
                         "eagerly from here (--cuda-graphs off says so up front)", B, S, str(e).splitlines()[0])
-            self.cuda_graphs, self._graphs, self._graph_pool = False, {}, None
+            self.cuda_graphs, self._graphs, self._graph_pool, self._graph_bufs = False, {}, None, None
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
             return None

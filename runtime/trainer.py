@@ -183,6 +183,7 @@ def _setup(cfg: TrainConfig, run: Path, resume: bool, dist: Dist, device: str | 
                       activations=DEFAULT_RECIPE if auto is not None else cfg.activations,
                       checkpoint=cfg.checkpoint, seed=cfg.seed, fp8_weights=cfg.fp8_weights,
                       cuda_graphs=use_graphs(cfg.cuda_graphs, cfg.batch_size, cfg.max_len))
+    model.graph_tokens = cfg.batch_size * cfg.max_len  # graphed steps: no micro-batch is larger
     vocab = model.embed.shape[0]
     examples = tokenize(records, ses.tokenizer, max_len=cfg.max_len,
                         overlong=cfg.overlong, vocab_size=vocab)

@@ -164,6 +164,33 @@ def test_gpu_graphed_steps_match_eager(tmp_path, checkpoint):
 
 @pytest.mark.gpu
 @cuda
+def test_gpu_new_shapes_hold_no_memory(tmp_path):
+    """Every capture reads and writes the shared buffers and leaves nothing live in the pool: the
+    memory allocated after a fourth shape's capture is what it was after the first's (buffers sized
+    once from graph_tokens); a larger shape than the buffers hold re-sizes them and re-captures."""
+    art = _artifact(tmp_path)
+    model = PactModel(art, LoraConfig(r=64, alpha=64), device="cuda", cuda_graphs=True)
+    model.graph_tokens = 4 * 128
+    after = []
+    for s in (128, 64, 96, 32):
+        ids = torch.randint(0, 256, (4, s), device="cuda")
+        loss, n = model(ids, ids)
+        loss.backward()
+        del loss
+        torch.cuda.synchronize()
+        after.append(torch.cuda.memory_allocated())
+    assert len(model._graphs) == 4 and model._graph_bufs.capacity == 4 * 128
+    # what the three later captures would hold if each kept its own output and gradients
+    own = sum(4 * s * model.hidden * 2 + sum(p.numel() * 4 for p in model.lora_params.values()) for s in (64, 96, 32))
+    assert max(after) - after[0] < own / 4, (after, own)
+    ids = torch.randint(0, 256, (8, 128), device="cuda")
+    loss, n = model(ids, ids)
+    loss.backward()
+    assert len(model._graphs) == 1 and model._graph_bufs.capacity == 8 * 128
+
+
+@pytest.mark.gpu
+@cuda
 def test_gpu_graphs_follow_a_new_recipe(tmp_path):
     """use_recipe drops the captures; recipe_as (the auto probe) runs eagerly and keeps them."""
     art = _artifact(tmp_path)
