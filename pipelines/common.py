@@ -97,7 +97,8 @@ def config_from(cls, params: dict):
     return cls(**kw)
 
 
-RUN_RECORD_KEYS = ("recipe", "world_size", "global_batch", "inputs_sha256")  # what train_config.json adds; ignored
+# what train_config.json adds to the options; --config ignores them
+RUN_RECORD_KEYS = ("recipe", "graphed", "world_size", "global_batch", "inputs_sha256")
 
 
 def with_config_file(path: str, params: dict) -> dict:
