@@ -49,6 +49,7 @@ import contextlib
 import csv
 import dataclasses
 import json
+import math
 import random
 import statistics
 import time
@@ -710,6 +711,34 @@ def best(csvs, among, top, ref) -> None:
         d = [a - acc[(ref, *k[1:])] for k, a in acc.items() if k[0] == m and (ref, *k[1:]) in acc]
         score[m] = statistics.mean(d) if d else float("-inf")
     click.echo(" ".join(sorted(score, key=score.get, reverse=True)[:top]))
+
+
+@cli.command()
+@click.argument("csvs", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
+@click.option("--method", default="pact=mixed", show_default=True)
+@click.option("--ref", default="peft", show_default=True)
+@click.option("--target-se", default=1.5, show_default=True, help="Paired standard error wanted (points).")
+def plan(csvs, method, ref, target_se) -> None:
+    """Seeds each (task, lr) cell needs for a paired standard error of ``target_se`` points, from the
+    spread of the paired differences so far (sd^2 / target^2; at least 3)."""
+    acc: dict[tuple, float] = {}
+    for r in (r for c in csvs for r in csv.DictReader(open(c))):
+        acc[r["method"], r["task"], float(r["lr"]), int(r["seed"])] = 100 * float(r["accuracy"])
+    cells: dict[tuple, list[float]] = {}
+    for (m, task, lr, seed), a in acc.items():
+        if m == method and (ref, task, lr, seed) in acc:
+            cells.setdefault((task, lr), []).append(a - acc[ref, task, lr, seed])
+    click.echo(f"| task | lr | n | {method} - {ref} | sd | seeds for SE {target_se} | more runs (both methods) |")
+    click.echo("|---|---|---|---|---|---|---|")
+    total = 0
+    for (task, lr), d in sorted(cells.items(), key=lambda kv: -statistics.stdev(kv[1]) if len(kv[1]) > 1 else 0):
+        sd = statistics.stdev(d) if len(d) > 1 else float("nan")
+        need = max(3, math.ceil((sd / target_se) ** 2)) if len(d) > 1 else 3
+        more = 2 * max(0, need - len(d))
+        total += more
+        click.echo(f"| {task} | {lr:g} | {len(d)} | {statistics.mean(d):+.1f} +- {sd / len(d) ** 0.5:.1f} | "
+                   f"{sd:.1f} | {need} | {more} |")
+    click.echo(f"\n{total} more runs in all")
 
 
 def _wide(by: dict, maj: dict, margin: float, ref: str) -> None:
