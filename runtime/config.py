@@ -12,7 +12,7 @@ from pact.formats.peft import ALL_TARGETS, LoraConfig, parse_layers
 
 from .autorecipe import auto_spec, parse_auto
 from .data import looks_like_hub_id
-from .graphs import GRAPH_TOKENS
+from .graphs import GRAPH_WORK
 from .ops import COMPUTE, FP8_WEIGHTS, KERNELS
 from .recipe import HELP as RECIPE_HELP
 from .recipe import parse_recipe
@@ -87,10 +87,12 @@ class TrainConfig:
                             aliases=("--gradient-checkpointing",))
     cuda_graphs: str = _opt("auto", "Replay each training step's decoder layers as CUDA graphs (one capture per "
                                     "batch shape; sequence lengths padded to powers of two up to --max-len): "
-                                    "shorter steps where kernel launches set the pace. auto: on for micro-batches "
-                                    f"of at most {GRAPH_TOKENS} tokens (--batch-size x --max-len) where they can "
-                                    "run (CUDA, no --lora-dropout); larger ones gain little and the captures "
-                                    "hold more memory.", choices=("auto", "on", "off"))
+                                    "shorter steps where kernel launches set the pace. auto: on where they can "
+                                    "run (CUDA, no --lora-dropout) and a micro-batch's work per layer is small "
+                                    "(--batch-size x --max-len x a layer's frozen weights <= "
+                                    f"{GRAPH_WORK:.0e}: SmolLM2-135M always, 1B shapes up to ~6K tokens, 3B "
+                                    "~4K, 8B ~1.8K); larger ones gain little and the captures hold more memory.",
+                            choices=("auto", "on", "off"))
     device: str | None = _opt(None, "cuda, cuda:1, cpu (default: cuda if available).")
 
     def __post_init__(self) -> None:

@@ -29,17 +29,30 @@ import torch
 
 # padded sequence lengths: powers of two from 64, and the run's --max-len (the last bucket)
 MIN_BUCKET = 64
-# --cuda-graphs auto: graphed steps for micro-batches of at most this many tokens (--batch-size x --max-len).
-# H200, Llama-3.2-1B shapes: 2 x 1024 tokens 71.5 -> 34.6 ms a step, 6 x 1024 87.8 -> 81.5 ms, 16 x 1024 198.1 ->
-# 199.9 ms with 1.17x the memory held (BENCHMARKS.md "CUDA graphs"): above this the launches hide behind the GPU's work
-GRAPH_TOKENS = 8192
+# --cuda-graphs auto: graphed steps where a micro-batch's work per decoder layer is small enough that the
+# host's launches set the pace: tokens (--batch-size x --max-len) x a layer's frozen weights at most this.
+# H200, Llama-3.2-1B shapes (61M weights a layer): 2 x 1024 tokens (1.2e11) 71.5 -> 34.6 ms a step, 6 x 1024
+# (3.7e11) 87.8 -> 81.5 ms (131.8 -> 82.3 on a slower host), 16 x 1024 (1e12) 198.1 -> 199.9 ms, with +13-17%
+# memory held; SmolLM2-135M (3.5M a layer) at 8 x 128 142.4 -> 17.4 ms (BENCHMARKS.md "CUDA graphs")
+GRAPH_WORK = 4e11
 
 
-def use_graphs(setting: str, batch_size: int, max_len: int) -> bool | str:
-    """PactModel's ``cuda_graphs`` for pact-train's --cuda-graphs ``setting``: True (on: refused where
-    graphs cannot run), False, or "auto" (on where they can run)."""
+def layer_weights(model) -> int:
+    """The most frozen weights (N x K summed over its projections) of any decoder layer of ``model``."""
+    def size(g) -> int:
+        if g.weight is not None:
+            n, k = g.weight.shape
+            return n * k
+        return g.dense.numel() if g.dense is not None else 0
+    return max((sum(size(g) for g in (L.qkv, L.o, L.gate_up, L.down)) for L in model.layers), default=0)
+
+
+def use_graphs(setting: str, tokens: int, weights: int) -> bool | str:
+    """PactModel's ``cuda_graphs`` for pact-train's --cuda-graphs ``setting``, micro-batches of at most
+    ``tokens`` tokens and ``weights`` frozen weights a layer: True (on: refused where graphs cannot
+    run), False, or "auto" (on where they can run)."""
     if setting == "auto":
-        return "auto" if batch_size * max_len <= GRAPH_TOKENS else False
+        return "auto" if tokens * weights <= GRAPH_WORK else False
     return setting == "on"
 
 

@@ -54,7 +54,7 @@ from .config import PATH_FIELDS, SCHEDULERS, TrainConfig, _absolute  # noqa: F40
 from .data import batches, collate, collate_packed, pack, pad_id, read_records, tokenize
 from .distributed import Dist, from_env, leave
 from .evaluate import evaluate, label_candidates
-from .graphs import bucket_length, use_graphs
+from .graphs import bucket_length, layer_weights, use_graphs
 from .model import PactModel
 from .recipe import DEFAULT as DEFAULT_RECIPE
 from .reporting import Reporter, check_available, parse_report_to
@@ -182,8 +182,12 @@ def _setup(cfg: TrainConfig, run: Path, resume: bool, dist: Dist, device: str | 
     model = ses.model(cfg.lora(), kernels=cfg.kernels, compute=cfg.compute,
                       activations=DEFAULT_RECIPE if auto is not None else cfg.activations,
                       checkpoint=cfg.checkpoint, seed=cfg.seed, fp8_weights=cfg.fp8_weights,
-                      cuda_graphs=use_graphs(cfg.cuda_graphs, cfg.batch_size, cfg.max_len))
-    model.graph_tokens = cfg.batch_size * cfg.max_len  # graphed steps: no micro-batch is larger
+                      cuda_graphs={"on": True, "off": False}.get(cfg.cuda_graphs, "auto"))
+    model.graph_tokens = tokens = cfg.batch_size * cfg.max_len  # graphed steps: no micro-batch is larger
+    if model.cuda_graphs and not use_graphs(cfg.cuda_graphs, tokens, weights := layer_weights(model)):
+        log.info("--cuda-graphs auto: eager steps (%d tokens x %.0fM frozen weights a layer: the GPU's work hides "
+                 "the launches)", tokens, weights / 1e6)
+        model.cuda_graphs = False
     vocab = model.embed.shape[0]
     examples = tokenize(records, ses.tokenizer, max_len=cfg.max_len,
                         overlong=cfg.overlong, vocab_size=vocab)

@@ -11,7 +11,7 @@ from pact.convert import convert
 from pact.formats import PactError, open_artifact
 from pact.formats.peft import LoraConfig
 from pact.runtime.data import Example, collate, collate_packed
-from pact.runtime.graphs import GRAPH_TOKENS, bucket_length, graphable, use_graphs
+from pact.runtime.graphs import bucket_length, graphable, layer_weights, use_graphs
 from pact.runtime.model import PactModel
 from pact.runtime.recipe import parse_recipe
 
@@ -40,10 +40,17 @@ def test_bucket_lengths():
     assert bucket_length(30, 48) == 48
 
 
-def test_auto_graphs_small_micro_batches_only():
-    assert use_graphs("auto", 8, 128) == "auto" and use_graphs("auto", 8, GRAPH_TOKENS // 8) == "auto"
-    assert use_graphs("auto", 16, 1024) is False
-    assert use_graphs("on", 16, 1024) is True and use_graphs("off", 1, 16) is False
+def test_auto_graphs_where_launches_set_the_pace(tmp_path):
+    one_b, three_b, eight_b = 61 * 2**20, 101 * 2**20, 218 * 2**20  # frozen weights a layer (Llama shapes)
+    assert use_graphs("auto", 8 * 128, 3_540_000) == "auto" and use_graphs("auto", 16 * 2048, 3_540_000) == "auto"
+    assert use_graphs("auto", 6 * 1024, one_b) == "auto" and use_graphs("auto", 8 * 1024, one_b) is False
+    assert use_graphs("auto", 3 * 1024, three_b) == "auto" and use_graphs("auto", 8 * 1024, three_b) is False
+    assert use_graphs("auto", 1024, eight_b) == "auto" and use_graphs("auto", 3 * 1024, eight_b) is False
+    assert use_graphs("on", 16 * 1024, eight_b) is True and use_graphs("off", 16, 1) is False
+    model = PactModel(_artifact(tmp_path), LoraConfig(r=4, alpha=8))
+    h, i = model.hidden, model.layers[0].down.weight.shape[1]
+    kv = model.n_kv * model.head_dim
+    assert layer_weights(model) == h * (h + 2 * kv) + h * h + 2 * i * h + h * i
 
 
 def test_collate_pads_to_the_bucket():
