@@ -12,8 +12,9 @@ What a capture holds fixed, and so what the model refuses to graph (it runs thos
 - every input besides the hidden states, the RoPE tables and the attention mask (copied in before
   each replay): frozen weights, LoRA parameters (updated in place by the optimizer: same address)
   and the recipe (a new recipe drops the captures);
-- randomness: LoRA dropout and stochastically rounded copies draw a seed on the host per call, which
-  a replay would repeat, so models with either run eagerly.
+- host work per call: LoRA dropout draws its mask's seed on the host (a replay would repeat it), and
+  the torch kernels (`--kernels torch`, and the stochastically rounded copies on every backend) copy
+  constants from the host, which a capture cannot hold; models with any of these run eagerly.
 
 All captures of a model share one memory pool and one set of input / output buffers
 (`GraphBuffers`). That is safe because a capture's forward and backward always run back to back,
@@ -95,6 +96,7 @@ class GraphBuffers:
         self.out = torch.empty_like(self.x)
         self.gout = torch.empty_like(self.x)
         self.grads = [torch.zeros_like(p) for p in params]
+        self.calls = 0  # graphed forwards so far: a backward must follow its own forward, nothing between
 
 
 class LayerGraphs:
@@ -154,12 +156,16 @@ class GraphedLayersFn(torch.autograd.Function):
         if mask is not None:
             graphs.mask.copy_(mask)
         graphs.fwd.replay()
-        ctx.graphs = graphs
+        graphs.bufs.calls += 1
+        ctx.graphs, ctx.call = graphs, graphs.bufs.calls
         return graphs.out.clone()
 
     @staticmethod
     def backward(ctx, dout):
         g = ctx.graphs
+        if g.bufs.calls != ctx.call:  # another graphed forward rewrote what this backward reads
+            raise RuntimeError("--cuda-graphs: a graphed forward ran between this step's forward and backward; "
+                               "run each forward's backward before the next forward, or use --cuda-graphs off")
         g.gout.copy_(dout)
         g.bwd.replay()
         return (None, None, None, None, None,
@@ -172,8 +178,10 @@ def graphable(model) -> str | None:
         return "not on a CUDA device"
     if any(lo.dropout > 0 for lo in model.adapters.values()):
         return "LoRA dropout draws a new mask every call"
+    if model.kernels == "torch":
+        return "the torch kernels copy constants from the host at every call (--kernels triton can be graphed)"
     if any(getattr(model.recipe, s).saved == "nvfp4-sr" for s in ("qkv", "o", "gate_up", "down")):
-        return "stochastically rounded copies draw new random bits every call"
+        return "stochastically rounded copies are made by torch code that copies constants from the host"
     if not model.lora_params:
         return "no LoRA parameters"
     return None

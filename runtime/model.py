@@ -271,6 +271,7 @@ class PactModel(nn.Module):
     def _capture(self, key, x, cos, sin, B, S, mask) -> LayerGraphs | None:
         """A new shape's capture; None (and eager steps from now on, said once) where it fails under
         --cuda-graphs auto, e.g. out of memory, or an op a CUDA graph cannot hold."""
+        stream = torch.cuda.current_stream() if torch.cuda.is_available() else None
         try:
             if self._graph_pool is None:
                 self._graph_pool = torch.cuda.graph_pool_handle()
@@ -290,7 +291,8 @@ class PactModel(nn.Module):
             log.warning("--cuda-graphs auto: capturing a step of shape %d x %d failed (%s); every step runs "
                         "eagerly from here (--cuda-graphs off says so up front)", B, S, str(e).splitlines()[0])
             self.cuda_graphs, self._graphs, self._graph_pool, self._graph_bufs = False, {}, None, None
-            if torch.cuda.is_available():
+            if stream is not None:  # a capture that failed in its end left its own stream current
+                torch.cuda.set_stream(stream)
                 torch.cuda.empty_cache()
             return None
 
@@ -302,7 +304,9 @@ class PactModel(nn.Module):
                     x = self.layer(L, x, cos, sin, B, S, mask)
             elif self.checkpoint and torch.is_grad_enabled():
                 # keep only the layer input; the layer runs again in backward (same RNG state)
-                x = torch.utils.checkpoint.checkpoint(self.layer, L, x, cos, sin, B, S, mask, use_reentrant=False)
+                # graphed: nothing random runs (graphable), and torch < 2.10 cannot read the RNG state in a capture
+                x = torch.utils.checkpoint.checkpoint(self.layer, L, x, cos, sin, B, S, mask, use_reentrant=False,
+                                                      preserve_rng_state=not self.cuda_graphs)
             else:
                 x = self.layer(L, x, cos, sin, B, S, mask)
         return x.view(B, S, self.hidden)

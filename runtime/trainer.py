@@ -104,9 +104,9 @@ def _micro_batches(examples, cfg: TrainConfig, epoch: int, pos: int, world: int 
         epoch, pos = epoch + 1, 0
 
 
-def _peak_memory_gb(device: torch.device, graphed: bool = False) -> float:
-    if device.type == "cuda":  # graphed steps: what is held (the captures' pool is never "allocated")
-        return (torch.cuda.max_memory_reserved if graphed else torch.cuda.max_memory_allocated)(device) / 2**30
+def _peak_memory_gb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
@@ -257,7 +257,7 @@ def _step(r: _Run, cfg: TrainConfig, micro: list) -> dict:
     width = (lambda n: bucket_length(n, cfg.max_len)) if r.model.cuda_graphs else None
     loaded = [make(r.examples, share, r.pad, device, width=width) for share in shares if share]
     local_targets = sum(int((b[1][:, 1:] != -100).sum()) for b in loaded)
-    local_tokens = sum(int(b[0].numel()) for b in loaded)
+    local_tokens = sum(len(r.examples[i].ids) for share in shares for i in share)  # real ones: not the padding
     n_targets, tokens = (int(v) for v in dist.sum([local_targets, local_tokens], device))
     if n_targets == 0:
         raise PactError(f"step {state['step'] + 1}: the batch has no completion tokens within --max-len "
@@ -401,8 +401,10 @@ def _train(cfg: TrainConfig, run: Path, resume: bool, progress: bool, stop_after
                 if dist.main:
                     _write_run_config(run, cfg, r.model, dist, state)
             last.update(tokens_per_s=last["tokens"] / dt, epoch=state["epoch"],
-                        peak_mem_gb=round(_peak_memory_gb(device, graphed), 3),
+                        peak_mem_gb=round(_peak_memory_gb(device), 3),
                         elapsed_s=round(time.perf_counter() - t_start, 3))
+            if device.type == "cuda":  # what the process holds (a graphed run's captures share one pool, held)
+                last["reserved_mem_gb"] = round(torch.cuda.max_memory_reserved(device) / 2**30, 3)
             stop = False
             if cfg.eval_every and state["step"] % cfg.eval_every == 0 and state["step"] < r.total:
                 ev, stop = _periodic_eval(r, cfg, run)

@@ -70,12 +70,14 @@ def test_graphs_refused_where_they_cannot_run(tmp_path):
         PactModel(art, LoraConfig(r=4, alpha=8), cuda_graphs=True)
     assert PactModel(art, LoraConfig(r=4, alpha=8), cuda_graphs="auto").cuda_graphs is False
     fake = types.SimpleNamespace(device=torch.device("cuda"), lora_params={"a": 1}, recipe=parse_recipe(None),
-                                 adapters={"x": types.SimpleNamespace(dropout=0.1)})
+                                 adapters={"x": types.SimpleNamespace(dropout=0.1)}, kernels="triton")
     assert "dropout" in graphable(fake)
     fake.adapters = {"x": types.SimpleNamespace(dropout=0.0)}
     assert graphable(fake) is None
     fake.recipe = parse_recipe("mixed,gate_up.saved=nvfp4-sr")
     assert "stochastically" in graphable(fake)
+    fake.recipe, fake.kernels = parse_recipe(None), "torch"
+    assert "--kernels triton" in graphable(fake)
 
 
 def test_capture_reads_aliases_and_restores_the_parameters(tmp_path):
@@ -114,6 +116,20 @@ def test_a_failed_capture(tmp_path, monkeypatch, caplog, asked):
     loss.backward()
     assert model.cuda_graphs is False and "every step runs eagerly" in caplog.text
     assert all(p.grad is not None for p in model.lora_params.values())
+
+
+def test_config_reads_back_every_run_record(tmp_path):
+    """pact-train --config RUN/train_config.json ignores what the run added to its options."""
+    from pact.pipelines.common import RUN_RECORD_KEYS
+    from pact.runtime.config import TrainConfig
+    from pact.runtime.trainer import _write_run_config
+
+    cfg = TrainConfig(artifact="art", data="d.jsonl", out=str(tmp_path))
+    model = types.SimpleNamespace(recipe=parse_recipe(None), cuda_graphs=False)
+    _write_run_config(tmp_path, cfg, model, types.SimpleNamespace(world=1),
+                      {"inputs": {}, "recipe_auto": {"chosen": None}})
+    added = set(json.loads((tmp_path / "train_config.json").read_text())) - set(cfg.as_json())
+    assert added and added <= set(RUN_RECORD_KEYS), added - set(RUN_RECORD_KEYS)
 
 
 def test_train_config_records_eager_steps_on_the_cpu(tmp_path):
