@@ -67,13 +67,18 @@ WEIGHT_VARIANTS = ("2d", "1d", "2d-mse", "1d-mse")  # -> pact-convert --scaling 
 # a variant may end in -keepPCT: pact-convert --keep-bf16 PCT/100 (that share of projections, largest error first)
 DEFAULT_VARIANT = "1d-mse"  # pact-convert's defaults
 # a weight variant may end in +CALIBRATION: pact-calibrate on CALIB_SAMPLES texts of <= CALIB_LEN tokens
-CALIBRATIONS = {  # -> (calibration texts, --block-scales, --act-order); llmc-*: (texts, None, None)
+CALIBRATIONS = {  # -> (calibration texts, --block-scales, --act-order[, other calibrate() keywords]);
+    # llmc-*: (texts, None, None). Texts: "task" (its training texts), "generic" (the same for every task) or
+    # "mix" (half each)
     "gptq": ("task", "auto", False),  # the task's own training texts, the artifact's block-scale rule
     # the same with amax block scales (calibrate's rule before it followed the artifact)
     "gptq-amax": ("task", "amax", False),
     # act-order, static scales (llm-compressor's default; carried over to other text on the CPU)
     "gptq-actorder": ("task", "auto", True),
     "gptq-generic": ("generic", "auto", False),  # Rotten Tomatoes plot summaries, the same for every task
+    "gptq-mix": ("mix", "auto", False),  # half the task's texts, half the generic ones
+    "gptq-damp10": ("task", "auto", False, {"damp": 0.1}),  # 10x the damping: nearer round-to-nearest
+    "gptq-s512": ("task", "auto", False, {"max_samples": 512}),  # 4x the texts: less fit to a few
     # the peer: llm-compressor's NVFP4 GPTQ (llmc_nvfp4.py gptq) of the GGUF's bf16 folder on the task's
     # texts, imported as stored; the conversion options do not apply (it quantizes from the bf16 source)
     "llmc-gptq": ("task", None, None),
@@ -369,20 +374,31 @@ def split_variant(weights: str) -> tuple[str, str | None]:
     return conv, calib or None
 
 
-def calibration_prompts(workdir: Path, task: str, kind: str, bigbench: Path | None = None) -> Path:
-    """The calibration texts: the first CALIB_SAMPLES training examples of the task (prompt +
-    completion, as a user would calibrate for it), or generic text (Rotten Tomatoes plot summaries)."""
+def calibration_prompts(workdir: Path, task: str, kind: str, bigbench: Path | None = None,
+                        n: int = CALIB_SAMPLES) -> Path:
+    """The calibration texts: the first ``n`` training examples of the task (prompt + completion, as a
+    user would calibrate for it), generic text (Rotten Tomatoes plot summaries), or ("mix") the first
+    n / 2 of each, alternating."""
     folder = workdir / "fidelity-data"
     folder.mkdir(parents=True, exist_ok=True)
+
+    def task_texts(k):
+        train_f, _ = task_files(task, workdir, bigbench)
+        return [r["prompt"] + r["completion"] for r in map(json.loads, open(train_f))][:k]
+
     if kind == "generic":
         from bench_calibrate import plot_texts
 
-        path = folder / f"generic-plots-{CALIB_SAMPLES}.jsonl"
-        texts = plot_texts(CALIB_SAMPLES)
+        path = folder / f"generic-plots-{n}.jsonl"
+        texts = plot_texts(n)
+    elif kind == "mix":
+        from bench_calibrate import plot_texts
+
+        path = folder / f"{task}-calib-mix-{n}.jsonl"
+        texts = [t for pair in zip(task_texts(n // 2), plot_texts(n // 2)) for t in pair]
     else:
-        path = folder / f"{task}-calib-{CALIB_SAMPLES}.jsonl"
-        train_f, _ = task_files(task, workdir, bigbench)
-        texts = [r["prompt"] + r["completion"] for r in map(json.loads, open(train_f))][:CALIB_SAMPLES]
+        path = folder / f"{task}-calib-{n}.jsonl"
+        texts = task_texts(n)
     if not path.is_file():
         _write(path, [{"text": t} for t in texts])
     return path
@@ -397,17 +413,18 @@ def method_artifact(workdir: Path, gguf: Path, weights: str, task: str, bigbench
     conv, calib = split_variant(weights)
     if calib is None:
         return variant_artifact(workdir, gguf, conv)
-    kind, rule, actorder = CALIBRATIONS[calib]
-    prompts = calibration_prompts(workdir, task, kind, bigbench)
+    kind, rule, actorder, *more = CALIBRATIONS[calib]
+    kw = {"max_samples": CALIB_SAMPLES, "damp": 0.01, **(more[0] if more else {})}
+    prompts = calibration_prompts(workdir, task, kind, bigbench, kw["max_samples"])
     out = workdir / f"smollm2-135m-nvfp4-{conv}-{calib}{'' if kind == 'generic' else '-' + task}"
     if calib.startswith("llmc-"):
         from bench_accuracy import _bf16_folder
 
         return llmc_artifact(_bf16_folder(gguf), prompts, out, calib.removeprefix("llmc-"))
     base = variant_artifact(workdir, gguf, conv)
-    return Path(cached_artifact(out, lambda p: calibrate(str(base), prompts, p, max_samples=CALIB_SAMPLES,
-                                                         seq_len=CALIB_LEN, block_scales=rule, actorder=actorder,
-                                                         overwrite=p.exists(), progress=False)))
+    return Path(cached_artifact(out, lambda p: calibrate(str(base), prompts, p, seq_len=CALIB_LEN, block_scales=rule,
+                                                         actorder=actorder, overwrite=p.exists(), progress=False,
+                                                         **kw)))
 
 
 def llmc_artifact(folder: Path, prompts: Path, out: Path, kind: str = "gptq") -> Path:
