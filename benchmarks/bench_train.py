@@ -226,7 +226,8 @@ CAP_BATCHES = (1, 2, 3, 4, 6, 8, 12, 16, 20, 24, 32, 40, 48, 64, 96)
 def measure(method: str, art: Path, src: Path, shape: str, bs: int, seq: int, warmup: int, iters: int) -> dict:
     gc.collect()
     torch.cuda.empty_cache()
-    row = {"model": shape, "method": method, "bs": bs, "seq": seq,
+    held = torch.cuda.memory_allocated() / 2**30  # what earlier measurements left allocated (should be ~0)
+    row = {"model": shape, "method": method, "bs": bs, "seq": seq, "held_before_gib": round(held, 2),
            "recipe": ACTIVATIONS["spec"] if method.startswith("pact") else "",
            "lora_layers": LAYERS["spec"] if method.startswith("pact") else "all",
            "graphs": GRAPHS["on"] and method.startswith("pact")}
@@ -322,7 +323,7 @@ def main(shape, batches, methods, memory_cap_gib, seq, workdir, warmup, iters, c
         json_out.write_text(json.dumps(rows, indent=1))
     if csv_out:
         fields = ["model", "method", "recipe", "lora_layers", "graphs", "bs", "seq", "step_ms", "tok_s", "peak_gib",
-                  "reserved_gib", "cap_gib",
+                  "reserved_gib", "held_before_gib", "cap_gib",
                   "largest_bs", "oom", "error"]
         with open(csv_out, "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=fields)

@@ -200,11 +200,12 @@ big)  # (carry .whl .whl2 on a cold machine) 3B and 8B shapes under a 16 GiB cap
     --methods pact-bf16 --lora-layers $LAYERS3B --cap-batches ${CAP3B_TOP:-8,12,16,20,24} --csv-out /tmp/rows/cap16-3b-top.csv \
     2>&1 | grep "^{"
   if [ "${B8:-1}" = 1 ]; then
-    timeout ${T8B:-300} python3 bench_train.py --model llama-8b --memory-cap-gib 16 --warmup 1 --iters 3 \
-      --methods pact-bf16,qlora-ckpt --cap-batches ${CAP8B:-1,2,3,4,6,8} --csv-out /tmp/rows/cap16-8b.csv \
-      2>&1 | grep "^{\|^converted"
+    for m in pact-bf16 qlora-ckpt; do  # one process each: nothing the first leaves behind weighs on the second
+      timeout ${T8B:-300} python3 bench_train.py --model llama-8b --memory-cap-gib 16 --warmup 1 --iters 3 \
+        --methods $m --cap-batches ${CAP8B:-1,2,3,4,6,8} --csv-out /tmp/rows/cap16-8b-$m.csv 2>&1 | grep "^{\|^converted\|^qlora"
+    done
   fi
-  cat /tmp/rows/cap16-3b*.csv /tmp/rows/cap16-8b.csv 2>/dev/null | awk 'NR == 1 || !/^model,/' > $OUT/big_cap16.csv
+  cat /tmp/rows/cap16-3b*.csv /tmp/rows/cap16-8b*.csv 2>/dev/null | awk 'NR == 1 || !/^model,/' > $OUT/big_cap16.csv
   cut -c1-160 $OUT/big_cap16.csv
   ;;
 merge)  # (carry .gg2 .fid) what merged exports keep of the adapter's gain: one bench_merge process per (task, seed)
