@@ -25,8 +25,11 @@ writes is read across them. So a new shape costs its capture time, not memory.
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
+
+from pact.formats.families import PROJECTIONS
 
 # padded sequence lengths: powers of two from 64, and the run's --max-len (the last bucket)
 MIN_BUCKET = 64
@@ -38,14 +41,14 @@ MIN_BUCKET = 64
 GRAPH_WORK = 4e11
 
 
-def layer_weights(model) -> int:
-    """The most frozen weights (N x K summed over its projections) of any decoder layer of ``model``."""
-    def size(g) -> int:
-        if g.weight is not None:
-            n, k = g.weight.shape
-            return n * k
-        return g.dense.numel() if g.dense is not None else 0
-    return max((sum(size(g) for g in (L.qkv, L.o, L.gate_up, L.down)) for L in model.layers), default=0)
+def layer_weights(artifact) -> int:
+    """The most frozen weights (N x K summed over its projections) of any decoder layer of ``artifact``'s
+    language model (NVFP4 or kept bf16 alike)."""
+    per: dict[int, int] = {}
+    for e in artifact.meta["tensors"].values():
+        if e["role"] in PROJECTIONS and e.get("layer") is not None:
+            per[e["layer"]] = per.get(e["layer"], 0) + math.prod(e["shape"])
+    return max(per.values(), default=0)
 
 
 def use_graphs(setting: str, tokens: int, weights: int) -> bool | str:

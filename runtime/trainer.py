@@ -179,15 +179,15 @@ def _setup(cfg: TrainConfig, run: Path, resume: bool, dist: Dist, device: str | 
     records = read_records(cfg.data, "--data", cfg.data_split)
     inputs = {"artifact": ses.artifact.fingerprint(), "data": data_fingerprint(cfg.data, records)}
     auto = parse_auto(cfg.activations)  # --activations auto: the default recipe until the probe picks
-    model = ses.model(cfg.lora(), kernels=cfg.kernels, compute=cfg.compute,
-                      activations=DEFAULT_RECIPE if auto is not None else cfg.activations,
-                      checkpoint=cfg.checkpoint, seed=cfg.seed, fp8_weights=cfg.fp8_weights,
-                      cuda_graphs={"on": True, "off": False}.get(cfg.cuda_graphs, "auto"))
-    model.graph_tokens = tokens = cfg.batch_size * cfg.max_len  # graphed steps: no micro-batch is larger
-    if model.cuda_graphs and not use_graphs(cfg.cuda_graphs, tokens, weights := layer_weights(model)):
+    tokens = cfg.batch_size * cfg.max_len  # graphed steps: no micro-batch is larger
+    graphs = use_graphs(cfg.cuda_graphs, tokens, weights := layer_weights(ses.artifact))
+    if cfg.cuda_graphs == "auto" and not graphs and ses.device.type == "cuda":
         log.info("--cuda-graphs auto: eager steps (%d tokens x %.0fM frozen weights a layer: the GPU's work hides "
                  "the launches)", tokens, weights / 1e6)
-        model.cuda_graphs = False
+    model = ses.model(cfg.lora(), kernels=cfg.kernels, compute=cfg.compute,
+                      activations=DEFAULT_RECIPE if auto is not None else cfg.activations,
+                      checkpoint=cfg.checkpoint, seed=cfg.seed, fp8_weights=cfg.fp8_weights, cuda_graphs=graphs)
+    model.graph_tokens = tokens
     vocab = model.embed.shape[0]
     examples = tokenize(records, ses.tokenizer, max_len=cfg.max_len,
                         overlong=cfg.overlong, vocab_size=vocab)

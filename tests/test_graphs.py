@@ -47,10 +47,11 @@ def test_auto_graphs_where_launches_set_the_pace(tmp_path):
     assert use_graphs("auto", 3 * 1024, three_b) == "auto" and use_graphs("auto", 8 * 1024, three_b) is False
     assert use_graphs("auto", 1024, eight_b) == "auto" and use_graphs("auto", 3 * 1024, eight_b) is False
     assert use_graphs("on", 16 * 1024, eight_b) is True and use_graphs("off", 16, 1) is False
-    model = PactModel(_artifact(tmp_path), LoraConfig(r=4, alpha=8))
+    art = _artifact(tmp_path)
+    model = PactModel(art, LoraConfig(r=4, alpha=8))
     h, i = model.hidden, model.layers[0].down.weight.shape[1]
     kv = model.n_kv * model.head_dim
-    assert layer_weights(model) == h * (h + 2 * kv) + h * h + 2 * i * h + h * i
+    assert layer_weights(art) == h * (h + 2 * kv) + h * h + 2 * i * h + h * i
 
 
 def test_collate_pads_to_the_bucket():
