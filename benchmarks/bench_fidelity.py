@@ -386,14 +386,12 @@ def calibration_prompts(workdir: Path, task: str, kind: str, bigbench: Path | No
         train_f, _ = task_files(task, workdir, bigbench)
         return [r["prompt"] + r["completion"] for r in map(json.loads, open(train_f))][:k]
 
-    if kind == "generic":
-        from bench_calibrate import plot_texts
+    from bench_calibrate import plot_texts
 
+    if kind == "generic":
         path = folder / f"generic-plots-{n}.jsonl"
         texts = plot_texts(n)
     elif kind == "mix":
-        from bench_calibrate import plot_texts
-
         path = folder / f"{task}-calib-mix-{n}.jsonl"
         texts = [t for pair in zip(task_texts(n // 2), plot_texts(n // 2)) for t in pair]
     else:
@@ -720,12 +718,9 @@ def table(csvs, stuck_margin, wide, ref) -> None:
 def best(csvs, among, top, ref) -> None:
     """Print the ``top`` candidates with the highest mean paired difference to ``ref`` over every
     (task, lr, seed) both ran (a later grid's methods, chosen by an earlier grid's rows)."""
-    acc: dict[tuple, float] = {}
-    for r in (r for c in csvs for r in csv.DictReader(open(c))):
-        acc[r["method"], r["task"], r["lr"], r["seed"]] = float(r["accuracy"])
     score = {}
     for m in among.split():
-        d = [a - acc[(ref, *k[1:])] for k, a in acc.items() if k[0] == m and (ref, *k[1:]) in acc]
+        d = [x for diffs in _paired(csvs, m, ref).values() for x in diffs]
         score[m] = statistics.mean(d) if d else float("-inf")
     click.echo(" ".join(sorted(score, key=score.get, reverse=True)[:top]))
 
@@ -738,13 +733,7 @@ def best(csvs, among, top, ref) -> None:
 def plan(csvs, method, ref, target_se) -> None:
     """Seeds each (task, lr) cell needs for a paired standard error of ``target_se`` points, from the
     spread of the paired differences so far (sd^2 / target^2; at least 3)."""
-    acc: dict[tuple, float] = {}
-    for r in (r for c in csvs for r in csv.DictReader(open(c))):
-        acc[r["method"], r["task"], float(r["lr"]), int(r["seed"])] = 100 * float(r["accuracy"])
-    cells: dict[tuple, list[float]] = {}
-    for (m, task, lr, seed), a in acc.items():
-        if m == method and (ref, task, lr, seed) in acc:
-            cells.setdefault((task, lr), []).append(a - acc[ref, task, lr, seed])
+    cells = {cell: [100 * x for x in d] for cell, d in _paired(csvs, method, ref).items()}
     click.echo(f"| task | lr | n | {method} - {ref} | sd | seeds for SE {target_se} | more runs (both methods) |")
     click.echo("|---|---|---|---|---|---|---|")
     total = 0
@@ -756,6 +745,19 @@ def plan(csvs, method, ref, target_se) -> None:
         click.echo(f"| {task} | {lr:g} | {len(d)} | {statistics.mean(d):+.1f} +- {sd / len(d) ** 0.5:.1f} | "
                    f"{sd:.1f} | {need} | {more} |")
     click.echo(f"\n{total} more runs in all")
+
+
+def _paired(csvs, method: str, ref: str) -> dict[tuple, list[float]]:
+    """(task, lr) -> accuracy of ``method`` minus ``ref``'s, per seed both ran (rows of ``csvs``; a later
+    row of the same run replaces an earlier one)."""
+    acc: dict[tuple, float] = {}
+    for r in (r for c in csvs for r in csv.DictReader(open(c))):
+        acc[r["method"], r["task"], float(r["lr"]), int(r["seed"])] = float(r["accuracy"])
+    cells: dict[tuple, list[float]] = {}
+    for (m, task, lr, seed), a in acc.items():
+        if m == method and (ref, task, lr, seed) in acc:
+            cells.setdefault((task, lr), []).append(a - acc[ref, task, lr, seed])
+    return cells
 
 
 def _wide(by: dict, maj: dict, margin: float, ref: str) -> None:

@@ -238,7 +238,8 @@ def measure(method: str, art: Path, src: Path, shape: str, bs: int, seq: int, wa
         else:
             ms, peak = bench_peft(shape, bs, seq, warmup, iters, checkpoint=ckpt, liger=method.startswith("liger"),
                                   qlora_src=src if method.startswith("qlora") else None)
-        # reserved: what the process holds from the device (a CUDA graph's pool counts here, not in allocated)
+        # reserved: what the process holds (a CUDA graph's pool, allocated during the capture in the warm-up, counts
+        # here; the peak allocated is reset after the warm-up)
         row.update(step_ms=round(ms, 1), tok_s=round(bs * seq / ms * 1e3), peak_gib=round(peak, 2),
                    reserved_gib=round(torch.cuda.max_memory_reserved() / 2**30, 2))
     except torch.OutOfMemoryError:
