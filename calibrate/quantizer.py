@@ -13,6 +13,7 @@ never falls back to coarser scales than conversion chose.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -130,7 +131,7 @@ class _ColumnsGraph:
         self.ins = [torch.zeros(BLOCK, n, **f32), torch.ones(BLOCK, n, **f32), torch.ones(BLOCK, n, **f32),
                     torch.ones((), **f32), torch.eye(BLOCK, **f32)]  # T, rs, s, g, Hb
         self.outs = [torch.empty(BLOCK, n, **f32), torch.empty(BLOCK, n, **f32)]  # Q, E
-        side = torch.cuda.Stream(device)
+        side = _side_stream(device)  # one per device: cuBLAS keeps a workspace per stream it ran on
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):  # warm-up off the capture: lookup tables on the device, kernels loaded
             for _ in range(2):
@@ -150,6 +151,11 @@ class _ColumnsGraph:
 
 
 _GRAPHS: dict[tuple[torch.device, int], _ColumnsGraph] = {}
+
+
+@functools.cache
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device)
 
 
 def _graph(device: torch.device, n: int) -> _ColumnsGraph:

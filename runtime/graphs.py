@@ -25,6 +25,7 @@ writes is read across them. So a new shape costs its capture time, not memory.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 
 import torch
@@ -102,6 +103,14 @@ class GraphBuffers:
         self.calls = 0  # graphed forwards so far: a backward must follow its own forward, nothing between
 
 
+@functools.cache
+def _side_stream(index: int) -> torch.cuda.Stream:
+    """The one stream every capture's warm-up runs on, per device. cuBLAS keeps a workspace for each
+    (handle, stream) it has run on for the process's life (64 MiB on an H200): a new stream per
+    captured shape held that much more memory per shape."""
+    return torch.cuda.Stream(device=index)
+
+
 class LayerGraphs:
     """One shape's captured forward and backward of ``run`` (the eager decoder stack, reading the
     LoRA parameters through ``adapters``), its inputs and outputs in ``bufs``."""
@@ -122,7 +131,7 @@ class LayerGraphs:
         def fwd():
             return run(self.x, self.cos, self.sin, self.mask)
 
-        side = torch.cuda.Stream()
+        side = _side_stream(x.device.index if x.device.index is not None else torch.cuda.current_device())
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up: Triton compilation and tuning, cuBLAS and cuDNN plans
             for _ in range(warmup):
