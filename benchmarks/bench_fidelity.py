@@ -562,7 +562,7 @@ def tasks(workdir, bigbench, tasks, methods, lrs, seeds, steps, eval_batch, shar
             data[task] = (train_f, test_f, tokenize(read_records(train_f), tok, max_len=MAX_LEN),
                           tokenize(read_records(test_f), tok, max_len=MAX_LEN), majority(test_f))
         train_f, test_f, train_ex, test_ex, maj = data[task]
-        t, t_train = time.perf_counter(), None
+        t, t_train, steps_s = time.perf_counter(), None, ("", "")
         if method.startswith("peft"):
             acc, loss = _peft_run(folders[method], train_ex, test_ex, pad, seed, lr, device, steps, eval_batch)
         else:
@@ -582,14 +582,16 @@ def tasks(workdir, bigbench, tasks, methods, lrs, seeds, steps, eval_batch, shar
                                   seed=seed, compute=compute, activations=spec, lora_layers=layers,
                                   cuda_graphs="off" if probe == "eager" else "auto"),
                       progress=False)
-            losses = [json.loads(x)["loss"] for x in open(run / "metrics.jsonl")]
-            loss = statistics.mean(losses[-25:])
+            metrics = [json.loads(x) for x in open(run / "metrics.jsonl")]
+            loss = statistics.mean(m["loss"] for m in metrics[-25:])
+            steps_s = (metrics[-1]["elapsed_s"], metrics[0]["elapsed_s"])  # the steps alone; the first (capture)
             t_train = time.perf_counter() - t
             acc = evaluate_artifact(str(art), str(test_f), adapter=str(run), max_len=MAX_LEN, batch_size=eval_batch,
                                     activations=spec, compute=compute)["eval_accuracy"]
         row = {"task": task, "method": method, "lr": lr, "seed": seed, "steps": steps, "accuracy": round(acc, 4),
                "majority": round(maj, 4), "final_loss": round(loss, 4), "seconds": round(time.perf_counter() - t, 1),
-               "train_seconds": round(t_train, 1) if t_train is not None else ""}  # the rest: scoring
+               "train_seconds": round(t_train, 1) if t_train is not None else "",  # the rest: scoring
+               "steps_seconds": steps_s[0], "first_step_seconds": steps_s[1]}  # train - steps: setup
         rows.append(row)
         click.echo(json.dumps(row))
         tmp = csv_path.with_suffix(".tmp")
