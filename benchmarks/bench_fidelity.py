@@ -34,7 +34,8 @@ converter's defaults (`:1d-mse`); `-keepPCT` after it keeps PCT% of the projecti
 `:1d-mse+gptq` is that artifact after `pact-calibrate` on 128 of the task's own training texts
 (prompt + completion, <= 128 tokens) with the artifact's block-scale rule, `+gptq-amax` the same
 with amax block scales, `+gptq-actorder` with act-order (static scales), `+gptq-generic` calibrated on
-Rotten Tomatoes plot summaries for every task. `+llmc-gptq` is the peer calibration: llm-compressor's
+Rotten Tomatoes plot summaries for every task, `+gptq-xtask` on another task's training texts
+(`OTHER_TASK`: what calibration does for a task apart from fitting its texts). `+llmc-gptq` is the peer calibration: llm-compressor's
 NVFP4 GPTQ (llmc_nvfp4.py, its defaults: act-order, static scales) of the GGUF's bf16 folder on the
 same 128 task texts, imported as stored (it ignores the conversion options: llm-compressor quantizes
 from the bf16 source; write it `:1d-mse+llmc-gptq`). It needs llmcompressor and its dependencies
@@ -77,6 +78,8 @@ CALIBRATIONS = {  # -> (calibration texts, --block-scales, --act-order[, other c
     "gptq-actorder": ("task", "auto", True),
     "gptq-generic": ("generic", "auto", False),  # Rotten Tomatoes plot summaries, the same for every task
     "gptq-mix": ("mix", "auto", False),  # half the task's texts, half the generic ones
+    # another task's training texts (OTHER_TASK): what calibration gains on its own, apart from fitting the task
+    "gptq-xtask": ("xtask", "auto", False),
     "gptq-damp10": ("task", "auto", False, {"damp": 0.1}),  # 10x the damping: nearer round-to-nearest
     "gptq-s512": ("task", "auto", False, {"max_samples": 512}),  # 4x the texts: less fit to a few
     # the peer: llm-compressor's NVFP4 GPTQ (llmc_nvfp4.py gptq) of the GGUF's bf16 folder on the task's
@@ -84,6 +87,11 @@ CALIBRATIONS = {  # -> (calibration texts, --block-scales, --act-order[, other c
     "llmc-gptq": ("task", None, None),
 }
 CALIB_SAMPLES, CALIB_LEN = 128, 128
+OTHER_TASK = {  # gptq-xtask's texts: a task of another kind (not two inference tasks, not two sentence-order ones)
+    "epistemic_reasoning": "hyperbaton", "presuppositions_as_nli": "navigate", "hyperbaton": "intent_recognition",
+    "navigate": "winowhy", "winowhy": "rt", "rt": "logical_fallacy_detection", "logical_fallacy_detection": "navigate",
+    "intent_recognition": "vitaminc_fact_verification", "vitaminc_fact_verification": "hyperbaton",
+}
 # diagnostics: the MLP's RMSNorm output, saved as the recipe says, read exactly by one of its two readers
 PROBES = ("exact-dA",  # dA of gate and up reads the exact rows; the RMSNorm backward the saved copy
           "exact-norm",  # the RMSNorm backward reads the exact rows; dA the saved copy
@@ -377,12 +385,12 @@ def split_variant(weights: str) -> tuple[str, str | None]:
 def calibration_prompts(workdir: Path, task: str, kind: str, bigbench: Path | None = None,
                         n: int = CALIB_SAMPLES) -> Path:
     """The calibration texts: the first ``n`` training examples of the task (prompt + completion, as a
-    user would calibrate for it), generic text (Rotten Tomatoes plot summaries), or ("mix") the first
-    n / 2 of each, alternating."""
+    user would calibrate for it), generic text (Rotten Tomatoes plot summaries), ("mix") the first
+    n / 2 of each, alternating, or ("xtask") those of OTHER_TASK[task]."""
     folder = workdir / "fidelity-data"
     folder.mkdir(parents=True, exist_ok=True)
 
-    def task_texts(k):
+    def task_texts(k, task=task):
         train_f, _ = task_files(task, workdir, bigbench)
         return [r["prompt"] + r["completion"] for r in map(json.loads, open(train_f))][:k]
 
@@ -394,6 +402,11 @@ def calibration_prompts(workdir: Path, task: str, kind: str, bigbench: Path | No
     elif kind == "mix":
         path = folder / f"{task}-calib-mix-{n}.jsonl"
         texts = [t for pair in zip(task_texts(n // 2), plot_texts(n // 2)) for t in pair]
+    elif kind == "xtask":
+        if task not in OTHER_TASK:
+            raise click.UsageError(f"+gptq-xtask: no other task set for {task!r} (OTHER_TASK: {sorted(OTHER_TASK)})")
+        path = folder / f"{OTHER_TASK[task]}-calib-{n}.jsonl"
+        texts = task_texts(n, OTHER_TASK[task])
     else:
         path = folder / f"{task}-calib-{n}.jsonl"
         texts = task_texts(n)
