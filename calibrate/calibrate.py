@@ -26,6 +26,7 @@ from pact.formats import ArtifactWriter, PactError, check_output
 from pact.formats.errors import write_error
 from pact.formats.files import sha256_file, work_path
 from pact.formats.nvfp4 import SCALE_RULES, NVFP4Tensor, dequantize, quantize, transpose_2d
+from pact.runtime.generate import sample_texts
 from pact.runtime.model import PactModel
 from pact.runtime.session import Session, open_session
 from pact.runtime.vision import ImageSample, VisionTower, image_inputs
@@ -88,9 +89,11 @@ class Unit:
 
 def calibrate(
     artifact: str | os.PathLike,
-    prompts: str | os.PathLike,
+    prompts: str | os.PathLike | None,
     out: str | os.PathLike,
     *,
+    model_texts: bool = False,
+    seed: int = 0,
     source: str | None = None,
     max_samples: int = 128,
     seq_len: int = 512,
@@ -103,8 +106,19 @@ def calibrate(
     overwrite: bool = False,
     progress: bool = True,
 ) -> Path:
+    """GPTQ of ``artifact``'s projections on ``prompts`` (or, ``model_texts``, on max_samples texts
+    of seq_len tokens that the artifact's own model samples from its BOS token, seeded by ``seed``:
+    no data needed); the calibrated artifact is written to ``out``."""
+    if prompts is not None and model_texts:
+        raise PactError("--prompts and --model-texts: give one of them (--model-texts samples the texts instead)")
+    if prompts is None and not model_texts:
+        raise PactError("give --prompts FILE|FOLDER, or --model-texts to calibrate on texts the model samples "
+                        "itself (no data needed)")
     if not 0 < damp < 1:
         raise PactError(f"--damp must be in (0, 1), got {damp}")
+    if model_texts and (max_samples < 1 or seq_len < 2):
+        raise PactError(f"--model-texts: --max-samples must be >= 1 and --seq-len >= 2, got {max_samples} "
+                        f"and {seq_len}")
     if blocksize % 16 or blocksize < 16:
         raise PactError(f"--blocksize must be a multiple of 16, got {blocksize}")
     if block_scales not in ("auto", *SCALE_RULES):
@@ -119,8 +133,8 @@ def calibrate(
                         "unquantized weights; calibrate an artifact converted from the original model")
     # auto: the rule the artifact was converted with (artifacts from before the choice existed: amax)
     rule = art.meta["provenance"].get("block_scales", "amax") if block_scales == "auto" else block_scales
-    samples = load_prompts(prompts, ses.tokenizer, vision=art.meta["vision"], max_samples=max_samples, seq_len=seq_len,
-                           hf_dir=art.hf_dir)
+    samples = None if model_texts else load_prompts(prompts, ses.tokenizer, vision=art.meta["vision"],
+                                                    max_samples=max_samples, seq_len=seq_len, hf_dir=art.hf_dir)
     prov = art.meta["provenance"]
     src_name = source or prov["source"]
     gguf = str(src_name).endswith(".gguf")
@@ -142,20 +156,24 @@ def calibrate(
                             "the original model")
         clock.device = torch.device(ses.device)
         clock.lap("read")
-        return _calibrate(ses, src, samples, out, clock, prompts=Path(prompts), damp=damp, actorder=actorder,
-                          static_scales=static_scales, blocksize=blocksize, scale_rule=rule, overwrite=overwrite,
-                          progress=progress)
+        texts = (max_samples, seq_len, seed) if model_texts else None
+        return _calibrate(ses, src, samples, out, clock, prompts=None if model_texts else Path(prompts), texts=texts,
+                          damp=damp, actorder=actorder, static_scales=static_scales, blocksize=blocksize,
+                          scale_rule=rule, overwrite=overwrite, progress=progress)
     except OSError as e:  # the writer has removed its temp folder; OUT is untouched
         raise write_error(e, getattr(e, "filename", None) or out, f"nothing was written to {out}") from None
     finally:
         remove_tree(workdir)
 
 
-def _calibrate(ses: Session, src, samples, out: Path, clock: _Clock, *, prompts: Path, damp, actorder, static_scales,
-               blocksize, scale_rule, overwrite, progress) -> Path:
+def _calibrate(ses: Session, src, samples, out: Path, clock: _Clock, *, prompts: Path | None, texts, damp, actorder,
+               static_scales, blocksize, scale_rule, overwrite, progress) -> Path:
     art, dev = ses.artifact, ses.device
     scaling = art.meta["provenance"]["scaling"]
     model = ses.model(None)
+    if texts is not None:  # --model-texts: the round-to-nearest model writes its own calibration texts
+        samples = _model_texts(model, ses.tokenizer, *texts)
+        clock.lap("model texts")
     units = _units(model, art, samples)
     new: dict[str, tuple] = {}
     errors: dict[str, dict[str, torch.Tensor]] = {}
@@ -209,7 +227,8 @@ def _calibrate(ses: Session, src, samples, out: Path, clock: _Clock, *, prompts:
     errors = {k: {m: float(v) for m, v in e.items()} for k, e in errors.items()}
     clock.lap("solve")
     return _write(art, out, new, errors, clock, overwrite=overwrite, prompts=prompts, samples=samples, damp=damp,
-                  actorder=actorder, static_scales=static_scales, blocksize=blocksize, block_scales=scale_rule)
+                  actorder=actorder, static_scales=static_scales, blocksize=blocksize, block_scales=scale_rule,
+                  **({"model_texts": {"seed": texts[2], "temperature": 1.0}} if texts is not None else {}))
 
 
 def _units(model: PactModel, art, samples) -> list[Unit]:
@@ -239,6 +258,17 @@ def _units(model: PactModel, art, samples) -> list[Unit]:
     return units
 
 
+def _model_texts(model, tokenizer, n: int, length: int, seed: int) -> list[torch.Tensor]:
+    """``n`` texts of ``length`` tokens sampled by ``model`` from the tokenizer's BOS token (its
+    end-of-text token where it has none): runtime.generate.sample_texts, temperature 1."""
+    start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+    if start is None:
+        raise PactError(f"--model-texts: the tokenizer of {model.artifact.path} has neither a BOS nor an "
+                        "end-of-text token to start from: give --prompts")
+    log.info("--model-texts: sampling %d texts of %d tokens", n, length)
+    return sample_texts(model, int(start), n, length, seed=seed)
+
+
 def _folder_digest(samples) -> str:
     """sha256 over the names and bytes of the images used (and the .txt requests beside them)."""
     h = hashlib.sha256()
@@ -266,7 +296,10 @@ def _write(art, out: Path, new: dict, errors: dict, clock: _Clock, *, overwrite,
                 w.add_dense(name, art.dense(name), **info)
         for rel in art.meta["files"]:
             w.add_file(art.hf_dir / rel, rel)
-        digest = sha256_file(prompts) if prompts.is_file() else _folder_digest(samples)
+        if prompts is None:  # --model-texts: the token ids themselves
+            digest = hashlib.sha256(torch.cat(samples).to(torch.int64).numpy().tobytes()).hexdigest()
+        else:
+            digest = sha256_file(prompts) if prompts.is_file() else _folder_digest(samples)
         clock.lap("write")  # what commit does after this (the manifest, a rename) is left out of the record
         seconds = clock.report()
         log.info("calibration: %s s", ", ".join(f"{k} {v:.1f}" for k, v in seconds.items()))
@@ -276,7 +309,7 @@ def _write(art, out: Path, new: dict, errors: dict, clock: _Clock, *, overwrite,
             "calibration": {
                 "method": "gptq",
                 "from_artifact": str(art.path.resolve()),
-                "prompts": str(prompts),
+                "prompts": str(prompts) if prompts is not None else "model texts",
                 "prompts_sha256": digest,
                 "modality": "images" if isinstance(samples[0], ImageSample) else "text",
                 "samples": len(samples),

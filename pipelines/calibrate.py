@@ -1,4 +1,4 @@
-"""`pact-calibrate ARTIFACT --prompts P --out CALIBRATED`: NVFP4-aware GPTQ."""
+"""`pact-calibrate ARTIFACT --prompts P | --model-texts --out CALIBRATED`: NVFP4-aware GPTQ."""
 
 from __future__ import annotations
 
@@ -14,9 +14,13 @@ from .common import cli_errors
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("artifact", type=click.Path(file_okay=False))
-@click.option("--prompts", required=True,
+@click.option("--prompts", default=None,
               help="Calibration prompts: .jsonl (text | messages | prompt+completion), .txt, or a folder of "
               "images (png/jpg/webp; vision-language artifacts; a <image>.txt beside an image is its request).")
+@click.option("--model-texts", is_flag=True,
+              help="Instead of --prompts: calibrate on --max-samples texts of --seq-len tokens that the model "
+              "samples itself from its BOS token (no data needed).")
+@click.option("--seed", default=0, show_default=True, help="--model-texts: the sampling seed.")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Where the calibrated artifact goes.")
 @click.option("--source", default=None, help="The original model (default: the artifact's recorded source).")
 @click.option("--max-samples", default=128, show_default=True)
@@ -33,10 +37,12 @@ from .common import cli_errors
 @click.option("--overwrite", is_flag=True)
 @click.option("--quiet", is_flag=True)
 @cli_errors
-def main(artifact, prompts, out, source, max_samples, seq_len, damp, act_order, static_scales, blocksize, block_scales,
-         device, overwrite, quiet) -> None:
-    """Calibrate ARTIFACT's NVFP4 weights with GPTQ on PROMPTS; writes a new artifact."""
-    path = calibrate(artifact, prompts, out, source=source, max_samples=max_samples, seq_len=seq_len, damp=damp,
+def main(artifact, prompts, model_texts, seed, out, source, max_samples, seq_len, damp, act_order, static_scales,
+         blocksize, block_scales, device, overwrite, quiet) -> None:
+    """Calibrate ARTIFACT's NVFP4 weights with GPTQ on PROMPTS (or on texts the model writes
+    itself: --model-texts); writes a new artifact."""
+    path = calibrate(artifact, prompts, out, model_texts=model_texts, seed=seed, source=source,
+                     max_samples=max_samples, seq_len=seq_len, damp=damp,
                      actorder=act_order, static_scales=static_scales, blocksize=blocksize, block_scales=block_scales,
                      device=device,
                      overwrite=overwrite, progress=not quiet)

@@ -259,6 +259,36 @@ def test_calibrate_end_to_end(setup, tmp_path):
     assert r["step"] == 2
 
 
+def test_model_texts_calibrate_without_data(setup, tmp_path):
+    """--model-texts: the artifact's model samples max-samples texts of seq-len tokens from its BOS
+    token (seeded: the same texts twice), and GPTQ runs on them as on given prompts; the provenance
+    says so. --prompts with it, or neither, is one error naming both flags."""
+    from pact.runtime.generate import sample_texts
+    from pact.runtime.session import open_session
+
+    ses = open_session(str(setup / "art"), tool="test")
+    model = ses.model(None)
+    a = sample_texts(model, 1, 5, 12, seed=3, rows=2)  # three chunks of rows
+    b = sample_texts(model, 1, 5, 12, seed=3, rows=2)
+    assert len(a) == 5 and all(t.shape == (12,) and int(t[0]) == 1 for t in a)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))  # a rerun gives the same tokens
+    assert not all(torch.equal(a[0], t) for t in a[1:])  # sampled, not greedy: rows differ
+    assert all(int(t.max()) < model.embed.shape[0] for t in a)
+    r = CliRunner().invoke(calibrate_cli, [str(setup / "art"), "--model-texts", "--max-samples", "8", "--seq-len",
+                                           "24", "--out", str(tmp_path / "cal"), "--quiet"])
+    assert r.exit_code == 0, r.output
+    cal = open_artifact(tmp_path / "cal").meta["provenance"]["calibration"]
+    assert cal["prompts"] == "model texts" and cal["samples"] == 8 and cal["tokens"] == 8 * 24
+    assert cal["model_texts"] == {"seed": 0, "temperature": 1.0} and len(cal["prompts_sha256"]) == 64
+    assert "model texts" in cal["seconds"]
+    assert all(e["gptq"] <= e["rtn"] for e in cal["layer_output_error"].values())
+    with pytest.raises(PactError, match="--prompts and --model-texts"):
+        calibrate(str(setup / "art"), setup / "prompts.jsonl", tmp_path / "c1", model_texts=True)
+    r = CliRunner().invoke(calibrate_cli, [str(setup / "art"), "--out", str(tmp_path / "c2")])
+    assert r.exit_code != 0 and "--prompts FILE|FOLDER, or --model-texts" in r.output
+    assert not (tmp_path / "c1").exists() and not (tmp_path / "c2").exists()
+
+
 def test_batched_prompts_match_one_at_a_time(setup, tmp_path, monkeypatch):
     """Prompts of different lengths run right-padded in batches give the Hessians (and so the
     calibrated weights) of running each prompt alone: padding rows are left out and causal
