@@ -34,7 +34,8 @@ converter's defaults (`:1d-mse`); `-keepPCT` after it keeps PCT% of the projecti
 `:1d-mse+gptq` is that artifact after `pact-calibrate` on 128 of the task's own training texts
 (prompt + completion, <= 128 tokens) with the artifact's block-scale rule, `+gptq-amax` the same
 with amax block scales, `+gptq-actorder` with act-order (static scales), `+gptq-generic` calibrated on
-Rotten Tomatoes plot summaries for every task, `+gptq-xtask` on another task's training texts
+Rotten Tomatoes plot summaries for every task, `+gptq-model` on 128 texts the model samples itself
+(`pact-calibrate --model-texts`), `+gptq-xtask` on another task's training texts
 (`OTHER_TASK`: what calibration does for a task apart from fitting its texts). `+llmc-gptq` is the peer calibration: llm-compressor's
 NVFP4 GPTQ (llmc_nvfp4.py, its defaults: act-order, static scales) of the GGUF's bf16 folder on the
 same 128 task texts, imported as stored (it ignores the conversion options: llm-compressor quantizes
@@ -77,6 +78,7 @@ CALIBRATIONS = {  # -> (calibration texts, --block-scales, --act-order[, other c
     # act-order, static scales (llm-compressor's default; carried over to other text on the CPU)
     "gptq-actorder": ("task", "auto", True),
     "gptq-generic": ("generic", "auto", False),  # Rotten Tomatoes plot summaries, the same for every task
+    "gptq-model": ("model", "auto", False),  # pact-calibrate --model-texts: texts the model samples itself, no data
     "gptq-mix": ("mix", "auto", False),  # half the task's texts, half the generic ones
     # another task's training texts (OTHER_TASK): what calibration gains on its own, apart from fitting the task
     "gptq-xtask": ("xtask", "auto", False),
@@ -426,8 +428,11 @@ def method_artifact(workdir: Path, gguf: Path, weights: str, task: str, bigbench
         return variant_artifact(workdir, gguf, conv)
     kind, rule, actorder, *more = CALIBRATIONS[calib]
     kw = {"max_samples": CALIB_SAMPLES, "damp": 0.01, **(more[0] if more else {})}
-    prompts = calibration_prompts(workdir, task, kind, bigbench, kw["max_samples"])
-    out = workdir / f"smollm2-135m-nvfp4-{conv}-{calib}{'' if kind == 'generic' else '-' + task}"
+    if kind == "model":  # the same for every task: sampled by the model, nothing read
+        prompts, kw = None, {**kw, "model_texts": True}
+    else:
+        prompts = calibration_prompts(workdir, task, kind, bigbench, kw["max_samples"])
+    out = workdir / f"smollm2-135m-nvfp4-{conv}-{calib}{'' if kind in ('generic', 'model') else '-' + task}"
     if calib.startswith("llmc-"):
         from bench_accuracy import _bf16_folder
 
@@ -683,7 +688,7 @@ def prepare(workdir, bigbench, tasks, methods, shard, convert_only) -> None:
         for task in tasks.split(","):
             task_files(task, workdir, bigbench)
         return
-    jobs = sorted({(f"{c}+{k}", "rt" if CALIBRATIONS[k][0] == "generic" else t)
+    jobs = sorted({(f"{c}+{k}", "rt" if CALIBRATIONS[k][0] in ("generic", "model") else t)
                    for c, k in variants if k for t in tasks.split(",")})[index::count]
     for weights, task in jobs:
         t = time.perf_counter()
