@@ -35,12 +35,13 @@ converter's defaults (`:1d-mse`); `-keepPCT` after it keeps PCT% of the projecti
 (prompt + completion, <= 128 tokens) with the artifact's block-scale rule, `+gptq-amax` the same
 with amax block scales, `+gptq-actorder` with act-order (static scales), `+gptq-generic` calibrated on
 Rotten Tomatoes plot summaries for every task, `+gptq-model` on 128 texts the model samples itself
-(`pact-calibrate --model-texts`), `+gptq-xtask` on another task's training texts
-(`OTHER_TASK`: what calibration does for a task apart from fitting its texts). `+llmc-gptq` is the peer
-calibration: llm-compressor's NVFP4 GPTQ (llmc_nvfp4.py, its defaults: act-order, static scales) of the
-GGUF's bf16 folder on the same 128 task texts, imported as stored (it ignores the conversion options: llm-compressor quantizes
-from the bf16 source; write it `:1d-mse+llmc-gptq`). It needs llmcompressor and its dependencies
-where this runs (the device: the `.whl3` wheels, pip install --no-index --no-deps --target /tmp/site).
+(`pact-calibrate --model-texts`), `+gptq-xtask` on another task's training texts (`OTHER_TASK`: what
+calibration does for a task apart from fitting its texts). `+llmc-gptq` is the peer calibration:
+llm-compressor's NVFP4 GPTQ (llmc_nvfp4.py, its defaults: act-order, static scales) of the GGUF's bf16
+folder on the same 128 task texts, imported as stored (it ignores the conversion options: llm-compressor
+quantizes from the bf16 source; write it `:1d-mse+llmc-gptq`). It needs llmcompressor and its
+dependencies where this runs (the device: the `.whl3` wheels, pip install --no-index --no-deps --target
+/tmp/site).
 `prepare` makes them before a grid's workers start. `--shard I/N` splits one grid between N
 worker processes (each keeps its imports, compiled kernels and tokenized tasks between runs).
 """
