@@ -296,6 +296,55 @@ def grads(artifact, data, recipes, computes, warm_steps, batches, lr, seed, toke
 
 
 @cli.command()
+@click.option("--ref", required=True, type=click.Path(exists=True, file_okay=False),
+              help="The reference artifact (e.g. pact-convert --keep-bf16 0.999: every projection bf16).")
+@click.option("--artifact", "artifacts", multiple=True, required=True, metavar="NAME=PATH")
+@click.option("--texts", "texts", multiple=True, required=True, metavar="NAME=FILE",
+              help=".jsonl records: text, or prompt + completion (joined).")
+@click.option("--samples", default=60, show_default=True)
+@click.option("--json-out", type=click.Path(dir_okay=False, path_type=Path), default=None)
+def kl(ref, artifacts, texts, samples, json_out) -> None:
+    """Mean per-token KL(ref || artifact) of the next-token distributions on each text set (<= MAX_LEN
+    tokens a text): how far each artifact's weights are from the reference's, by text domain."""
+    from pact.runtime.data import read_records
+    from pact.runtime.generate import rmsnorm
+    from pact.runtime.session import open_session
+
+    sets = {}
+    for spec in texts:
+        name, _, f = spec.partition("=")
+        recs = read_records(f)[:samples]
+        sets[name] = [r["text"] if "text" in r else r.get("prompt", "") + r.get("completion", "") for r in recs]
+
+    @torch.no_grad()
+    def logps(path):
+        ses = open_session(path, tool="bench_fidelity kl")
+        m, tok = ses.model(None), ses.tokenizer
+        out = {}
+        for k, ts in sets.items():
+            out[k] = []
+            for t in ts:
+                ids = tok(t, return_tensors="pt", truncation=True, max_length=MAX_LEN).input_ids.to(m.device)
+                S = ids.shape[1]
+                x = m.embed_ids(ids).reshape(S, m.hidden)
+                cos, sin = m.rope(x, S)
+                h = m.run_layers(x, cos, sin, 1, S).reshape(S, m.hidden)
+                out[k].append(torch.log_softmax((rmsnorm(h, m.final_norm, m.eps) @ m.lm_head.t()).float(), -1))
+        return out
+
+    base = logps(ref)
+    res = {}
+    for spec in artifacts:
+        name, _, path = spec.partition("=")
+        lp = logps(path)
+        res[name] = {k: round(float(torch.cat([(r.exp() * (r - q)).sum(-1) for r, q in zip(base[k], lp[k])]).mean()), 5)
+                     for k in sets}
+        click.echo(json.dumps({"artifact": name, **res[name]}))
+    if json_out:
+        json_out.write_text(json.dumps(res, indent=1))
+
+
+@cli.command()
 @click.option("--model", "folder", required=True, type=click.Path(exists=True, file_okay=False),
               help="An HF folder with the source weights (e.g. the GGUF's bf16 folder bench_accuracy.py makes).")
 @click.option("--data", required=True, type=click.Path(exists=True, dir_okay=False))
