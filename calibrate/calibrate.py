@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 
 from pact import __version__
 from pact.convert.sources import open_source, remove_tree
-from pact.formats import ArtifactWriter, PactError, check_output
+from pact.formats import ArtifactWriter, PactError, check_apart, check_output
 from pact.formats.errors import write_error
 from pact.formats.files import sha256_file, work_path
 from pact.formats.nvfp4 import SCALE_RULES, NVFP4Tensor, dequantize, quantize, transpose_2d
@@ -93,7 +93,7 @@ def calibrate(
     out: str | os.PathLike,
     *,
     model_texts: bool = False,
-    seed: int = 0,
+    seed: int | None = None,
     source: str | None = None,
     max_samples: int = 128,
     seq_len: int = 512,
@@ -114,15 +114,22 @@ def calibrate(
     if prompts is None and not model_texts:
         raise PactError("give --prompts FILE|FOLDER, or --model-texts to calibrate on texts the model samples "
                         "itself (no data needed)")
+    if seed is not None and not model_texts:
+        raise PactError("--seed seeds --model-texts' sampling; with --prompts it would change nothing: drop it")
+    seed = 0 if seed is None else seed
+    if not 0 <= seed < 2**63:
+        raise PactError(f"--seed must be in [0, 2**63), got {seed}")
     if not 0 < damp < 1:
         raise PactError(f"--damp must be in (0, 1), got {damp}")
-    if model_texts and (max_samples < 1 or seq_len < 2):
-        raise PactError(f"--model-texts: --max-samples must be >= 1 and --seq-len >= 2, got {max_samples} "
-                        f"and {seq_len}")
+    if model_texts and max_samples < 1:
+        raise PactError(f"--max-samples must be >= 1 (texts to sample), got {max_samples}")
+    if model_texts and seq_len < 2:
+        raise PactError(f"--seq-len must be >= 2 (tokens a sampled text), got {seq_len}")
     if blocksize % 16 or blocksize < 16:
         raise PactError(f"--blocksize must be a multiple of 16, got {blocksize}")
     if block_scales not in ("auto", *SCALE_RULES):
         raise PactError(f"--block-scales must be auto, {' or '.join(SCALE_RULES)}, got {block_scales!r}")
+    check_apart(out, {"artifact": Path(artifact)}, "pact-calibrate")
     out = check_output(out, overwrite)
     clock = _Clock("cpu")  # the device is known once the session is open
     ses = open_session(artifact, device=device, tool="pact-calibrate")  # a damaged artifact is never calibrated
@@ -265,8 +272,18 @@ def _model_texts(model, tokenizer, n: int, length: int, seed: int) -> list[torch
     if start is None:
         raise PactError(f"--model-texts: the tokenizer of {model.artifact.path} has neither a BOS nor an "
                         "end-of-text token to start from: give --prompts")
+    window = int(getattr(model.cfg, "max_position_embeddings", 0) or 0)
+    if window and length > window:
+        raise PactError(f"--seq-len {length}: longer than the model's context ({window} tokens); give --seq-len "
+                        f"<= {window}")
+    # what the model may write: the tokenizer's own ids (not the embedding's padding rows), no special
+    # tokens but end-of-text (an image placeholder would have no image behind it)
+    allowed = torch.zeros(model.embed.shape[0], dtype=torch.bool, device=model.device)
+    allowed[: min(len(tokenizer), model.embed.shape[0])] = True
+    special = [i for i in tokenizer.all_special_ids if i != tokenizer.eos_token_id and i < allowed.numel()]
+    allowed[special] = False
     log.info("--model-texts: sampling %d texts of %d tokens", n, length)
-    return sample_texts(model, int(start), n, length, seed=seed)
+    return sample_texts(model, int(start), n, length, seed=seed, allowed=allowed)
 
 
 def _folder_digest(samples) -> str:

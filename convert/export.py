@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 
-from pact.formats import PactError, default_cache, open_artifact
+from pact.formats import PactError, check_apart, default_cache, open_artifact
 from pact.formats.errors import write_error
 from pact.formats.families import classify
 from pact.formats.files import atomic_folder, recover_aside, save_safetensors
@@ -82,7 +82,7 @@ def export(artifact: str, out: str | os.PathLike, *, fmt: str = "compressed-tens
     _check_out(out, overwrite, sources)  # before long work (verifying the artifact)
     art = open_artifact(artifact)
     sources["artifact"] = art.path  # a URL's cached copy
-    _check_apart(out, sources)
+    check_apart(out, sources, "an export")
     art.verify_cached(default_cache())
     _check_config(art)
     lora_cfg, adapters = load_peft_adapter(adapter) if adapter else (None, {})
@@ -143,7 +143,7 @@ def _check_out(out: Path, overwrite: bool, sources: dict[str, Path]) -> None:
     if out.is_symlink():
         raise PactError(f"--out {out} is a symbolic link: give the folder it points to (an export is put in "
                         "place by renaming folders)")
-    _check_apart(out, sources)
+    check_apart(out, sources, "an export")
     recover_aside(out, "the export", lambda p: read_marker(p) is not None)
     if not out.exists():
         return
@@ -158,18 +158,6 @@ def _check_out(out: Path, overwrite: bool, sources: dict[str, Path]) -> None:
     if extra:
         raise PactError(f"--out {out} holds {extra}, which pact-export did not write: refusing to replace the "
                         "folder, which would delete it; move it out or choose another --out")
-
-
-def _check_apart(out: Path, sources: dict[str, Path]) -> None:
-    """``out`` is not the artifact or the adapter run, nor inside one, nor holding one (resolved
-    paths: links and '..' do not hide it): replacing it would delete the export's own input."""
-    o = out.resolve()
-    for what, src in sources.items():
-        s = src.resolve()
-        if o == s or o.is_relative_to(s) or s.is_relative_to(o):
-            how = "is" if o == s else "is inside" if o.is_relative_to(s) else "holds"
-            raise PactError(f"--out {out} {how} the {what} {src}: an export never writes over or into what it "
-                            "reads; choose an --out outside it")
 
 
 def read_marker(folder: Path) -> dict | None:

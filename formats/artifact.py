@@ -115,6 +115,19 @@ def check_output(out: str | os.PathLike, overwrite: bool) -> Path:
     return out
 
 
+def check_apart(out: str | os.PathLike, sources: dict[str, Path], tool: str) -> None:
+    """``out`` is not one of ``sources`` (what ``tool`` reads: an artifact, an adapter run), nor inside
+    one, nor holding one (resolved paths: links and '..' do not hide it): writing or replacing it
+    would delete the tool's own input, or nest an output inside it."""
+    o = Path(out).resolve()
+    for what, src in sources.items():
+        s = Path(src).resolve()
+        if o == s or o.is_relative_to(s) or s.is_relative_to(o):
+            how = "is" if o == s else "is inside" if o.is_relative_to(s) else "holds"
+            raise ArtifactError(f"--out {out} {how} the {what} {src}: {tool} never writes over or into what it "
+                                "reads; choose an --out outside it")
+
+
 @functools.cache
 def _zarr_json(shape: tuple[int, ...] | None, dtype: np.dtype | None) -> bytes:
     """The zarr.json zarr itself writes for a one-chunk uncompressed array of ``shape`` and ``dtype``

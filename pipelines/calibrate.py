@@ -20,7 +20,7 @@ from .common import cli_errors
 @click.option("--model-texts", is_flag=True,
               help="Instead of --prompts: calibrate on --max-samples texts of --seq-len tokens that the model "
               "samples itself from its BOS token (no data needed).")
-@click.option("--seed", default=0, show_default=True, help="--model-texts: the sampling seed.")
+@click.option("--seed", type=int, default=None, help="--model-texts: the sampling seed (default 0).")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Where the calibrated artifact goes.")
 @click.option("--source", default=None, help="The original model (default: the artifact's recorded source).")
 @click.option("--max-samples", default=128, show_default=True)

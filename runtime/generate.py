@@ -85,19 +85,20 @@ def generate(model, prompt_ids: list[int], *, max_new_tokens: int, stop_ids: set
 
 @torch.no_grad()
 def sample_texts(model, start_id: int, n: int, length: int, *, temperature: float = 1.0, seed: int = 0,
-                 rows: int | None = None) -> list[torch.Tensor]:
+                 rows: int | None = None, allowed: torch.Tensor | None = None) -> list[torch.Tensor]:
     """``n`` token sequences of ``length`` tokens that the model writes itself: each starts with
     ``start_id`` (a BOS or end-of-text token) and continues by sampling the full distribution at
     ``temperature``, ``rows`` sequences at a time (default: 16384 tokens' worth) against one key/value
     cache (an end-of-text token sampled mid-way starts another text; the row goes on). Seeded: the
-    same tokens for the same model, device, seed, ``n``, ``length`` and ``rows``. Data-free
+    same tokens for the same model, device, seed, ``n``, ``length`` and ``rows``. ``allowed`` (bool [vocab]): the only ids it may sample. Data-free
     calibration texts (`pact-calibrate --model-texts`)."""
     if n < 1 or length < 2:
         raise PactError(f"model texts: need n >= 1 and length >= 2, got {n} x {length}")
     if temperature <= 0:
         raise PactError(f"model texts: temperature must be > 0, got {temperature}")
     window = int(getattr(model.cfg, "max_position_embeddings", 0) or 0)
-    length = min(length, window) if window else length
+    if window and length > window:
+        raise PactError(f"model texts: {length} tokens is longer than the model's context ({window})")
     gen = torch.Generator(device=model.device).manual_seed(seed)
     rows = rows or max(1, min(n, 16384 // length))
     out: list[torch.Tensor] = []
@@ -111,6 +112,8 @@ def sample_texts(model, start_id: int, n: int, length: int, *, temperature: floa
             for i, L in enumerate(model.layers):
                 x = model.layer(L, x, cos, sin, B, 1, None, cache=(cache, i))
             logits = (rmsnorm(x, model.final_norm, model.eps) @ model.lm_head.t()).float()
+            if allowed is not None:
+                logits = logits.masked_fill(~allowed, float("-inf"))
             u = torch.rand(logits.shape, generator=gen, device=logits.device).clamp_(min=1e-20)
             nxt = (logits / temperature - torch.log(-torch.log(u))).argmax(-1, keepdim=True)  # Gumbel-max
             ids = torch.cat([ids, nxt], dim=1)

@@ -274,6 +274,12 @@ def test_model_texts_calibrate_without_data(setup, tmp_path):
     assert all(torch.equal(x, y) for x, y in zip(a, b))  # a rerun gives the same tokens
     assert not all(torch.equal(a[0], t) for t in a[1:])  # sampled, not greedy: rows differ
     assert all(int(t.max()) < model.embed.shape[0] for t in a)
+    allowed = torch.zeros(model.embed.shape[0], dtype=torch.bool)
+    allowed[2:50] = True
+    c = sample_texts(model, 1, 3, 30, seed=0, allowed=allowed)
+    assert all(bool(allowed[t[1:]].all()) for t in c)  # only the ids it may write
+    with pytest.raises(PactError, match="longer than the model's context"):
+        sample_texts(model, 1, 1, model.cfg.max_position_embeddings + 1)
     r = CliRunner().invoke(calibrate_cli, [str(setup / "art"), "--model-texts", "--max-samples", "8", "--seq-len",
                                            "24", "--out", str(tmp_path / "cal"), "--quiet"])
     assert r.exit_code == 0, r.output
@@ -282,8 +288,27 @@ def test_model_texts_calibrate_without_data(setup, tmp_path):
     assert cal["model_texts"] == {"seed": 0, "temperature": 1.0} and len(cal["prompts_sha256"]) == 64
     assert "model texts" in cal["seconds"]
     assert all(e["gptq"] <= e["rtn"] for e in cal["layer_output_error"].values())
+    import importlib
+
+    C = importlib.import_module("pact.calibrate.calibrate")
+    tok = ses.tokenizer  # what --model-texts feeds GPTQ: the tokenizer's own ids (the embedding has more
+    texts = C._model_texts(model, tok, 8, 24, 0)  # rows), no special token but end-of-text after the start
+    assert len(tok) < model.embed.shape[0] and len(texts) == 8
+    assert int(torch.cat(texts).max()) < len(tok)
+    assert not set(torch.cat([t[1:] for t in texts]).tolist()) & (set(tok.all_special_ids) - {tok.eos_token_id})
     with pytest.raises(PactError, match="--prompts and --model-texts"):
         calibrate(str(setup / "art"), setup / "prompts.jsonl", tmp_path / "c1", model_texts=True)
+    with pytest.raises(PactError, match="--seed seeds --model-texts"):
+        calibrate(str(setup / "art"), setup / "prompts.jsonl", tmp_path / "c1", seed=3)
+    for seed in (-1, 2**64):
+        with pytest.raises(PactError, match=r"--seed must be in \[0, 2\*\*63\)"):
+            calibrate(str(setup / "art"), None, tmp_path / "c1", model_texts=True, seed=seed)
+    with pytest.raises(PactError, match="--seq-len 9999: longer than the model's context"):
+        calibrate(str(setup / "art"), None, tmp_path / "c1", model_texts=True, seq_len=9999, max_samples=1)
+    for where, how in (("art/cal", "is inside the artifact"), ("art", "is the artifact"), (".", "holds the artifact")):
+        with pytest.raises(PactError, match=f"--out .* {how} .*choose an --out outside it"):
+            calibrate(str(setup / "art"), None, setup / where, model_texts=True, overwrite=True)
+    assert not (setup / "art" / "cal").exists()
     r = CliRunner().invoke(calibrate_cli, [str(setup / "art"), "--out", str(tmp_path / "c2")])
     assert r.exit_code != 0 and "--prompts FILE|FOLDER, or --model-texts" in r.output
     assert not (tmp_path / "c1").exists() and not (tmp_path / "c2").exists()
