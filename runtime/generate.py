@@ -90,8 +90,8 @@ def sample_texts(model, start_id: int, n: int, length: int, *, temperature: floa
     ``start_id`` (a BOS or end-of-text token) and continues by sampling the full distribution at
     ``temperature``, ``rows`` sequences at a time (default: 16384 tokens' worth) against one key/value
     cache (an end-of-text token sampled mid-way starts another text; the row goes on). Seeded: the
-    same tokens for the same model, device, seed, ``n``, ``length`` and ``rows``. ``allowed`` (bool [vocab]): the only ids it may sample. Data-free
-    calibration texts (`pact-calibrate --model-texts`)."""
+    same tokens for the same model, device, seed, ``n``, ``length`` and ``rows``. ``allowed`` (bool
+    [vocab]): the only ids it may sample. Data-free calibration texts (`pact-calibrate --model-texts`)."""
     if n < 1 or length < 2:
         raise PactError(f"model texts: need n >= 1 and length >= 2, got {n} x {length}")
     if temperature <= 0:
