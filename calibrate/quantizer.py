@@ -13,7 +13,6 @@ never falls back to coarser scales than conversion chose.
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
@@ -28,6 +27,7 @@ from pact.formats.nvfp4 import (
     round_e2m1,
     search_block_scales,
 )
+from pact.runtime.graphs import side_stream
 
 
 class NVFP4Quantizer:
@@ -131,7 +131,7 @@ class _ColumnsGraph:
         self.ins = [torch.zeros(BLOCK, n, **f32), torch.ones(BLOCK, n, **f32), torch.ones(BLOCK, n, **f32),
                     torch.ones((), **f32), torch.eye(BLOCK, **f32)]  # T, rs, s, g, Hb
         self.outs = [torch.empty(BLOCK, n, **f32), torch.empty(BLOCK, n, **f32)]  # Q, E
-        side = _side_stream(device)  # one per device: cuBLAS keeps a workspace per stream it ran on
+        side = side_stream(device)  # one per device: cuBLAS keeps a workspace per stream it ran on
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):  # warm-up off the capture: lookup tables on the device, kernels loaded
             for _ in range(2):
@@ -152,10 +152,6 @@ class _ColumnsGraph:
 
 _GRAPHS: dict[tuple[torch.device, int], _ColumnsGraph] = {}
 
-
-@functools.cache
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    return torch.cuda.Stream(device)
 
 
 def _graph(device: torch.device, n: int) -> _ColumnsGraph:

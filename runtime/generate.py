@@ -16,14 +16,19 @@ from .model import rmsnorm
 @torch.no_grad()
 def next_logits(model, ids: list[int], cache: list, pos: int) -> torch.Tensor:
     """fp32 logits [V] after ``ids`` (new tokens at positions pos, pos + 1, ...), the cache extended."""
-    x_ids = torch.tensor([ids], device=model.device)
-    S = len(ids)
-    x = model.embed_ids(x_ids).reshape(S, model.hidden)
+    return _last_logits(model, torch.tensor([ids], device=model.device), cache, pos)[0]
+
+
+def _last_logits(model, ids: torch.Tensor, cache: list, pos: int) -> torch.Tensor:
+    """fp32 logits [B, V] after each row of ``ids`` [B, S] (new tokens at positions pos .. pos + S - 1
+    of every row), the cache extended."""
+    B, S = ids.shape
+    x = model.embed_ids(ids).reshape(B * S, model.hidden)
     cos, sin = model.rope_at(x, torch.arange(pos, pos + S, device=model.device))
     for i, L in enumerate(model.layers):
-        x = model.layer(L, x, cos, sin, 1, S, None, cache=(cache, i))
-    h = rmsnorm(x[-1:], model.final_norm, model.eps)
-    return (h @ model.lm_head.t()).float()[0]
+        x = model.layer(L, x, cos, sin, B, S, None, cache=(cache, i))
+    h = rmsnorm(x.view(B, S, model.hidden)[:, -1], model.final_norm, model.eps)
+    return (h @ model.lm_head.t()).float()
 
 
 def truncate(cache: list, n: int) -> None:
@@ -107,11 +112,7 @@ def sample_texts(model, start_id: int, n: int, length: int, *, temperature: floa
         ids = torch.full((B, 1), start_id, dtype=torch.long, device=model.device)
         cache = [None] * len(model.layers)
         for pos in range(length - 1):
-            x = model.embed_ids(ids[:, -1:]).reshape(B, model.hidden)
-            cos, sin = model.rope_at(x, torch.tensor([pos], device=model.device))
-            for i, L in enumerate(model.layers):
-                x = model.layer(L, x, cos, sin, B, 1, None, cache=(cache, i))
-            logits = (rmsnorm(x, model.final_norm, model.eps) @ model.lm_head.t()).float()
+            logits = _last_logits(model, ids[:, -1:], cache, pos)
             if allowed is not None:
                 logits = logits.masked_fill(~allowed, float("-inf"))
             u = torch.rand(logits.shape, generator=gen, device=logits.device).clamp_(min=1e-20)

@@ -103,11 +103,16 @@ class GraphBuffers:
         self.calls = 0  # graphed forwards so far: a backward must follow its own forward, nothing between
 
 
+def side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The one side stream per device that CUDA-graph warm-ups run on (the layer captures here, the
+    GPTQ sweep's column graphs). cuBLAS keeps a workspace for each (handle, stream) it has run on for
+    the process's life (64 MiB on an H200): a new stream per captured shape held that much more memory
+    per shape."""
+    return _side_stream(device.index if device.index is not None else torch.cuda.current_device())
+
+
 @functools.cache
 def _side_stream(index: int) -> torch.cuda.Stream:
-    """The one stream every capture's warm-up runs on, per device. cuBLAS keeps a workspace for each
-    (handle, stream) it has run on for the process's life (64 MiB on an H200): a new stream per
-    captured shape held that much more memory per shape."""
     return torch.cuda.Stream(device=index)
 
 
@@ -131,7 +136,7 @@ class LayerGraphs:
         def fwd():
             return run(self.x, self.cos, self.sin, self.mask)
 
-        side = _side_stream(x.device.index if x.device.index is not None else torch.cuda.current_device())
+        side = side_stream(x.device)
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up: Triton compilation and tuning, cuBLAS and cuDNN plans
             for _ in range(warmup):
