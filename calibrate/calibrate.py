@@ -196,6 +196,8 @@ def _calibrate(ses: Session, src, samples, out: Path, clock: _Clock, *, prompts:
                 with model.observing(add):
                     model.layer(L, u.x, u.cos, u.sin, u.B, u.S)
         clock.lap("activations")
+        if li == 0:
+            _warn_few_tokens(hess.values())
         for gname, g in groups.items():
             if g.weight is None:  # a member kept in bf16: the group runs dense, nothing to calibrate
                 log.info("layer %d %s: kept in bf16, not calibrated", li, gname)
@@ -236,6 +238,18 @@ def _calibrate(ses: Session, src, samples, out: Path, clock: _Clock, *, prompts:
     return _write(art, out, new, errors, clock, overwrite=overwrite, prompts=prompts, samples=samples, damp=damp,
                   actorder=actorder, static_scales=static_scales, blocksize=blocksize, block_scales=scale_rule,
                   **({"model_texts": {"seed": texts[2], "temperature": 1.0}} if texts is not None else {}))
+
+
+def _warn_few_tokens(hessians) -> None:
+    """GPTQ's Hessian has rank at most the token count: with fewer calibration tokens than a
+    projection's input columns the damping decides most of the solve. Said once, not refused
+    (a smoke test on a few texts is legitimate)."""
+    tokens, widest = min(h.nsamples for h in hessians), max(h.columns for h in hessians)
+    if tokens < widest:
+        log.warning("pact-calibrate: %d calibration tokens, fewer than the widest projection's %d input "
+                    "columns: the Hessian is rank-deficient and the result stays near round-to-nearest; "
+                    "use more --prompts texts or a larger --max-samples / --seq-len (128 x 128 tokens is "
+                    "what BENCHMARKS.md measured)", tokens, widest)
 
 
 def _units(model: PactModel, art, samples) -> list[Unit]:

@@ -1,6 +1,7 @@
 """pact-calibrate: GPTQ beats round-to-nearest on every projection, stays bit-compatible, trains."""
 
 import json
+import logging
 import os
 
 import pytest
@@ -257,6 +258,16 @@ def test_calibrate_end_to_end(setup, tmp_path):
     r = train(TrainConfig(artifact=str(out), data=str(tmp_path / "train.jsonl"), out=str(tmp_path / "run"), steps=2,
                           batch_size=8, max_len=64), progress=False)
     assert r["step"] == 2
+
+
+def test_too_few_calibration_tokens_are_said(setup, tmp_path, caplog):
+    one = tmp_path / "one.jsonl"
+    one.write_text(json.dumps({"text": "a short text"}) + "\n")
+    with caplog.at_level(logging.WARNING, logger="pact.calibrate.calibrate"):
+        calibrate(str(setup / "art"), one, tmp_path / "cal", progress=False)
+    said = [r.getMessage() for r in caplog.records if "rank-deficient" in r.getMessage()]
+    assert len(said) == 1 and "--max-samples" in said[0]  # once per run, naming the fix
+    assert open_artifact(tmp_path / "cal").verify() > 0  # a warning, not a refusal
 
 
 def test_model_texts_calibrate_without_data(setup, tmp_path):
