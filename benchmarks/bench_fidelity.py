@@ -35,8 +35,9 @@ converter's defaults (`:1d-mse`); `-keepPCT` after it keeps PCT% of the projecti
 (prompt + completion, <= 128 tokens) with the artifact's block-scale rule, `+gptq-amax` the same
 with amax block scales, `+gptq-actorder` with act-order (static scales), `+gptq-generic` calibrated on
 Rotten Tomatoes plot summaries for every task, `+gptq-model` on 128 texts the model samples itself
-(`pact-calibrate --model-texts`), `+gptq-xtask` on another task's training texts (`OTHER_TASK`: what
-calibration does for a task apart from fitting its texts). `+llmc-gptq` is the peer calibration:
+(`pact-calibrate --model-texts`; `+gptq-model1`, `+gptq-model2` with sampling seeds 1 and 2),
+`+gptq-xtask` on another task's training texts (`OTHER_TASK`: what calibration does for a task apart
+from fitting its texts). `+llmc-gptq` is the peer calibration:
 llm-compressor's NVFP4 GPTQ (llmc_nvfp4.py, its defaults: act-order, static scales) of the GGUF's bf16
 folder on the same 128 task texts, imported as stored (it ignores the conversion options: llm-compressor
 quantizes from the bf16 source; write it `:1d-mse+llmc-gptq`). It needs llmcompressor and its
@@ -80,6 +81,9 @@ CALIBRATIONS = {  # -> (calibration texts, --block-scales, --act-order[, other c
     "gptq-actorder": ("task", "auto", True),
     "gptq-generic": ("generic", "auto", False),  # Rotten Tomatoes plot summaries, the same for every task
     "gptq-model": ("model", "auto", False),  # pact-calibrate --model-texts: texts the model samples itself, no data
+    # the same with other sampling seeds: how much of its downstream result is the one draw of texts
+    "gptq-model1": ("model", "auto", False, {"seed": 1}),
+    "gptq-model2": ("model", "auto", False, {"seed": 2}),
     "gptq-mix": ("mix", "auto", False),  # half the task's texts, half the generic ones
     # another task's training texts (OTHER_TASK): what calibration gains on its own, apart from fitting the task
     "gptq-xtask": ("xtask", "auto", False),
