@@ -78,7 +78,8 @@ def cli() -> None:
 @click.option("--train-only", is_flag=True, help="Train each seed's run (kept in --workdir) and stop: no scores.")
 @click.option("--variants", default="rtn,gptq,bf16,hf", show_default=True,
               help="Merges scored: rtn (plain), gptq, gptq-keepNN (GPTQ with NN% of the adapted projections "
-                   "kept bf16: --merge-keep-bf16), bf16, hf (the GPTQ export read by transformers).")
+                   "kept bf16: --merge-keep-bf16), gptq-mi (GPTQ on the merged model's inputs: gptq_merge "
+                   "inputs='merged'), bf16, hf (the GPTQ export read by transformers).")
 @click.option("--merge-samples", default=128, show_default=True, help="The GPTQ merge's texts (gptq_merge).")
 @click.option("--merge-damp", default=0.01, show_default=True, help="The GPTQ merge's damping.")
 @click.option("--merge-act-order", is_flag=True, help="The GPTQ merge in act-order (scales fixed up front).")
@@ -122,18 +123,21 @@ def run(name, artifact, train_f, test_f, workdir, seeds, steps, lr, max_len, lim
                "train_s": None if reuse else round(time.perf_counter() - t, 1), "unmerged": acc(artifact, str(run))}
         solved = {}
 
-        def solver(a, r):  # the GPTQ merge once per seed: the -keepNN variants reuse it
-            if "out" not in solved:
-                solved["out"] = gptq_merge(a, r, train_f, max_samples=merge_samples, damp=merge_damp,
-                                           actorder=merge_act_order)
-            return solved["out"][0], dict(solved["out"][1])
+        def solver_on(inputs):  # the GPTQ merge once per seed and inputs: the -keepNN variants reuse it
+            def solver(a, r):
+                if inputs not in solved:
+                    solved[inputs] = gptq_merge(a, r, train_f, max_samples=merge_samples, damp=merge_damp,
+                                                actorder=merge_act_order, inputs=inputs)
+                return solved[inputs][0], dict(solved[inputs][1])
+            return solver
 
-        hows = [h for h in variants.split(",") if h in ("rtn", "gptq") or h.startswith("gptq-keep")]
+        hows = [h for h in variants.split(",") if h in ("rtn", "gptq", "gptq-mi") or h.startswith("gptq-keep")]
         for how in hows:
             t = time.perf_counter()
             keep = int(how.removeprefix("gptq-keep")) / 100 if how.startswith("gptq-keep") else 0.0
+            solver = None if how == "rtn" else solver_on("merged" if how == "gptq-mi" else "adapted")
             summary = export(str(artifact), d / f"ct-{how}", adapter=str(run), merge=True, overwrite=True,
-                             merge_solver=None if how == "rtn" else solver, merge_keep_bf16=keep)["merge"]
+                             merge_solver=solver, merge_keep_bf16=keep)["merge"]
             row[f"{how}_merge_s"] = round(time.perf_counter() - t, 1)
             back = convert(str(d / f"ct-{how}"), d / f"art-{how}", overwrite=True, progress=False)
             row[f"merged_{how}"] = acc(back)
@@ -176,7 +180,7 @@ def table(files) -> None:
     for r in rows:
         by.setdefault(f"{r.get('task', '')} (lr {r.get('lr', '')})", []).append(r)
     # gptq-seq: a removed method (BENCHMARKS.md re-tables its rows)
-    names = {"rtn": "plain", "gptq": "GPTQ", "gptq-seq": "GPTQ-seq", "bf16": "bf16"}
+    names = {"rtn": "plain", "gptq": "GPTQ", "gptq-mi": "GPTQ merged inputs", "gptq-seq": "GPTQ-seq", "bf16": "bf16"}
     for k in sorted({k for r in rows for k in r if k.startswith("merged_gptq-keep")}):  # GPTQ, NN% kept bf16
         names[k.removeprefix("merged_")] = f"GPTQ + {k.removeprefix('merged_gptq-keep')}% bf16"
     shown = [v for v in names if any(f"merged_{v}" in r for r in rows)]

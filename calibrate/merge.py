@@ -30,13 +30,20 @@ from .quantizer import NVFP4Quantizer
 
 def gptq_merge(artifact: str | os.PathLike, adapter: str | os.PathLike, data: str | os.PathLike, *,
                max_samples: int = 128, max_len: int = 512, damp: float = 0.01, blocksize: int = 128,
-               actorder: bool = False, device: str | None = None,
+               actorder: bool = False, inputs: str = "adapted", device: str | None = None,
                progress: bool = False) -> tuple[dict[str, NVFP4Tensor], dict]:
     """The merged NVFP4 forward-layout tensor of every projection the adapter adapts (1x16 blocks;
     a fused group's members share one global scale, as vLLM fuses q|k|v and gate|up), and a
     summary: samples, tokens, seconds (``stages``: load, activations, solve) and per projection the
     layer-output error on these inputs of the plain (round-to-nearest) merge and of this one,
-    relative to the adapted layer's output."""
+    relative to the adapted layer's output.
+
+    ``inputs``: whose activations each layer's Hessian is taken on: "adapted" (the adapted model's:
+    every layer solved for the inputs the unmerged model gives it) or "merged" (the merged model's
+    so far, as GPTQ calibration does: each layer solved for the inputs the layers merged below it
+    will give it at serving time)."""
+    if inputs not in ("adapted", "merged"):
+        raise ValueError(f"gptq_merge: inputs must be 'adapted' or 'merged', got {inputs!r}")
     clock = _Clock("cpu")  # as calibration's: the device is known once the session is open
     if max_samples < 1:
         raise PactError(f"--merge-samples must be >= 1, got {max_samples}")
@@ -70,7 +77,9 @@ def gptq_merge(artifact: str | os.PathLike, adapter: str | os.PathLike, data: st
                         hess[id(w)].add_batch(x if u.real is None else x[u.real])
 
                 with model.observing(add):
-                    u.x = model.layer(L, u.x, u.cos, u.sin, u.B, u.S)
+                    y = model.layer(L, u.x, u.cos, u.sin, u.B, u.S)
+                if inputs == "adapted":
+                    u.x = y
         clock.lap("activations")
         for g in todo.values():
             H = hess[id(g.weight)]
@@ -83,6 +92,11 @@ def gptq_merge(artifact: str | os.PathLike, adapter: str | os.PathLike, data: st
             q = NVFP4Quantizer(gs, scaling="1d", scale_rule=rule)
             Q, _ = H.quantize(torch.cat(Ws), q, blocksize=blocksize, percdamp=damp, actorder=actorder)
             packed = q.pack(Q)
+            if inputs == "merged":  # the layer runs merged from now on: its members' codes, no adapter
+                g.weight = type(g.weight)(packed.packed, packed.scales, packed.global_scale)
+                for lo in g.loras:
+                    if lo is not None:
+                        lo.B.data.zero_()
             r0 = 0
             for name, W in zip(g.names, Ws):
                 r1 = r0 + W.shape[0]
@@ -93,10 +107,15 @@ def gptq_merge(artifact: str | os.PathLike, adapter: str | os.PathLike, data: st
                     errors[name] = {"plain": _output_error(W, plain, H.H), "gptq": _output_error(W, Q[r0:r1], H.H)}
                 r0 = r1
         clock.lap("solve")
+        if inputs == "merged":  # the next layer's inputs, from this layer as merged
+            with torch.no_grad():
+                for u in units:
+                    u.x = model.layer(L, u.x, u.cos, u.sin, u.B, u.S)
+            clock.lap("activations")
     errors = {k: {m: round(float(v), 6) for m, v in e.items()} for k, e in errors.items()}  # one sync, at the end
     clock.lap("solve")
     stages = clock.report()
-    summary = {"method": "gptq", "samples": len(samples),
+    summary = {"method": "gptq", "inputs": inputs, "samples": len(samples),
                "tokens": int(sum(s.numel() for s in samples)),
                "damp": damp, "seconds": round(stages["total"], 1), "stages": stages, "output_error": errors}
     return out, summary

@@ -406,6 +406,24 @@ def test_gptq_merge_in_act_order(trained):
     assert all(e["gptq"] < e["plain"] for e in errs.values()), errs
 
 
+def test_gptq_merge_on_the_merged_models_inputs(trained):
+    """inputs="merged": each layer's Hessian comes from the layers merged below it (as calibration
+    does): layer 0 sees the same inputs either way (the same codes), later layers other ones; every
+    adapted projection still ends with less layer-output error than rounding W + BA."""
+    from pact.calibrate.merge import gptq_merge
+
+    args = (str(trained / "art"), str(trained / "run"), str(trained / "train.jsonl"))
+    ref, _ = gptq_merge(*args, max_samples=8)
+    out, summary = gptq_merge(*args, max_samples=8, inputs="merged")
+    assert summary["inputs"] == "merged" and set(out) == set(ref)
+    first = [n for n in out if ".layers.0." in n]
+    assert first and all(torch.equal(out[n].packed, ref[n].packed) for n in first)
+    assert any(not torch.equal(out[n].packed, ref[n].packed) for n in out if n not in first)
+    assert all(e["gptq"] < e["plain"] for e in summary["output_error"].values()), summary["output_error"]
+    with pytest.raises(ValueError, match="inputs must be"):
+        gptq_merge(*args, inputs="source")
+
+
 def test_export_refusals(trained, tmp_path):
     from pact.convert.export import export
 
