@@ -379,7 +379,9 @@ def test_gemma3_every_difference_is_needed(tmp_path):
     for what, change in changes.items():
         kept = (L0.window, model.attn_scale, model.embed_scale, L0.post_mlp_norm, model.spec, L0.attn_norm)
         change()
-        # 5x the agreement with transformers: on this tiny random model SiLU for GeGLU moves the loss
-        # least (about 9x: small gate pre-activations, where the two are near), the others 30x or more
-        assert abs(loss() - ref) > 5 * abs(ours - ref), what
+        # past 10x the agreement with transformers (measured: 21x for the attention scale to 198x for
+        # (1 + w)); SiLU for GeGLU moves this tiny random model's loss 8.8x (small gate pre-activations,
+        # where the two functions nearly agree), so that one must pass 5x
+        margin = 5 if what == "GeGLU" else 10
+        assert abs(loss() - ref) > margin * abs(ours - ref), what
         L0.window, model.attn_scale, model.embed_scale, L0.post_mlp_norm, model.spec, L0.attn_norm = kept
