@@ -5,6 +5,7 @@ transformers (bf16) load. Every export carries pact_export.json (what --overwrit
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import click
 
@@ -43,6 +44,11 @@ from .common import cli_errors
 def main(artifact, out, fmt, adapter, merge, merge_method, merge_data, merge_samples, merge_keep_bf16, overwrite,
          quiet) -> None:
     """Export ARTIFACT (with --adapter) for inference."""
+    if adapter and Path(adapter).is_dir() and Path(artifact).is_dir():
+        from pact.formats import open_artifact
+        from pact.runtime.evaluate import warn_other_weights
+
+        warn_other_weights(adapter, open_artifact(artifact), "pact-export")
     solver = None
     if merge_method == "gptq":
         def solver(art_path, run):  # called by export once every input is checked

@@ -66,10 +66,19 @@ def run_lock(run: Path):
         lock.unlink(missing_ok=True)
 
 
+CALIBRATED = "calibrated"  # RUN/calibrated/: pact-train --calibrate's artifact, made before the run starts
+
+
+def _not_a_result(name: str) -> bool:
+    """The lock, and pact-train --calibrate's artifact (or its temp folders): a run folder holding only
+    these is still new."""
+    return name == ".lock" or name == CALIBRATED or name.startswith(f".{CALIBRATED}.")
+
+
 def _prepare_run(run: Path, resume: bool) -> None:
     """The run folder is new, or (``resume``) an unfinished run with a checkpoint; never one whose
     results would be overwritten."""
-    files = [p for p in run.iterdir() if p.name != ".lock"] if run.is_dir() else []
+    files = [p for p in run.iterdir() if not _not_a_result(p.name)] if run.is_dir() else []
     if files and not resume:
         raise PactError(f"--out {run} is not empty: pass --resume to continue that run, or choose another folder")
     if resume and files and not _usable_checkpoints(run):

@@ -436,3 +436,57 @@ def test_calibrate_a_gemma3_artifact(tmp_path):
     r = train(TrainConfig(artifact=str(out), data=str(tmp_path / "train.jsonl"), out=str(tmp_path / "run"), steps=2,
                           batch_size=8, max_len=64), progress=False)
     assert r["step"] == 2
+
+
+def test_train_calibrate_flag(tmp_path, caplog):
+    """pact-train --calibrate: GPTQ on the first N training records into OUT/calibrated/ (the same
+    codes as pact-calibrate on those records), the run trains on it, records it, and eval warns when
+    the adapter is given the uncalibrated artifact."""
+    from pact.calibrate.forrun import calibrate_for_run
+    from pact.pipelines.train import main as train_cli
+    from pact.runtime.evaluate import evaluate_artifact
+
+    make_model(tmp_path / "src", "llama", initializer_range=0.15)
+    convert(str(tmp_path / "src"), tmp_path / "art", progress=False)
+    data = make_sentiment_jsonl(tmp_path / "train.jsonl", 40)
+    run = tmp_path / "run"
+    args = [str(tmp_path / "art"), "--data", str(data), "--out", str(run), "--steps", "2", "--batch-size", "8",
+            "--max-len", "64", "--quiet"]
+    r = CliRunner().invoke(train_cli, [*args, "--calibrate", "--calibrate-samples", "0"])
+    assert r.exit_code != 0 and "--calibrate-samples must be >= 1" in r.output and not run.exists()
+    r = CliRunner().invoke(train_cli, [*args, "--calibrate", "--calibrate-samples", "16"])
+    assert r.exit_code == 0, r.output
+    cal_art = open_artifact(run / "calibrated")
+    cal = cal_art.meta["provenance"]["calibration"]
+    assert cal["samples"] == 16 and cal["from_artifact"] == str((tmp_path / "art").resolve())
+    assert "the first 16 records of --data" in cal["prompts"] and "<= 64 tokens" in cal["prompts"]
+    rec = json.loads((run / "train_config.json").read_text())
+    assert rec["artifact"] == str((run / "calibrated").resolve()) and (run / "adapter_model.safetensors").is_file()
+    # the same codes as pact-calibrate on those 16 records at the run's --max-len
+    (tmp_path / "first16.jsonl").write_text("".join(data.read_text().splitlines(keepends=True)[:16]))
+    ref = open_artifact(calibrate(str(tmp_path / "art"), tmp_path / "first16.jsonl", tmp_path / "ref", max_samples=16,
+                                  seq_len=64, progress=False))
+    names = list(ref.names("nvfp4"))
+    assert names and all(torch.equal(ref.nvfp4(n).packed, cal_art.nvfp4(n).packed) for n in names)
+    rtn = open_artifact(tmp_path / "art")
+    assert any(not torch.equal(rtn.nvfp4(n).packed, cal_art.nvfp4(n).packed) for n in names)  # GPTQ moved codes
+    # a finished run is refused before any calibration; a rerun into a folder holding only calibrated/ reuses it
+    r = CliRunner().invoke(train_cli, [*args, "--calibrate"])
+    assert r.exit_code != 0 and "is not empty" in r.output
+    run2 = tmp_path / "run2"
+    first = calibrate_for_run(str(tmp_path / "art"), str(data), run2, samples=16, seq_len=64, progress=False)
+    stamp = (first / "zarr.json").stat().st_mtime_ns
+    again = calibrate_for_run(str(tmp_path / "art"), str(data), run2, samples=16, seq_len=64, progress=False)
+    assert again == first and (again / "zarr.json").stat().st_mtime_ns == stamp
+    other = calibrate_for_run(str(tmp_path / "art"), str(data), run2, samples=8, seq_len=64, progress=False)
+    assert open_artifact(other).meta["provenance"]["calibration"]["samples"] == 8  # other texts: made anew
+    with pytest.raises(PactError, match="own calibrated artifact"):
+        calibrate_for_run(str(run2 / "calibrated"), str(data), run2, samples=8, progress=False)
+    # the adapter evaluated on the uncalibrated artifact: said; on its own weights: not
+    with caplog.at_level(logging.WARNING):
+        evaluate_artifact(str(tmp_path / "art"), str(data), adapter=str(run), max_len=64, generate=False)
+    assert any("whose weights differ" in m for m in caplog.messages)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        evaluate_artifact(str(run / "calibrated"), str(data), adapter=str(run), max_len=64, generate=False)
+    assert not any("whose weights differ" in m for m in caplog.messages)
