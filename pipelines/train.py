@@ -41,9 +41,26 @@ def main(config: str | None, **params) -> None:
         cfg.artifact = str(calibrate_for_run(cfg.artifact, cfg.data, cfg.out, split=cfg.data_split, samples=samples,
                                              seq_len=min(cfg.max_len, 512), resume=resume, device=cfg.device,
                                              progress=not quiet))
+    elif not quiet and not resume and main_rank() and _uncalibrated(cfg.artifact):
+        click.echo(f"note: {cfg.artifact} is not calibrated; --calibrate first calibrates it on your --data (on the "
+                   "tasks measured, that brought LoRA on NVFP4 weights level with BF16 LoRA; README \"Train\")",
+                   err=True)
     result = train(cfg, resume=resume, progress=not quiet)
     if main_rank():  # under torchrun, one result
         click.echo(json.dumps({k: v for k, v in result.items() if k != "eval_labels"}, indent=2))
+
+
+def _uncalibrated(artifact: str) -> bool:
+    """A local artifact without GPTQ calibration in its provenance (unreadable ones: train says why)."""
+    from pact.formats import PactError, open_artifact
+
+    if "://" in str(artifact):  # a URL: not fetched for a note
+        return False
+    try:
+        prov = open_artifact(artifact).meta["provenance"]
+    except (PactError, OSError, KeyError, ValueError):
+        return False
+    return "calibration" not in prov and "source_quantization" not in prov  # imported GPTQ checkpoints count
 
 
 if __name__ == "__main__":

@@ -470,6 +470,12 @@ def test_train_calibrate_flag(tmp_path, caplog):
     assert names and all(torch.equal(ref.nvfp4(n).packed, cal_art.nvfp4(n).packed) for n in names)
     rtn = open_artifact(tmp_path / "art")
     assert any(not torch.equal(rtn.nvfp4(n).packed, cal_art.nvfp4(n).packed) for n in names)  # GPTQ moved codes
+    # without --calibrate, an uncalibrated artifact gets a one-line note; a calibrated one none
+    plain = [a for a in args if a != "--quiet"]
+    r = CliRunner().invoke(train_cli, [*plain[:4], str(tmp_path / "plain"), *plain[5:]])
+    assert r.exit_code == 0 and "is not calibrated; --calibrate" in r.output
+    r = CliRunner().invoke(train_cli, [str(run / "calibrated"), *plain[1:4], str(tmp_path / "plain2"), *plain[5:]])
+    assert r.exit_code == 0 and "not calibrated" not in r.output
     # a finished run is refused before any calibration; a rerun into a folder holding only calibrated/ reuses it
     r = CliRunner().invoke(train_cli, [*args, "--calibrate"])
     assert r.exit_code != 0 and "is not empty" in r.output
