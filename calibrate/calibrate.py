@@ -106,11 +106,12 @@ def calibrate(
     overwrite: bool = False,
     progress: bool = True,
     prompts_label: str | None = None,
+    record: dict | None = None,
 ) -> Path:
     """GPTQ of ``artifact``'s projections on ``prompts`` (or, ``model_texts``, on max_samples texts
     of seq_len tokens that the artifact's own model samples from its BOS token, seeded by ``seed``:
     no data needed); the calibrated artifact is written to ``out``. ``prompts_label``: what the
-    provenance records as the prompts (default: their path)."""
+    provenance records as the prompts (default: their path); ``record``: more keys for it."""
     if prompts is not None and model_texts:
         raise PactError("--prompts and --model-texts: give one of them (--model-texts samples the texts instead)")
     if prompts is None and not model_texts:
@@ -168,7 +169,8 @@ def calibrate(
         texts = (max_samples, seq_len, seed) if model_texts else None
         return _calibrate(ses, src, samples, out, clock, prompts=None if model_texts else Path(prompts), texts=texts,
                           damp=damp, actorder=actorder, static_scales=static_scales, blocksize=blocksize,
-                          scale_rule=rule, overwrite=overwrite, progress=progress, label=prompts_label)
+                          scale_rule=rule, overwrite=overwrite, progress=progress, label=prompts_label,
+                          record=record or {})
     except OSError as e:  # the writer has removed its temp folder; OUT is untouched
         raise write_error(e, getattr(e, "filename", None) or out, f"nothing was written to {out}") from None
     finally:
@@ -176,7 +178,7 @@ def calibrate(
 
 
 def _calibrate(ses: Session, src, samples, out: Path, clock: _Clock, *, prompts: Path | None, texts, damp, actorder,
-               static_scales, blocksize, scale_rule, overwrite, progress, label=None) -> Path:
+               static_scales, blocksize, scale_rule, overwrite, progress, label=None, record=None) -> Path:
     art, dev = ses.artifact, ses.device
     scaling = art.meta["provenance"]["scaling"]
     model = ses.model(None)
@@ -237,7 +239,8 @@ def _calibrate(ses: Session, src, samples, out: Path, clock: _Clock, *, prompts:
     new = {k: (f, b, float(rel)) for k, (f, b, rel) in new.items()}
     errors = {k: {m: float(v) for m, v in e.items()} for k, e in errors.items()}
     clock.lap("solve")
-    return _write(art, out, new, errors, clock, overwrite=overwrite, prompts=prompts, label=label, samples=samples,
+    return _write(art, out, new, errors, clock, overwrite=overwrite, prompts=prompts, label=label,
+                  record=record or {}, samples=samples,
                   damp=damp, actorder=actorder, static_scales=static_scales, blocksize=blocksize,
                   block_scales=scale_rule,
                   **({"model_texts": {"seed": texts[2], "temperature": 1.0}} if texts is not None else {}))
@@ -313,7 +316,8 @@ def _folder_digest(samples) -> str:
     return h.hexdigest()
 
 
-def _write(art, out: Path, new: dict, errors: dict, clock: _Clock, *, overwrite, prompts: Path, label, samples,
+def _write(art, out: Path, new: dict, errors: dict, clock: _Clock, *, overwrite, prompts: Path, label, record,
+           samples,
            **settings) -> Path:
     skip = {"kind", "shape", "arrays", "global_scale", "block_size", "dtype"}
     with ArtifactWriter(out, overwrite=overwrite) as w:
@@ -343,6 +347,7 @@ def _write(art, out: Path, new: dict, errors: dict, clock: _Clock, *, overwrite,
             "calibration": {
                 "method": "gptq",
                 "from_artifact": str(art.path.resolve()),
+                "from_artifact_fingerprint": art.fingerprint(),
                 "prompts": label or (str(prompts) if prompts is not None else "model texts"),
                 "prompts_sha256": digest,
                 "modality": "images" if isinstance(samples[0], ImageSample) else "text",
@@ -354,6 +359,7 @@ def _write(art, out: Path, new: dict, errors: dict, clock: _Clock, *, overwrite,
                 "seconds": seconds,
                 "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
                 "pact_version": __version__,
+                **record,
             },
         }
         return w.commit(**meta)

@@ -10,12 +10,13 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
-from pact.formats import PactError, open_artifact
-from pact.runtime.data import read_records
-from pact.runtime.runfolder import CALIBRATED, _prepare_run, run_lock
+from pact.formats import PactError, check_apart, default_cache, open_artifact
+from pact.runtime.data import parse_record, read_records
+from pact.runtime.runfolder import CALIBRATED, _is_new, _prepare_run, run_lock
 
 from .calibrate import calibrate
 
@@ -24,52 +25,106 @@ log = logging.getLogger(__name__)
 SAMPLES, SEQ_LEN = 128, 512  # the first 128 training records, at most 512 tokens each (or --max-len)
 
 
-def calibration_texts(data: str, split: str | None, samples: int) -> str:
-    """The first ``samples`` records of the training data as JSON lines, in the forms pact-train reads
-    (pact-calibrate joins prompt and completion, renders messages), so any --data works."""
+def calibration_texts(data: str, split: str | None, samples: int) -> tuple[str, int]:
+    """The first ``samples`` records of the training data as JSON lines (and how many), in the forms
+    pact-train reads (pact-calibrate joins prompt and completion, renders messages), so any --data
+    works; a record training would refuse is refused here, naming --data's file and line."""
     records = read_records(data, "--data", split)[:samples]
-    return "".join(json.dumps({k: v for k, v in r.items() if k != "_where"}, sort_keys=True, default=str) + "\n"
+    for r in records:
+        parse_record(r)
+    body = "".join(json.dumps({k: v for k, v in r.items() if k != "_where"}, sort_keys=True, default=str) + "\n"
                    for r in records)
+    return body, len(records)
 
 
 def calibrate_for_run(artifact: str, data: str, run: str | os.PathLike, *, split: str | None = None,
                       samples: int = SAMPLES, seq_len: int = SEQ_LEN, resume: bool = False,
                       device: str | None = None, progress: bool = True) -> Path:
     """RUN/calibrated/: ``artifact`` calibrated with GPTQ on the first ``samples`` records of ``data``
-    (reused as it is when it was made from the same artifact, texts and settings)."""
+    (reused as it is when it was made from the same artifact's weights, texts and settings and is
+    intact). With ``resume``, a run that has trained keeps its calibrated/ or is refused."""
     if samples < 1:
         raise PactError(f"--calibrate-samples must be >= 1, got {samples}")
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise PactError("--calibrate under torchrun: calibrate once first (pact-calibrate ARTIFACT --prompts "
                         "TRAIN.jsonl --out CALIBRATED/), then torchrun pact-train CALIBRATED/ without --calibrate")
     run = Path(run)
-    out, source = run / CALIBRATED, open_artifact(artifact).path.resolve()  # a URL: its cached folder
-    if source == out.resolve():
+    out, art = run / CALIBRATED, open_artifact(artifact)  # a URL: its cached folder
+    if art.path.resolve() == out.resolve():
         raise PactError(f"{artifact} is this run's own calibrated artifact: give the artifact it was made from, "
                         "or drop --calibrate")
-    body = calibration_texts(data, split, samples)
+    check_apart(run, {"artifact": art.path}, "pact-train")
+    body, n = calibration_texts(data, split, samples)
     digest = hashlib.sha256(body.encode()).hexdigest()
-    label = f"pact-train --calibrate: the first {samples} records of --data {data}, <= {seq_len} tokens each"
+    want = {"artifact_fingerprint": art.fingerprint(), "records": n, "seq_len": seq_len}
+    _check_source(art, artifact, data)
+    created = not run.exists()
     _prepare_run(run, resume)  # a finished run is refused before a minute of GPTQ, not after
-    with run_lock(run):
-        done = _recorded(out)
-        if done.get("from_artifact") == str(source) and done.get("prompts_sha256") == digest and done.get(
-                "prompts") == label:
-            log.info("--calibrate: reusing %s (same artifact, texts and settings)", out)
-            return out
-        with tempfile.TemporaryDirectory(prefix="pact-calibration-texts-") as tmp:
-            texts = Path(tmp) / "train-texts.jsonl"
-            texts.write_text(body, encoding="utf-8")
-            calibrate(artifact, texts, out, max_samples=samples, seq_len=seq_len, device=device,
-                      overwrite=out.exists(), progress=progress, prompts_label=label)
+    try:
+        with run_lock(run):
+            done = _recorded(out)
+            same = done.get("for_run") == want and done.get("prompts_sha256") == digest
+            if resume and not _is_new(run):  # its checkpoints learned on the weights it trained on
+                _check_resume(run, out, same)
+            if same and _intact(out):
+                log.info("--calibrate: reusing %s (same artifact, texts and settings)", out)
+                return out
+            with tempfile.TemporaryDirectory(prefix="pact-calibration-texts-") as tmp:
+                texts = Path(tmp) / "train-texts.jsonl"
+                texts.write_text(body, encoding="utf-8")
+                calibrate(artifact, texts, out, max_samples=n, seq_len=seq_len, device=device,
+                          overwrite=out.exists(), progress=progress, record={"for_run": want},
+                          prompts_label=f"pact-train --calibrate: the first {n} records of --data {data}, "
+                                        f"<= {seq_len} tokens each")
+    except BaseException:
+        if created and run.is_dir() and not any(p.name != ".lock" for p in run.iterdir()):
+            shutil.rmtree(run, ignore_errors=True)  # nothing made: no empty --out left behind
+        raise
     meta = open_artifact(out).meta["provenance"]["calibration"]
     log.info("--calibrate: %d texts, %s s -> %s", meta["samples"], meta.get("seconds"), out)
     return out
+
+
+def _check_source(art, artifact: str, data: str) -> None:
+    """GPTQ reads the original weights again: a local source that is gone is said before anything."""
+    prov = art.meta["provenance"]
+    src = prov.get("source")
+    if "source_quantization" in prov or not src or not Path(src).is_absolute() or Path(src).exists():
+        return  # (an imported checkpoint: calibrate says why it cannot; a hub id: fetched or refused there)
+    raise PactError(f"--calibrate needs the model {artifact} was converted from, recorded as {src}, which is not "
+                    f"there: put it back, or calibrate with pact-calibrate {artifact} --source MODEL --prompts {data} "
+                    "--out CALIBRATED/ and train on CALIBRATED/ without --calibrate")
+
+
+def _check_resume(run: Path, out: Path, same: bool) -> None:
+    """--resume --calibrate on a run that has trained: only on the calibrated/ it trained on."""
+    try:
+        trained_on = json.loads((run / "train_config.json").read_text()).get("artifact")
+    except (OSError, ValueError, AttributeError):
+        trained_on = None
+    if trained_on is not None and trained_on != str(out.resolve()):
+        raise PactError(f"--resume --calibrate: {run} trained on {trained_on}, without --calibrate: drop --calibrate "
+                        "to resume it")
+    if not same:
+        raise PactError(f"--resume --calibrate: {out} was made from another artifact, other texts or another "
+                        "--calibrate-samples / --max-len than these, and the run's checkpoints learned on it: resume "
+                        "with the run's own settings (pact-train --config RUN/train_config.json --resume), or start "
+                        "a new --out")
 
 
 def _recorded(out: Path) -> dict:
     """The calibration an existing RUN/calibrated/ records ({} if none, or unreadable)."""
     try:
         return dict(open_artifact(out).meta["provenance"]["calibration"])
-    except (PactError, OSError, KeyError, ValueError):
+    except (PactError, OSError, KeyError, ValueError, TypeError):
         return {}
+
+
+def _intact(out: Path) -> bool:
+    """Every byte of RUN/calibrated/ matches its manifest (a damaged one is made again, not reused)."""
+    try:
+        open_artifact(out).verify_cached(default_cache())  # the training session's check, done once
+        return True
+    except (PactError, OSError, ValueError):
+        log.warning("--calibrate: %s is damaged; calibrating again", out)
+        return False

@@ -8,7 +8,7 @@ import json
 
 import click
 
-from pact.runtime.trainer import TrainConfig, train
+from pact.runtime.trainer import TrainConfig, check_inputs, train
 
 from .common import cli_errors, config_from, config_options, main_rank, with_config_file
 
@@ -37,6 +37,8 @@ def main(config: str | None, **params) -> None:
     cfg = config_from(TrainConfig, params)  # every setting checked before a minute of calibration
     if with_gptq:
         from pact.calibrate.forrun import calibrate_for_run
+
+        check_inputs(cfg)  # a bad --eval-data or --report-to fails before GPTQ, not after
 
         cfg.artifact = str(calibrate_for_run(cfg.artifact, cfg.data, cfg.out, split=cfg.data_split, samples=samples,
                                              seq_len=min(cfg.max_len, 512), resume=resume, device=cfg.device,

@@ -32,6 +32,9 @@ CHECKPOINT_FILES = ("adapter_config.json", "adapter_model.safetensors", "optimiz
                     "state.json")
 
 
+CALIBRATED = "calibrated"  # RUN/calibrated/: pact-train --calibrate's artifact, made before the run starts
+
+
 def base_model(art) -> str:
     """What an adapter's ``base_model_name_or_path`` names: the model the artifact was converted from
     (a hub id or a folder transformers loads; PEFT's AutoPeftModel reads it), not the artifact. For a
@@ -125,6 +128,10 @@ def _load_checkpoint(run: Path, ck: Path, model: PactModel, opt: torch.optim.Opt
     saved_inputs = state.pop("inputs", None)
     if saved_inputs is not None and saved_inputs != inputs:
         changed = [k for k in inputs if saved_inputs.get(k) != inputs[k]]
+        ours = run / CALIBRATED
+        if "artifact" in changed and ours.is_dir() and Path(cfg.artifact).resolve() != ours.resolve():
+            raise PactError(f"--resume: {run} trained on {ours} (pact-train --calibrate): resume with --calibrate "
+                            f"and the same --data, or with {ours} as the artifact")
         raise PactError(f"--resume: the {' and the '.join(changed)} changed since {ck} was saved (fingerprint "
                         "differs): resuming would silently mix two trainings; restore the originals or start a "
                         "new run in another --out")

@@ -209,9 +209,11 @@ def evaluate_generation(model, examples: list[Example], tokenizer, *, max_new_to
 def warn_other_weights(adapter: str, artifact, tool: str) -> None:
     """A warning when the run in ``adapter`` trained on other weights than the open ``artifact``'s
     (e.g. a pact-train --calibrate run, whose weights are its OUT/calibrated/)."""
-    run_cfg = Path(adapter) / "train_config.json"
-    record = json.loads(run_cfg.read_text()) if run_cfg.is_file() else {}
-    trained_on = (record.get("inputs_sha256") or {}).get("artifact")
+    try:
+        record = json.loads((Path(adapter) / "train_config.json").read_text())
+        trained_on = record.get("inputs_sha256", {}).get("artifact")
+    except (OSError, ValueError, AttributeError):  # no run record, or an unreadable one: nothing to compare
+        return
     if trained_on and trained_on != artifact.fingerprint():
         log.warning("%s was trained on %s, whose weights differ from %s: give %s that artifact to use the weights "
                     "the adapter learned on", adapter, record.get("artifact"), artifact.path, tool)
@@ -229,9 +231,8 @@ def load_adapted(artifact: str, adapter: str | None, *, device: str | None = Non
     ses = open_session(artifact, device=device, tool=tool)  # a damaged artifact never runs
     lora_cfg, weights = load_peft_adapter(adapter) if adapter else (None, None)
     run_cfg = Path(adapter) / "train_config.json" if adapter else None
-    record = json.loads(run_cfg.read_text()) if run_cfg is not None and run_cfg.is_file() else {}
-    if activations is None:  # the recipe the adapter was trained with
-        activations = record.get("activations")
+    if activations is None and run_cfg is not None and run_cfg.is_file():  # the recipe the adapter was trained with
+        activations = json.loads(run_cfg.read_text()).get("activations")
     if adapter:
         warn_other_weights(adapter, ses.artifact, tool)
     if parse_auto(activations) is not None:  # auto picks saved copies only, which no forward pass reads:

@@ -7,6 +7,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import socket
 from contextlib import contextmanager
 from pathlib import Path
@@ -14,7 +15,7 @@ from pathlib import Path
 from pact.formats import PactError
 from pact.formats.files import pid_alive, sha256_file
 
-from .checkpoints import _usable_checkpoints
+from .checkpoints import CALIBRATED, _usable_checkpoints
 
 log = logging.getLogger(__name__)
 
@@ -66,13 +67,23 @@ def run_lock(run: Path):
         lock.unlink(missing_ok=True)
 
 
-CALIBRATED = "calibrated"  # RUN/calibrated/: pact-train --calibrate's artifact, made before the run starts
-
-
 def _not_a_result(name: str) -> bool:
     """The lock, and pact-train --calibrate's artifact (or its temp folders): a run folder holding only
     these is still new."""
     return name == ".lock" or name == CALIBRATED or name.startswith(f".{CALIBRATED}.")
+
+
+def _is_new(run: Path) -> bool:
+    """No run's results in ``run`` (absent, empty, or only the lock and pact-train --calibrate's artifact)."""
+    return not run.is_dir() or all(_not_a_result(p.name) for p in run.iterdir())
+
+
+def _clear_new_run(run: Path) -> None:
+    """What a run that failed before its first step wrote into a folder that held no results (its
+    calibrated/ stays, for the rerun)."""
+    for p in run.iterdir():
+        if not _not_a_result(p.name):
+            shutil.rmtree(p, ignore_errors=True) if p.is_dir() and not p.is_symlink() else p.unlink(missing_ok=True)
 
 
 def _prepare_run(run: Path, resume: bool) -> None:

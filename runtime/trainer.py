@@ -58,7 +58,7 @@ from .graphs import bucket_length, layer_weights, use_graphs
 from .model import PactModel
 from .recipe import DEFAULT as DEFAULT_RECIPE
 from .reporting import Reporter, check_available, parse_report_to
-from .runfolder import _prepare_run, _trained, data_fingerprint, run_lock  # noqa: F401
+from .runfolder import _clear_new_run, _is_new, _prepare_run, _trained, data_fingerprint, run_lock  # noqa: F401
 from .session import open_session
 
 log = logging.getLogger(__name__)
@@ -119,6 +119,14 @@ def _peak_memory_gb(device: torch.device) -> float:
 # ------------------------------------------------------------------------------ loop
 
 
+def check_inputs(cfg: TrainConfig) -> None:
+    """The data files and the --report-to backends, before any model loads (or GPTQ runs)."""
+    for path, flag, split in ((cfg.data, "--data", cfg.data_split), (cfg.eval_data, "--eval-data", cfg.eval_split)):
+        if path is not None:
+            read_records(path, flag, split)  # a missing or malformed file fails now
+    check_available(parse_report_to(cfg.report_to))
+
+
 def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True, stop_after: int | None = None) -> dict:
     """Train, save the adapter in PEFT format into ``cfg.out`` and return the final metrics.
 
@@ -128,11 +136,9 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True, stop
     """
     dist, device = from_env(cfg.device)
     run = Path(cfg.out)
-    for path, flag, split in ((cfg.data, "--data", cfg.data_split), (cfg.eval_data, "--eval-data", cfg.eval_split)):
-        if path is not None:
-            read_records(path, flag, split)  # a missing or malformed file fails now, before any model loads
-    check_available(parse_report_to(cfg.report_to))
+    check_inputs(cfg)
     lock, error, created, owned = contextlib.ExitStack(), None, dist.main and not run.exists(), False
+    fresh = dist.main and _is_new(run)  # no results yet (it may hold pact-train --calibrate's calibrated/)
     try:
         try:
             if dist.main:
@@ -145,10 +151,14 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True, stop
         dist.check(error, device)  # every rank stops when rank 0 cannot own the folder
         return _train(cfg, run, resume, progress and dist.main, stop_after, dist, device)
     finally:
-        # a run that failed before its first step leaves no folder: only the lock holder removes it (a
+        # a run that failed before its first step leaves no folder (or, in one that held only
+        # pact-train --calibrate's calibrated/, nothing beside it): only the lock holder removes it (a
         # concurrent pact-train that made the same --out first keeps it), and before releasing the lock
-        if created and owned and run.is_dir() and not _trained(run):
-            shutil.rmtree(run, ignore_errors=True)
+        if owned and run.is_dir() and not _trained(run):
+            if created:
+                shutil.rmtree(run, ignore_errors=True)
+            elif fresh:
+                _clear_new_run(run)
         lock.close()
         leave(dist)
 

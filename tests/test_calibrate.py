@@ -496,3 +496,72 @@ def test_train_calibrate_flag(tmp_path, caplog):
     with caplog.at_level(logging.WARNING):
         evaluate_artifact(str(run / "calibrated"), str(data), adapter=str(run), max_len=64, generate=False)
     assert not any("whose weights differ" in m for m in caplog.messages)
+
+
+def test_train_calibrate_refusals_and_recovery(tmp_path, caplog):
+    """--calibrate's reuse follows the artifact's weights (not its path) and refuses a damaged copy;
+    --resume never recalibrates under checkpoints; a run that fails after calibrating leaves only
+    calibrated/ (the rerun reuses it); bad records, a gone source and a broken run record are said."""
+    from pact.calibrate.forrun import calibrate_for_run
+    from pact.pipelines.train import main as train_cli
+    from pact.runtime.evaluate import warn_other_weights
+
+    for name, seed in (("a", 0), ("b", 1)):
+        make_model(tmp_path / f"src-{name}", "llama", seed=seed, initializer_range=0.15)
+        convert(str(tmp_path / f"src-{name}"), tmp_path / f"art-{name}", progress=False)
+    data = make_sentiment_jsonl(tmp_path / "train.jsonl", 24)
+    (tmp_path / "art").symlink_to(tmp_path / "art-a")
+    run = tmp_path / "run"
+    first = calibrate_for_run(str(tmp_path / "art"), str(data), run, samples=8, seq_len=64, progress=False)
+    fp_a = open_artifact(first).meta["provenance"]["calibration"]["for_run"]["artifact_fingerprint"]
+    (tmp_path / "art").unlink()
+    (tmp_path / "art").symlink_to(tmp_path / "art-b")  # another model's artifact at the same path: calibrated anew
+    again = open_artifact(calibrate_for_run(str(tmp_path / "art"), str(data), run, samples=8, seq_len=64,
+                                            progress=False))
+    assert again.meta["provenance"]["calibration"]["for_run"]["artifact_fingerprint"] == open_artifact(
+        tmp_path / "art-b").fingerprint() != fp_a
+    chunk = next(p for p in sorted((run / "calibrated" / "tensors").rglob("*"))
+                 if p.is_file() and p.suffix != ".json" and p.stat().st_size > 4096)
+    raw = bytearray(chunk.read_bytes())
+    raw[100] ^= 0xFF
+    chunk.write_bytes(bytes(raw))  # damaged: made again, not reused
+    with caplog.at_level(logging.WARNING):
+        fixed = calibrate_for_run(str(tmp_path / "art"), str(data), run, samples=8, seq_len=64, progress=False)
+    assert any("is damaged" in m for m in caplog.messages) and open_artifact(fixed).verify() > 0
+    # a failure after calibration, before the first step: only calibrated/ stays; the fixed rerun reuses it
+    args = [str(tmp_path / "art"), "--data", str(data), "--out", str(run), "--steps", "2", "--batch-size", "8",
+            "--max-len", "64", "--quiet", "--calibrate", "--calibrate-samples", "8"]
+    r = CliRunner().invoke(train_cli, [*args, "--lora-layers", "top:99"])
+    assert r.exit_code != 0 and sorted(p.name for p in run.iterdir() if p.name != ".lock") == ["calibrated"]
+    stamp = (run / "calibrated" / "zarr.json").stat().st_mtime_ns
+    r = CliRunner().invoke(train_cli, [*args, "--save-every", "1"])
+    assert r.exit_code == 0, r.output
+    assert (run / "calibrated" / "zarr.json").stat().st_mtime_ns == stamp
+    # --resume with other calibration settings: refused before any GPTQ, the weights the checkpoints learned on kept
+    (run / "adapter_model.safetensors").unlink()  # (as if killed after its checkpoints)
+    r = CliRunner().invoke(train_cli, [*args[:-1], "4", "--save-every", "1", "--steps", "3", "--resume"])
+    assert r.exit_code != 0 and "--resume --calibrate" in r.output and "learned on it" in r.output
+    assert (run / "calibrated" / "zarr.json").stat().st_mtime_ns == stamp
+    r = CliRunner().invoke(train_cli, [*args[:-4], "--save-every", "1", "--steps", "3", "--resume"])  # no --calibrate
+    assert r.exit_code != 0 and "pact-train --calibrate" in r.output and "calibrated" in r.output
+    # a record training would refuse names --data's own file, and no --out is left behind
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"foo": "a"}\n')
+    with pytest.raises(PactError, match="bad.jsonl:1"):
+        calibrate_for_run(str(tmp_path / "art"), str(bad), tmp_path / "run-bad", progress=False)
+    assert not (tmp_path / "run-bad").exists()
+    # the source model gone: said before anything, with the way around it
+    import shutil
+
+    shutil.copytree(tmp_path / "src-a", tmp_path / "src-gone")
+    convert(str(tmp_path / "src-gone"), tmp_path / "art-gone", progress=False)
+    shutil.rmtree(tmp_path / "src-gone")
+    with pytest.raises(PactError, match="--calibrate needs the model .* pact-calibrate"):
+        calibrate_for_run(str(tmp_path / "art-gone"), str(data), tmp_path / "run-gone", progress=False)
+    assert not (tmp_path / "run-gone").exists()
+    # an unreadable run record: no warning, no crash
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "train_config.json").write_text('{"artifact": ')
+    warn_other_weights(str(tmp_path / "broken"), open_artifact(tmp_path / "art-a"), "pact-export")
+    (tmp_path / "broken" / "train_config.json").write_text("[1, 2]")
+    warn_other_weights(str(tmp_path / "broken"), open_artifact(tmp_path / "art-a"), "pact-export")
