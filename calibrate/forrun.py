@@ -81,7 +81,7 @@ def calibrate_for_run(artifact: str, data: str, run: str | os.PathLike, *, split
             shutil.rmtree(run, ignore_errors=True)  # nothing made: no empty --out left behind
         raise
     meta = open_artifact(out).meta["provenance"]["calibration"]
-    log.info("--calibrate: %d texts, %s s -> %s", meta["samples"], meta.get("seconds"), out)
+    log.info("--calibrate: %d texts, %.0f s -> %s", meta["samples"], meta["seconds"]["total"], out)
     return out
 
 
