@@ -60,9 +60,12 @@ def calibrate_for_run(artifact: str, data: str, run: str | os.PathLike, *, split
     _check_source(art, artifact, data)
     created = not run.exists()
     _prepare_run(run, resume)  # a finished run is refused before a minute of GPTQ, not after
-    try:
-        with run_lock(run):
+    with run_lock(run):  # (another pact-train in this --out: refused here, and nothing of its removed)
+        try:
             done = _recorded(out)
+            if out.exists() and not done:
+                raise PactError(f"{out} is not a readable artifact (damaged, or not made by pact-train --calibrate): "
+                                "remove it and run again")
             same = done.get("for_run") == want and done.get("prompts_sha256") == digest
             if resume and not _is_new(run):  # its checkpoints learned on the weights it trained on
                 _check_resume(run, out, same)
@@ -76,10 +79,10 @@ def calibrate_for_run(artifact: str, data: str, run: str | os.PathLike, *, split
                           overwrite=out.exists(), progress=progress, record={"for_run": want},
                           prompts_label=f"pact-train --calibrate: the first {n} records of --data {data}, "
                                         f"<= {seq_len} tokens each")
-    except BaseException:
-        if created and run.is_dir() and not any(p.name != ".lock" for p in run.iterdir()):
-            shutil.rmtree(run, ignore_errors=True)  # nothing made: no empty --out left behind
-        raise
+        except BaseException:
+            if created and not any(p.name != ".lock" for p in run.iterdir()):
+                shutil.rmtree(run, ignore_errors=True)  # nothing made: no empty --out left behind (the lock is ours)
+            raise
     meta = open_artifact(out).meta["provenance"]["calibration"]
     log.info("--calibrate: %d texts, %.0f s -> %s", meta["samples"], meta["seconds"]["total"], out)
     return out

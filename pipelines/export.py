@@ -72,13 +72,12 @@ def main(artifact, out, fmt, adapter, merge, merge_method, merge_data, merge_sam
 
 def _run_data(adapter: str) -> str:
     """The training data a pact-train run recorded (its train_config.json), checked to exist."""
-    from pathlib import Path
-
     from pact.formats import PactError
+    from pact.runtime.evaluate import run_record
 
     cfg = Path(adapter) / "train_config.json"
-    data = json.loads(cfg.read_text()).get("data") if cfg.is_file() else None
-    if not data or not Path(data).exists():
+    data = run_record(adapter).get("data")
+    if not isinstance(data, str) or not data or not Path(data).exists():
         where = f"the run's --data ({data}) is not there" if data else f"{cfg} does not name the training data"
         raise PactError(f"--merge-method gptq needs texts like the training data and {where}: pass --merge-data FILE, "
                         "or --merge-method rtn")

@@ -206,17 +206,34 @@ def evaluate_generation(model, examples: list[Example], tokenizer, *, max_new_to
     return {"eval_exact_match": em / n, "eval_f1": f1 / n, "eval_generated": len(examples)}
 
 
+def run_record(adapter: str) -> dict:
+    """A pact-train run's train_config.json ({} when there is none; an unreadable one is said once and
+    read as none: an adapter folder copied without it, or damaged, still loads)."""
+    f = Path(adapter) / "train_config.json"
+    if not f.is_file():
+        return {}
+    try:
+        record = json.loads(f.read_text())
+    except (OSError, ValueError) as e:
+        record = e
+    if not isinstance(record, dict):
+        log.warning("%s: unreadable (%s); the run's recorded settings are not used", f,
+                    record if isinstance(record, Exception) else "not a JSON object")
+        return {}
+    return record
+
+
 def warn_other_weights(adapter: str, artifact, tool: str) -> None:
     """A warning when the run in ``adapter`` trained on other weights than the open ``artifact``'s
     (e.g. a pact-train --calibrate run, whose weights are its OUT/calibrated/)."""
-    try:
-        record = json.loads((Path(adapter) / "train_config.json").read_text())
-        trained_on = record.get("inputs_sha256", {}).get("artifact")
-    except (OSError, ValueError, AttributeError):  # no run record, or an unreadable one: nothing to compare
-        return
+    record = run_record(adapter)
+    inputs = record.get("inputs_sha256")
+    trained_on = inputs.get("artifact") if isinstance(inputs, dict) else None
     if trained_on and trained_on != artifact.fingerprint():
+        where = record.get("artifact")
         log.warning("%s was trained on %s, whose weights differ from %s: give %s that artifact to use the weights "
-                    "the adapter learned on", adapter, record.get("artifact"), artifact.path, tool)
+                    "the adapter learned on", adapter, where if isinstance(where, str) else "another artifact",
+                    artifact.path, tool)
 
 
 def load_adapted(artifact: str, adapter: str | None, *, device: str | None = None, activations: str | None = None,
@@ -230,9 +247,12 @@ def load_adapted(artifact: str, adapter: str | None, *, device: str | None = Non
     log.info("loading %s%s (its checksums are verified on first use)", artifact, f" with {adapter}" if adapter else "")
     ses = open_session(artifact, device=device, tool=tool)  # a damaged artifact never runs
     lora_cfg, weights = load_peft_adapter(adapter) if adapter else (None, None)
-    run_cfg = Path(adapter) / "train_config.json" if adapter else None
-    if activations is None and run_cfg is not None and run_cfg.is_file():  # the recipe the adapter was trained with
-        activations = json.loads(run_cfg.read_text()).get("activations")
+    if activations is None and adapter:  # the recipe the adapter was trained with
+        recorded = run_record(adapter).get("activations")
+        if recorded is not None and not isinstance(recorded, str):
+            log.warning("%s/train_config.json: activations %r is not a recipe; the default is used", adapter, recorded)
+            recorded = None
+        activations = recorded
     if adapter:
         warn_other_weights(adapter, ses.artifact, tool)
     if parse_auto(activations) is not None:  # auto picks saved copies only, which no forward pass reads:

@@ -39,6 +39,7 @@ from .autorecipe import (
     saved_codes,
 )
 from .checkpoints import (  # noqa: F401 (pact.runtime.trainer.<name> keeps working)
+    CALIBRATED,
     CHECKPOINT_FILES,
     KEEP_CHECKPOINTS,
     MAX_STEP,
@@ -119,11 +120,23 @@ def _peak_memory_gb(device: torch.device) -> float:
 # ------------------------------------------------------------------------------ loop
 
 
-def check_inputs(cfg: TrainConfig) -> None:
-    """The data files and the --report-to backends, before any model loads (or GPTQ runs)."""
+def check_inputs(cfg: TrainConfig, *, tokenize: bool = False) -> None:
+    """The data files and the --report-to backends, before any model loads; ``tokenize`` (pact-train
+    --calibrate, before its GPTQ): every record tokenized by the artifact's tokenizer as training will."""
+    from .data import tokenize as to_examples  # (the flag's name hides the function here)
+
+    tokenizer = None
+    if tokenize:
+        from transformers import AutoTokenizer
+
+        from pact.formats import open_artifact
+
+        tokenizer = AutoTokenizer.from_pretrained(open_artifact(cfg.artifact).hf_dir, trust_remote_code=False)
     for path, flag, split in ((cfg.data, "--data", cfg.data_split), (cfg.eval_data, "--eval-data", cfg.eval_split)):
         if path is not None:
-            read_records(path, flag, split)  # a missing or malformed file fails now
+            records = read_records(path, flag, split)  # a missing or malformed file fails now
+            if tokenizer is not None:  # types, empty completions, chat templates: what _setup would refuse
+                to_examples(records, tokenizer, max_len=cfg.max_len, overlong=cfg.overlong)
     check_available(parse_report_to(cfg.report_to))
 
 
@@ -157,7 +170,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True, stop
         if owned and run.is_dir() and not _trained(run):
             if created:
                 shutil.rmtree(run, ignore_errors=True)
-            elif fresh:
+            elif fresh and (run / CALIBRATED).is_dir():  # pact-train --calibrate made it, and calibrated/ stays
                 _clear_new_run(run)
         lock.close()
         leave(dist)

@@ -496,6 +496,11 @@ def test_train_calibrate_flag(tmp_path, caplog):
     with caplog.at_level(logging.WARNING):
         evaluate_artifact(str(run / "calibrated"), str(data), adapter=str(run), max_len=64, generate=False)
     assert not any("whose weights differ" in m for m in caplog.messages)
+    from pact.runtime.evaluate import load_adapted
+
+    for text in ('{"artifact": ', '{"activations": 5}'):  # a broken run record: the adapter still loads
+        (run / "train_config.json").write_text(text)
+        load_adapted(str(run / "calibrated"), str(run))
 
 
 def test_train_calibrate_refusals_and_recovery(tmp_path, caplog):
@@ -550,6 +555,21 @@ def test_train_calibrate_refusals_and_recovery(tmp_path, caplog):
     with pytest.raises(PactError, match="bad.jsonl:1"):
         calibrate_for_run(str(tmp_path / "art"), str(bad), tmp_path / "run-bad", progress=False)
     assert not (tmp_path / "run-bad").exists()
+    # a record of the wrong type, or with an empty completion, anywhere in --data or --eval-data: refused
+    # by training's own tokenization before any GPTQ, and no --out left
+    lines = data.read_text().splitlines(keepends=True)
+    for i, rec in ((4, '{"prompt": 5, "completion": " x"}\n'), (20, '{"prompt": "p", "completion": ""}\n')):
+        (tmp_path / "typed.jsonl").write_text("".join(lines[:i] + [rec] + lines[i:]))
+        for flags in (["--data", str(tmp_path / "typed.jsonl")], ["--data", str(data), "--eval-data",
+                                                                   str(tmp_path / "typed.jsonl")]):
+            r = CliRunner().invoke(train_cli, [str(tmp_path / "art"), *flags, "--out", str(tmp_path / "run-typed"),
+                                               "--steps", "1", "--max-len", "64", "--quiet", "--calibrate"])
+            assert r.exit_code != 0 and f"typed.jsonl:{i + 1}" in r.output and not (tmp_path / "run-typed").exists()
+    # a calibrated/ that is not a readable artifact: said, with the fix (pact-train has no --overwrite)
+    (tmp_path / "run-odd" / "calibrated").mkdir(parents=True)
+    (tmp_path / "run-odd" / "calibrated" / "zarr.json").write_text("{")
+    with pytest.raises(PactError, match="not a readable artifact .* remove it"):
+        calibrate_for_run(str(tmp_path / "art"), str(data), tmp_path / "run-odd", samples=8, progress=False)
     # the source model gone: said before anything, with the way around it
     import shutil
 
@@ -565,3 +585,6 @@ def test_train_calibrate_refusals_and_recovery(tmp_path, caplog):
     warn_other_weights(str(tmp_path / "broken"), open_artifact(tmp_path / "art-a"), "pact-export")
     (tmp_path / "broken" / "train_config.json").write_text("[1, 2]")
     warn_other_weights(str(tmp_path / "broken"), open_artifact(tmp_path / "art-a"), "pact-export")
+    from pact.runtime.evaluate import run_record
+
+    assert run_record(str(tmp_path / "broken")) == {}
