@@ -138,6 +138,13 @@ def check_inputs(cfg: TrainConfig, *, tokenize: bool = False) -> None:
             if tokenizer is not None:  # types, empty completions, chat templates: what _setup would refuse
                 to_examples(records, tokenizer, max_len=cfg.max_len, overlong=cfg.overlong)
     check_available(parse_report_to(cfg.report_to))
+    device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    why = ("not on a CUDA device" if not device.startswith("cuda") else
+           "LoRA dropout draws a new mask every call" if cfg.lora_dropout > 0 else
+           "the torch kernels copy constants from the host at every call (--kernels triton can be graphed)"
+           if cfg.kernels == "torch" else None)
+    if cfg.cuda_graphs == "on" and why:  # (the model says the same later; this is before any GPTQ)
+        raise PactError(f"--cuda-graphs on: {why}; use --cuda-graphs auto (eager where graphs cannot run) or off")
 
 
 def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True, stop_after: int | None = None) -> dict:

@@ -264,3 +264,18 @@ def test_gpu_pact_train_with_graphs(tmp_path):
         curves[mode] = [json.loads(line)["loss"] for line in open(run / "metrics.jsonl") if '"loss"' in line]
         assert json.loads((run / "train_config.json").read_text())["graphed"] is (mode == "on")
     assert curves["on"] == pytest.approx(curves["off"], rel=1e-2)
+
+
+def test_graphs_on_refused_before_the_run_starts(tmp_path):
+    """--cuda-graphs on where graphs cannot run: one line before any folder, model or GPTQ (pact-train
+    --calibrate checks the inputs first)."""
+    from conftest import make_converted_llama
+    from pact.runtime.trainer import TrainConfig, check_inputs, train
+
+    d = make_converted_llama(tmp_path, 8)
+    cfg = TrainConfig(artifact=str(d / "art"), data=str(d / "train.jsonl"), out=str(tmp_path / "run"), steps=1,
+                      batch_size=2, max_len=32, cuda_graphs="on", device="cpu")
+    for call in (lambda: check_inputs(cfg), lambda: train(cfg, progress=False)):
+        with pytest.raises(PactError, match="--cuda-graphs on: not on a CUDA device"):
+            call()
+    assert not (tmp_path / "run").exists()
