@@ -16,7 +16,7 @@ from pathlib import Path
 
 from pact.formats import PactError, check_apart, default_cache, open_artifact
 from pact.runtime.data import parse_record, read_records
-from pact.runtime.runfolder import CALIBRATED, _is_new, _prepare_run, run_lock
+from pact.runtime.runfolder import CALIBRATED, _is_new, _prepare_run, made_for_run, run_lock
 
 from .calibrate import calibrate
 
@@ -58,14 +58,13 @@ def calibrate_for_run(artifact: str, data: str, run: str | os.PathLike, *, split
     digest = hashlib.sha256(body.encode()).hexdigest()
     want = {"artifact_fingerprint": art.fingerprint(), "records": n, "seq_len": seq_len}
     _check_source(art, artifact, data)
+    _check_ours(out)
     created = not run.exists()
     _prepare_run(run, resume)  # a finished run is refused before a minute of GPTQ, not after
     with run_lock(run):  # (another pact-train in this --out: refused here, and nothing of its removed)
         try:
+            _check_ours(out)  # again under the lock
             done = _recorded(out)
-            if out.exists() and not done:
-                raise PactError(f"{out} is not a readable artifact (damaged, or not made by pact-train --calibrate): "
-                                "remove it and run again")
             same = done.get("for_run") == want and done.get("prompts_sha256") == digest
             if resume and not _is_new(run):  # its checkpoints learned on the weights it trained on
                 _check_resume(run, out, same)
@@ -86,6 +85,16 @@ def calibrate_for_run(artifact: str, data: str, run: str | os.PathLike, *, split
     meta = open_artifact(out).meta["provenance"]["calibration"]
     log.info("--calibrate: %d texts, %.0f s -> %s", meta["samples"], meta["seconds"]["total"], out)
     return out
+
+
+def _check_ours(out: Path) -> None:
+    """An existing RUN/calibrated/ is replaced only when pact-train --calibrate made it."""
+    if out.exists() and not _recorded(out):
+        raise PactError(f"{out} is not a readable artifact (damaged, or not made by pact-train --calibrate): "
+                        "remove it and run again")
+    if out.exists() and not made_for_run(out):
+        raise PactError(f"{out} holds an artifact pact-train --calibrate did not make (pact-calibrate's?): it is "
+                        "never replaced; choose another --out, or train on it without --calibrate")
 
 
 def _check_source(art, artifact: str, data: str) -> None:

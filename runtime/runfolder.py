@@ -12,7 +12,7 @@ import socket
 from contextlib import contextmanager
 from pathlib import Path
 
-from pact.formats import PactError
+from pact.formats import PactError, open_artifact
 from pact.formats.files import pid_alive, sha256_file
 
 from .checkpoints import CALIBRATED, _usable_checkpoints
@@ -67,29 +67,38 @@ def run_lock(run: Path):
         lock.unlink(missing_ok=True)
 
 
-def _not_a_result(name: str) -> bool:
-    """The lock, and pact-train --calibrate's artifact (or its temp folders): a run folder holding only
-    these is still new."""
-    return name == ".lock" or name == CALIBRATED or name.startswith(f".{CALIBRATED}.")
+def made_for_run(path: Path) -> bool:
+    """``path`` is an artifact pact-train --calibrate wrote (its calibration records ``for_run``), not
+    one a user put there (pact-calibrate's, say), which no run may count as its own or replace."""
+    try:
+        return "for_run" in open_artifact(path).meta["provenance"]["calibration"]
+    except (PactError, OSError, KeyError, ValueError, TypeError):
+        return False
+
+
+def _not_a_result(p: Path) -> bool:
+    """The lock, and pact-train --calibrate's artifact (or its writer's temp folders, named by its
+    process): a run folder holding only these is still new."""
+    return p.name == ".lock" or p.name.startswith(f".{CALIBRATED}.") or (p.name == CALIBRATED and made_for_run(p))
 
 
 def _is_new(run: Path) -> bool:
     """No run's results in ``run`` (absent, empty, or only the lock and pact-train --calibrate's artifact)."""
-    return not run.is_dir() or all(_not_a_result(p.name) for p in run.iterdir())
+    return not run.is_dir() or all(_not_a_result(p) for p in run.iterdir())
 
 
 def _clear_new_run(run: Path) -> None:
     """What a run that failed before its first step wrote into a folder that held no results (its
     calibrated/ stays, for the rerun)."""
     for p in run.iterdir():
-        if not _not_a_result(p.name):
+        if not _not_a_result(p):
             shutil.rmtree(p, ignore_errors=True) if p.is_dir() and not p.is_symlink() else p.unlink(missing_ok=True)
 
 
 def _prepare_run(run: Path, resume: bool) -> None:
     """The run folder is new, or (``resume``) an unfinished run with a checkpoint; never one whose
     results would be overwritten."""
-    files = [p for p in run.iterdir() if not _not_a_result(p.name)] if run.is_dir() else []
+    files = [p for p in run.iterdir() if not _not_a_result(p)] if run.is_dir() else []
     if files and not resume:
         raise PactError(f"--out {run} is not empty: pass --resume to continue that run, or choose another folder")
     if resume and files and not _usable_checkpoints(run):

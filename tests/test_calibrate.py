@@ -570,6 +570,17 @@ def test_train_calibrate_refusals_and_recovery(tmp_path, caplog):
     (tmp_path / "run-odd" / "calibrated" / "zarr.json").write_text("{")
     with pytest.raises(PactError, match="not a readable artifact .* remove it"):
         calibrate_for_run(str(tmp_path / "art"), str(data), tmp_path / "run-odd", samples=8, progress=False)
+    # a calibrated/ pact-train did not make (pact-calibrate's output named so): never counted as the run's
+    # own, never replaced
+    user = tmp_path / "user"
+    calibrate(str(tmp_path / "art-a"), data, user / "calibrated", max_samples=4, seq_len=32, progress=False)
+    stamp = (user / "calibrated" / "zarr.json").stat().st_mtime_ns
+    with pytest.raises(PactError, match="did not make .* never replaced"):
+        calibrate_for_run(str(tmp_path / "art"), str(data), user, samples=8, progress=False)
+    r = CliRunner().invoke(train_cli, [str(tmp_path / "art"), "--data", str(data), "--out", str(user), "--steps", "1",
+                                       "--max-len", "64", "--quiet"])
+    assert r.exit_code != 0 and "is not empty" in r.output
+    assert (user / "calibrated" / "zarr.json").stat().st_mtime_ns == stamp and len(list(user.iterdir())) == 1
     # the source model gone: said before anything, with the way around it
     import shutil
 
