@@ -178,7 +178,7 @@ def calibrate(
 
 
 def _calibrate(ses: Session, src, samples, out: Path, clock: _Clock, *, prompts: Path | None, texts, damp, actorder,
-               static_scales, blocksize, scale_rule, overwrite, progress, label=None, record=None) -> Path:
+               static_scales, blocksize, scale_rule, overwrite, progress, label, record) -> Path:
     art, dev = ses.artifact, ses.device
     scaling = art.meta["provenance"]["scaling"]
     model = ses.model(None)
@@ -239,9 +239,8 @@ def _calibrate(ses: Session, src, samples, out: Path, clock: _Clock, *, prompts:
     new = {k: (f, b, float(rel)) for k, (f, b, rel) in new.items()}
     errors = {k: {m: float(v) for m, v in e.items()} for k, e in errors.items()}
     clock.lap("solve")
-    return _write(art, out, new, errors, clock, overwrite=overwrite, prompts=prompts, label=label,
-                  record=record or {}, samples=samples,
-                  damp=damp, actorder=actorder, static_scales=static_scales, blocksize=blocksize,
+    return _write(art, out, new, errors, clock, overwrite=overwrite, prompts=prompts, label=label, record=record,
+                  samples=samples, damp=damp, actorder=actorder, static_scales=static_scales, blocksize=blocksize,
                   block_scales=scale_rule,
                   **({"model_texts": {"seed": texts[2], "temperature": 1.0}} if texts is not None else {}))
 
@@ -317,8 +316,7 @@ def _folder_digest(samples) -> str:
 
 
 def _write(art, out: Path, new: dict, errors: dict, clock: _Clock, *, overwrite, prompts: Path, label, record,
-           samples,
-           **settings) -> Path:
+           samples, **settings) -> Path:
     skip = {"kind", "shape", "arrays", "global_scale", "block_size", "dtype"}
     with ArtifactWriter(out, overwrite=overwrite) as w:
         for name in art.names():

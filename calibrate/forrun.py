@@ -16,6 +16,7 @@ from pathlib import Path
 
 from pact.formats import PactError, check_apart, default_cache, open_artifact
 from pact.runtime.data import parse_record, read_records
+from pact.runtime.evaluate import run_record
 from pact.runtime.runfolder import CALIBRATED, _is_new, _prepare_run, made_for_run, run_lock
 
 from .calibrate import calibrate
@@ -28,7 +29,8 @@ SAMPLES, SEQ_LEN = 128, 512  # the first 128 training records, at most 512 token
 def calibration_texts(data: str, split: str | None, samples: int) -> tuple[str, int]:
     """The first ``samples`` records of the training data as JSON lines (and how many), in the forms
     pact-train reads (pact-calibrate joins prompt and completion, renders messages), so any --data
-    works; a record training would refuse is refused here, naming --data's file and line."""
+    works; a record in none of those forms is refused here, naming --data's file and line (pact-train
+    tokenizes every record before calling this, which also checks types and empty completions)."""
     records = read_records(data, "--data", split)[:samples]
     for r in records:
         parse_record(r)
@@ -110,10 +112,7 @@ def _check_source(art, artifact: str, data: str) -> None:
 
 def _check_resume(run: Path, out: Path, same: bool) -> None:
     """--resume --calibrate on a run that has trained: only on the calibrated/ it trained on."""
-    try:
-        trained_on = json.loads((run / "train_config.json").read_text()).get("artifact")
-    except (OSError, ValueError, AttributeError):
-        trained_on = None
+    trained_on = run_record(run).get("artifact")
     if trained_on is not None and trained_on != str(out.resolve()):
         raise PactError(f"--resume --calibrate: {run} trained on {trained_on}, without --calibrate: drop --calibrate "
                         "to resume it")

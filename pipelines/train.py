@@ -39,7 +39,6 @@ def main(config: str | None, **params) -> None:
         from pact.calibrate.forrun import calibrate_for_run
 
         check_inputs(cfg, tokenize=True)  # a bad record in --data / --eval-data fails before GPTQ, not after
-
         cfg.artifact = str(calibrate_for_run(cfg.artifact, cfg.data, cfg.out, split=cfg.data_split, samples=samples,
                                              seq_len=min(cfg.max_len, 512), resume=resume, device=cfg.device,
                                              progress=not quiet))

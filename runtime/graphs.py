@@ -189,14 +189,24 @@ class GraphedLayersFn(torch.autograd.Function):
                 *(buf.clone() if used else None for buf, used in zip(g.bufs.grads, g.used)))
 
 
+def settings_refusal(device: str, dropout: float, kernels: str | None) -> str | None:
+    """Why training steps with these settings cannot be graphed (None: these do not prevent it);
+    pact-train checks them before anything loads, graphable() on the built model."""
+    if not device.startswith("cuda"):
+        return "not on a CUDA device"
+    if dropout > 0:
+        return "LoRA dropout draws a new mask every call"
+    if kernels == "torch":
+        return "the torch kernels copy constants from the host at every call (--kernels triton can be graphed)"
+    return None
+
+
 def graphable(model) -> str | None:
     """Why ``model``'s training steps cannot be graphed (None: they can)."""
-    if model.device.type != "cuda":
-        return "not on a CUDA device"
-    if any(lo.dropout > 0 for lo in model.adapters.values()):
-        return "LoRA dropout draws a new mask every call"
-    if model.kernels == "torch":
-        return "the torch kernels copy constants from the host at every call (--kernels triton can be graphed)"
+    why = settings_refusal(model.device.type, max((lo.dropout for lo in model.adapters.values()), default=0.0),
+                           model.kernels)
+    if why:
+        return why
     if any(getattr(model.recipe, s).saved == "nvfp4-sr" for s in ("qkv", "o", "gate_up", "down")):
         return "stochastically rounded copies are made by torch code that copies constants from the host"
     if not model.lora_params:

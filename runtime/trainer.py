@@ -55,7 +55,7 @@ from .config import PATH_FIELDS, SCHEDULERS, TrainConfig, _absolute  # noqa: F40
 from .data import batches, collate, collate_packed, pack, pad_id, read_records, tokenize
 from .distributed import Dist, from_env, leave
 from .evaluate import evaluate, label_candidates
-from .graphs import bucket_length, layer_weights, use_graphs
+from .graphs import bucket_length, layer_weights, settings_refusal, use_graphs
 from .model import PactModel
 from .recipe import DEFAULT as DEFAULT_RECIPE
 from .reporting import Reporter, check_available, parse_report_to
@@ -138,11 +138,8 @@ def check_inputs(cfg: TrainConfig, *, tokenize: bool = False) -> None:
             if tokenizer is not None:  # types, empty completions, chat templates: what _setup would refuse
                 to_examples(records, tokenizer, max_len=cfg.max_len, overlong=cfg.overlong)
     check_available(parse_report_to(cfg.report_to))
-    device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    why = ("not on a CUDA device" if not device.startswith("cuda") else
-           "LoRA dropout draws a new mask every call" if cfg.lora_dropout > 0 else
-           "the torch kernels copy constants from the host at every call (--kernels triton can be graphed)"
-           if cfg.kernels == "torch" else None)
+    why = settings_refusal(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"), cfg.lora_dropout,
+                           cfg.kernels)
     if cfg.cuda_graphs == "on" and why:  # (the model says the same later; this is before any GPTQ)
         raise PactError(f"--cuda-graphs on: {why}; use --cuda-graphs auto (eager where graphs cannot run) or off")
 
