@@ -246,7 +246,7 @@ print(*f('$t', Path('/tmp/wd'), None))")
       args="--name $t --artifact $ART --train $tr --test $te --workdir /tmp/mg/$t --seeds $s --lr ${LR:-5e-4}"
       if [ "${MERGE_PHASE:-all}" != merge ] && [ ! -f /tmp/mg/$t/seed$s/run/adapter_model.safetensors ]; then
         CUDA_VISIBLE_DEVICES=$(( s % NGPU )) OMP_NUM_THREADS=1 timeout $(( DEADLINE - $(date +%s) )) python3 \
-          benchmarks/bench_merge.py run $args --train-only > /tmp/rows/train-$t-$s.log 2>&1 &
+          benchmarks/bench_merge.py run $args --train-only ${MERGE_ARGS:-} > /tmp/rows/train-$t-$s.log 2>&1 &
       fi
       [ -f /tmp/rows/merge-$t-$s.json ] || echo "OMP_NUM_THREADS=2 timeout \$(( $DEADLINE - \$(date +%s) )) python3 \
 benchmarks/bench_merge.py run $args --reuse-runs --json-out /tmp/rows/merge-$t-$s.json ${MERGE_ARGS:-} \

@@ -142,7 +142,7 @@ def calibrate(
                         f"({art.meta['provenance']['source_quantization'].get('format')}): GPTQ needs the "
                         "unquantized weights; calibrate an artifact converted from the original model")
     # auto: the rule the artifact was converted with (artifacts from before the choice existed: amax)
-    rule = art.meta["provenance"].get("block_scales", "amax") if block_scales == "auto" else block_scales
+    rule = art.block_scale_rule if block_scales == "auto" else block_scales
     samples = None if model_texts else load_prompts(prompts, ses.tokenizer, vision=art.meta["vision"],
                                                     max_samples=max_samples, seq_len=seq_len, hf_dir=art.hf_dir)
     prov = art.meta["provenance"]

@@ -50,7 +50,7 @@ def gptq_merge(artifact: str | os.PathLike, adapter: str | os.PathLike, data: st
     ses = open_session(artifact, device=device, tool="pact-export")
     art = ses.artifact
     lora_cfg, weights = load_peft_adapter(str(adapter))
-    rule = (art.meta.get("provenance") or {}).get("block_scales", "amax")
+    rule = art.block_scale_rule
     model = ses.model(lora_cfg, activations="bf16")  # the trained model's layer inputs, unrounded
     model.load_adapter_state(weights)
     examples = tokenize(read_records(data, flag="--merge-data"), ses.tokenizer, max_len=max_len,

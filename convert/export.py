@@ -370,7 +370,7 @@ def _write(art, tmp: Path, fmt: str, lora_cfg, adapters: dict, merge: bool, prog
     from tqdm.auto import tqdm
 
     side = _side_files(art)
-    rule = (art.meta.get("provenance") or {}).get("block_scales", "amax")
+    rule = art.block_scale_rule
     if rule not in SCALE_RULES:
         raise PactError(f"{art.path}/zarr.json: provenance block_scales {rule!r} is not one of "
                         f"{', '.join(SCALE_RULES)}: the artifact is damaged; re-run pact-convert")

@@ -670,6 +670,12 @@ class Artifact:
             raise KeyError(f"{name!r} is not in artifact {self.path}") from None
 
     @property
+    def block_scale_rule(self) -> str:
+        """How this artifact's block scales were chosen (nvfp4.SCALE_RULES; older artifacts: amax):
+        what re-quantizing its weights (a merge, a calibration) uses again."""
+        return self.meta["provenance"].get("block_scales", "amax")
+
+    @property
     def hf_dir(self) -> Path:
         """The folder holding config.json and the tokenizer/processor files."""
         return self.path / HF_DIR

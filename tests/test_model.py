@@ -385,3 +385,40 @@ def test_gemma3_every_difference_is_needed(tmp_path):
         margin = 5 if what == "GeGLU" else 10
         assert abs(loss() - ref) > margin * abs(ours - ref), what
         L0.window, model.attn_scale, model.embed_scale, L0.post_mlp_norm, model.spec, L0.attn_norm = kept
+
+
+def test_merge_aware_group_computes_with_the_merged_weights(tmp_path):
+    """--merge-aware-steps: an adapted group computes X @ Q^T and dX = dY @ Q, Q = W + s B A rounded
+    as the plain merged export rounds it (one global scale from its amax, the artifact's block-scale
+    rule); the LoRA gradients pass straight through the rounding (the same as without it)."""
+    from pact.formats import nvfp4 as F4
+    from pact.runtime.functions import ProjectionFn, merge_correction
+
+    art = _artifact(tmp_path, "llama")
+    model = PactModel(art, LoraConfig(r=R, alpha=ALPHA), activations="bf16")
+    g, site = model.layers[0].o, model.recipe.o
+    (lo,) = g.loras
+    gen = torch.Generator().manual_seed(0)
+    lo.B.data = torch.randn(lo.B.shape, generator=gen) * 0.02  # large enough to move codes
+    x = torch.randn(64, lo.A.shape[1], generator=gen).to(torch.bfloat16).requires_grad_()
+    dy = torch.randn(64, lo.B.shape[0], generator=gen).to(torch.bfloat16)
+    assert float(merge_correction(dataclasses.replace(g, merge_rule=art.block_scale_rule)).abs().max()) > 0
+
+    def run():
+        y = ProjectionFn.apply(x, g, model.ops, site, *g.lora_params())
+        return (y, *torch.autograd.grad(y, [x, *g.lora_params()], dy))
+
+    y0, dx0, dA0, dB0 = run()
+    model.merge_aware()
+    assert g.merge_rule == art.block_scale_rule and model.merged_forward
+    y1, dx1, dA1, dB1 = run()
+    w = F4.dequantize(g.weight) + lo.scale * lo.B.detach() @ lo.A.detach()
+    q = F4.dequantize(F4.quantize(w, global_scale=F4.global_scale_from_amax(w.abs().amax()),
+                                   scale_rule=art.block_scale_rule))
+
+    def rel(a, b):
+        return float((a.detach().float() - b).norm() / b.norm())
+
+    assert rel(y1, x.detach().float() @ q.t()) < 1e-2 < rel(y0, x.detach().float() @ q.t())
+    assert rel(dx1, dy.float() @ q) < 1e-2 < rel(dx0, dy.float() @ q)
+    assert torch.equal(dA1, dA0) and torch.equal(dB1, dB0)
