@@ -77,10 +77,9 @@ def cli() -> None:
 @click.option("--reuse-runs", is_flag=True, help="A seed whose run folder holds an adapter is not trained again.")
 @click.option("--train-only", is_flag=True, help="Train each seed's run (kept in --workdir) and stop: no scores.")
 @click.option("--variants", default="rtn,gptq,bf16,hf", show_default=True,
-              help="Merges scored: rtn (plain), gptq, maN (a second run of the seed, run-maN/, trained with "
-                   "--merge-aware-steps N and merged as it trained, plainly), gptq-keepNN (GPTQ with NN% of the "
-                   "adapted projections kept bf16: --merge-keep-bf16), gptq-mi (GPTQ on the merged model's "
-                   "inputs: gptq_merge inputs='merged'), bf16, hf (the GPTQ export read by transformers).")
+              help="Merges scored: rtn (plain), gptq, gptq-keepNN (GPTQ with NN% of the adapted projections "
+                   "kept bf16: --merge-keep-bf16), gptq-mi (GPTQ on the merged model's inputs: gptq_merge "
+                   "inputs='merged'), bf16, hf (the GPTQ export read by transformers).")
 @click.option("--merge-samples", default=128, show_default=True, help="The GPTQ merge's texts (gptq_merge).")
 @click.option("--merge-damp", default=0.01, show_default=True, help="The GPTQ merge's damping.")
 @click.option("--merge-act-order", is_flag=True, help="The GPTQ merge in act-order (scales fixed up front).")
@@ -107,18 +106,16 @@ def run(name, artifact, train_f, test_f, workdir, seeds, steps, lr, max_len, lim
 
     rows = []
     zero = None if train_only else acc(artifact)
-    aware = {v: int(v.removeprefix("ma")) for v in variants.split(",") if v.startswith("ma")}  # maN: N steps
     for seed in (int(s) for s in seeds.split(",")):
         d = workdir / f"seed{seed}"
         run = d / "run"
         t = time.perf_counter()
         reuse = reuse_runs and (run / "adapter_model.safetensors").is_file()
-        for folder, n in [(run, 0)] + [(d / f"run-{v}", n) for v, n in aware.items()]:
-            if not (reuse_runs and (folder / "adapter_model.safetensors").is_file()):
-                shutil.rmtree(folder, ignore_errors=True)
-                train(TrainConfig(artifact=str(artifact), data=str(train_f), out=str(folder), steps=steps,
-                                  batch_size=8, max_len=max_len, lr=lr, lora_r=16, lora_alpha=32, warmup_ratio=0.1,
-                                  seed=seed, merge_aware_steps=n), progress=False)
+        if not reuse:
+            shutil.rmtree(run, ignore_errors=True)
+            train(TrainConfig(artifact=str(artifact), data=str(train_f), out=str(run), steps=steps, batch_size=8,
+                              max_len=max_len, lr=lr, lora_r=16, lora_alpha=32, warmup_ratio=0.1, seed=seed),
+                  progress=False)
         if train_only:
             click.echo(f"{name} seed {seed}: trained in {time.perf_counter() - t:.0f} s")
             continue
@@ -153,11 +150,6 @@ def run(name, artifact, train_f, test_f, workdir, seeds, steps, lr, max_len, lim
                 errs = summary["output_error"].values()
                 row["layer_error_plain_vs_gptq"] = [statistics.median(e["plain"] for e in errs),
                                                     statistics.median(e["gptq"] for e in errs)]
-        for v in aware:  # a merge-aware run, merged as it trained (rtn: pact-export's default for such a run)
-            t = time.perf_counter()
-            export(str(artifact), d / f"ct-{v}", adapter=str(d / f"run-{v}"), merge=True, overwrite=True)
-            back = convert(str(d / f"ct-{v}"), d / f"art-{v}", overwrite=True, progress=False)
-            row.update({f"merged_{v}": acc(back), f"{v}_total_s": round(time.perf_counter() - t, 1)})
         if "bf16" in variants.split(","):
             export(str(artifact), d / "bf16", fmt="bf16", adapter=str(run), overwrite=True)
             row["merged_bf16"] = _score_hf(d / "bf16", test, max_len, 0)
@@ -188,10 +180,7 @@ def table(files) -> None:
     for r in rows:
         by.setdefault(f"{r.get('task', '')} (lr {r.get('lr', '')})", []).append(r)
     # gptq-seq: a removed method (BENCHMARKS.md re-tables its rows)
-    names = {"rtn": "plain", "gptq": "GPTQ", "gptq-mi": "GPTQ merged inputs", "gptq-seq": "GPTQ-seq",
-             "bf16": "bf16"}
-    for k in sorted({k for r in rows for k in r if k.startswith("merged_ma")}):  # merge-aware runs, N steps
-        names[k.removeprefix("merged_")] = f"merge-aware {k.removeprefix('merged_ma')} steps"
+    names = {"rtn": "plain", "gptq": "GPTQ", "gptq-mi": "GPTQ merged inputs", "gptq-seq": "GPTQ-seq", "bf16": "bf16"}
     for k in sorted({k for r in rows for k in r if k.startswith("merged_gptq-keep")}):  # GPTQ, NN% kept bf16
         names[k.removeprefix("merged_")] = f"GPTQ + {k.removeprefix('merged_gptq-keep')}% bf16"
     shown = [v for v in names if any(f"merged_{v}" in r for r in rows)]

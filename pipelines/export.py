@@ -25,12 +25,10 @@ from .common import cli_errors
                    "quantized bases), or merged (bf16, or --merge).")
 @click.option("--merge", is_flag=True, help="Fold the adapter into the weights and re-quantize them to NVFP4 "
                                             "(the added error per projection is printed).")
-@click.option("--merge-method", type=click.Choice(["gptq", "rtn"]), default=None,
+@click.option("--merge-method", type=click.Choice(["gptq", "rtn"]), default="gptq", show_default=True,
               help="gptq: re-quantize W + BA by GPTQ on the layer inputs the trained model produces on "
                    "--merge-data, which keeps what the adapter learned; "
-                   "rtn: round to nearest (a delta below half an NVFP4 step is lost, unless the run trained "
-                   "through this rounding). Default: rtn for a run trained with --merge-aware-steps (the weights "
-                   "it learned), else gptq.")
+                   "rtn: round to nearest (faster; a delta below half an NVFP4 step is lost).")
 @click.option("--merge-data", default=None, type=click.Path(dir_okay=True),
               help="Texts like the training data for --merge-method gptq (JSONL as pact-train reads it). "
                    "Default: the run's --data, as its train_config.json records it.")
@@ -51,10 +49,6 @@ def main(artifact, out, fmt, adapter, merge, merge_method, merge_data, merge_sam
         from pact.runtime.evaluate import warn_other_weights
 
         warn_other_weights(adapter, open_artifact(artifact), "pact-export")
-    if merge_method is None:
-        from pact.runtime.evaluate import merge_aware_run
-
-        merge_method = "rtn" if adapter and merge_aware_run(adapter) else "gptq"
     solver = None
     if merge_method == "gptq":
         def solver(art_path, run):  # called by export once every input is checked

@@ -93,11 +93,6 @@ class TrainConfig:
                                     f"{GRAPH_WORK:.0e}: SmolLM2-135M always, 1B shapes up to ~6K tokens, 3B "
                                     "~4K, 8B ~1.8K); larger ones gain little and the captures hold more memory.",
                             choices=("auto", "on", "off"))
-    merge_aware_steps: int = _opt(0, "The last N steps train through the merge this run's adapter will be served "
-                                     "by: each adapted group's forward computes with W + BA rounded to NVFP4 "
-                                     "exactly as pact-export --merge --merge-method rtn writes it (the gradients "
-                                     "pass straight through the rounding), so the merged export computes what "
-                                     "training saw. For adapters that will be merged into NVFP4 weights; 0: off.")
     device: str | None = _opt(None, "cuda, cuda:1, cpu (default: cuda if available).")
 
     def __post_init__(self) -> None:
@@ -127,8 +122,6 @@ class TrainConfig:
             ("early-stopping-patience", self.early_stopping_patience, self.early_stopping_patience >= 0,
              ">= 0 (0: never stop early)"),
             ("max-len", self.max_len, self.max_len >= 2, ">= 2 (a prompt token and a completion token)"),
-            ("merge-aware-steps", self.merge_aware_steps, self.merge_aware_steps >= 0,
-             ">= 0 (0: off; N: the last N steps)"),
         )
         for flag, value, ok, want in checks:
             if not ok:
@@ -145,13 +138,6 @@ class TrainConfig:
             raise PactError(f"--metric-for-best must be auto, eval_loss or eval_accuracy, got {self.metric_for_best!r}")
         if self.overlong not in ("truncate", "refuse"):
             raise PactError(f"--overlong must be truncate or refuse, got {self.overlong!r}")
-        if self.steps is not None and self.merge_aware_steps > self.steps:
-            raise PactError(f"--merge-aware-steps {self.merge_aware_steps} is more than --steps {self.steps}")
-        if self.merge_aware_steps and self.cuda_graphs == "on":
-            raise PactError("--merge-aware-steps runs its steps eagerly (the merged weights change at every step): "
-                            "use --cuda-graphs auto (graphs until then) or off")
-        if self.merge_aware_steps and self.fp8_weights == "resident":
-            raise PactError("--merge-aware-steps reads the NVFP4 weights at every step: use --fp8-weights per-call")
         parse_report_to(self.report_to)
         factor = parse_auto(self.activations)  # canonical spellings: resume compares them
         self.activations = auto_spec(factor) if factor is not None else parse_recipe(self.activations).spec()

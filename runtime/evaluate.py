@@ -260,17 +260,7 @@ def load_adapted(artifact: str, adapter: str | None, *, device: str | None = Non
     model = ses.model(lora_cfg, activations=activations, compute=compute)
     if weights is not None:
         model.load_adapter_state(weights)
-        if merge_aware_run(adapter):
-            model.merge_aware()
-            log.info("%s trained through the NVFP4 merge (--merge-aware-steps): it runs merged, as pact-export "
-                     "--merge writes it", adapter)
     return model, ses.tokenizer
-
-
-def merge_aware_run(adapter: str) -> bool:
-    """Whether the pact-train run in ``adapter`` trained its last steps through the plain NVFP4 merge."""
-    steps = run_record(adapter).get("merge_aware_steps")
-    return isinstance(steps, int) and not isinstance(steps, bool) and steps > 0
 
 
 def evaluate_artifact(artifact: str, data: str, *, adapter: str | None = None, max_len: int = 1024, batch_size: int = 8,

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pact.formats.nvfp4 import NVFP4Tensor, dequantize, global_scale_from_amax, quantize
+from pact.formats.nvfp4 import NVFP4Tensor
 
 from .ops.rows import DenseRows, E4M3Rows
 from .recipe import Site, parse_recipe
@@ -61,27 +61,9 @@ class FrozenGroup:
     dense: torch.Tensor | None = None
     bias: torch.Tensor | None = None
     loras: list[Lora | None] = field(default_factory=list)
-    merge_rule: str | None = None  # --merge-aware-steps: the block-scale rule the plain merge rounds with
 
     def lora_params(self) -> list[torch.nn.Parameter]:
         return [p for lo in self.loras if lo is not None for p in (lo.A, lo.B)]
-
-
-def merge_correction(g: FrozenGroup) -> torch.Tensor:
-    """E [N, K] bf16 = Q(W + s B A) - (W + s B A): what the plain merge (pact-export --merge
-    --merge-method rtn: the group's merged weights rounded to NVFP4 with one global scale from their
-    amax and the artifact's block-scale rule) adds to the adapted group. Under --merge-aware-steps
-    the forward adds X_hat @ E^T and dX adds dY @ E, so the group computes with the merged weights;
-    the LoRA gradients pass straight through the rounding (E is a constant to them)."""
-    with torch.no_grad():
-        w = dequantize(g.weight)
-        off = 0
-        for lo, n in zip(g.loras, g.sizes):
-            if lo is not None:
-                w[off : off + n].addmm_(lo.B.float(), lo.A.float(), alpha=lo.scale)
-            off += n
-        q = quantize(w, global_scale=global_scale_from_amax(w.abs().amax()), scaling="1d", scale_rule=g.merge_rule)
-        return (dequantize(q) - w).to(torch.bfloat16)
 
 
 def _dropout_mask(x: torch.Tensor, p: float, seed: int) -> torch.Tensor:
@@ -123,8 +105,6 @@ def project(ops, g: FrozenGroup, a, x_hat: torch.Tensor, a_hat: torch.Tensor | N
         y = y + g.bias
     if not any(lo is not None for lo in g.loras):
         return y, [None] * len(g.loras), [None] * len(g.loras)
-    if g.merge_rule is not None:  # the merged weights' product: W + s B A (below) + E
-        y = y.addmm(x_hat, merge_correction(g).t())
     seeds = [_new_seed() if lo is not None and lo.dropout > 0 else None for lo in g.loras]
     xas = []
     if _batched(g):  # every member's xa from one GEMM; each member's is a column slice of it
@@ -154,8 +134,6 @@ def project_backward(ops, g: FrozenGroup, dy: torch.Tensor, x_hat: torch.Tensor,
     dx = ops.dgrad_gemm(dy, g.weight_t) if g.weight is not None else dy @ g.dense
     if not any(lo is not None for lo in g.loras):
         return dx, [None] * len(g.loras)
-    if g.merge_rule is not None:  # (recomputed: A and B have not moved since the forward)
-        dx = dx.addmm(dy, merge_correction(g))
     batched = _batched(g)
     grads, dxas, off = [], [], 0
     dx32 = None if batched else dx.float()

@@ -19,7 +19,6 @@ from torch import nn
 
 from pact.formats import Artifact, PactError
 from pact.formats.families import FAMILIES, check_config, family_spec
-from pact.formats.nvfp4 import NVFP4Tensor
 from pact.formats.peft import LoraConfig
 
 from .bind import Layer, bind
@@ -172,27 +171,6 @@ class PactModel(nn.Module):
         if recipe != self.recipe:
             self._graphs.clear()  # captured under the old site precisions
         self.recipe, self._no_backward = recipe, recipe.forward_only()
-
-    def merge_aware(self) -> None:
-        """From now on every adapted NVFP4 group computes with W + BA as the plain merged export
-        rounds it (functions.merge_correction; --merge-aware-steps). Eager from here: the corrections
-        change at every step, which graphs captured before cannot follow."""
-        rule = self.artifact.block_scale_rule
-        for L in self.layers:
-            for g in (L.qkv, L.o, L.gate_up, L.down):
-                if g.weight is None or not any(lo is not None for lo in g.loras):
-                    continue  # bf16 groups: the export folds the adapter in exactly
-                if not isinstance(g.weight, NVFP4Tensor):
-                    raise PactError("--merge-aware-steps needs the NVFP4 weights as the artifact stores them: use "
-                                    "--fp8-weights per-call")
-                g.merge_rule = rule
-        self._graphs.clear()
-        self.cuda_graphs = False
-
-    @property
-    def merged_forward(self) -> bool:
-        """Whether the adapted groups compute with the merged weights (merge_aware())."""
-        return any(g.merge_rule is not None for L in self.layers for g in (L.qkv, L.o, L.gate_up, L.down))
 
     # -- forward
     def _recipe(self):

@@ -224,9 +224,6 @@ def _setup(cfg: TrainConfig, run: Path, resume: bool, dist: Dist, device: str | 
         log.info("--packing: %d examples in %d rows of <= %d tokens", n, len(examples), cfg.max_len)
     per_epoch = math.ceil(math.ceil(len(examples) / (cfg.batch_size * dist.world)) / cfg.grad_accum)
     total = cfg.steps or max(1, math.ceil(cfg.epochs * per_epoch))
-    if cfg.merge_aware_steps > total:
-        raise PactError(f"--merge-aware-steps {cfg.merge_aware_steps} is more than the run's {total} steps: give at "
-                        f"most {total} (e.g. the last 20%: {max(1, total // 5)})")
     params = list(model.lora_params.values())
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, foreach=ses.device.type == "cuda")
     state = {"step": 0, "epoch": 0, "pos": 0, "tokens": 0}
@@ -423,14 +420,10 @@ def _train(cfg: TrainConfig, run: Path, resume: bool, progress: bool, stop_after
         while state["step"] < r.total:
             if auto is not None and "recipe_auto" not in state and state["step"] == probe_step(r.total):
                 _probe(r, cfg, run, auto)
-            if state["step"] >= r.total - cfg.merge_aware_steps and not r.model.merged_forward:
-                r.model.merge_aware()
-                log.info("--merge-aware-steps: steps %d-%d train through the NVFP4 merge (eager)",
-                         state["step"] + 1, r.total)
             t0 = time.perf_counter()
             last = _step(r, cfg, [next(stream) for _ in range(cfg.grad_accum)])
             dt = time.perf_counter() - t0
-            if graphed and not r.model.cuda_graphs:  # a failed capture (--cuda-graphs auto), or the merge-aware steps
+            if graphed and not r.model.cuda_graphs:  # a capture failed under --cuda-graphs auto: eager from here
                 graphed = False
                 if dist.main:
                     _write_run_config(run, cfg, r.model, dist, state)

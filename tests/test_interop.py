@@ -484,35 +484,3 @@ def test_import_modelopt_nvfp4(tmp_path):
     r = train(TrainConfig(artifact=str(art.path), data=str(tmp_path / "train.jsonl"), out=str(tmp_path / "run"),
                           steps=1, batch_size=4, max_len=64), progress=False)
     assert r["step"] == 1
-
-
-def test_merge_aware_run_is_what_its_merged_export_computes(trained, tmp_path):
-    """pact-train --merge-aware-steps: the last steps train through the plain merge, so the export
-    (pact-export --merge picks rtn for such a run) imported back gives the logits pact-eval's model
-    of the run gives (it runs merged too), while the same adapter unmerged is further off. Refused:
-    more merge-aware steps than steps, --cuda-graphs on, --fp8-weights resident."""
-    from click.testing import CliRunner
-
-    from pact.pipelines.export import main as export_cli
-    from pact.runtime.evaluate import load_adapted
-    from pact.runtime.trainer import TrainConfig, train
-
-    art, run = str(trained / "art"), tmp_path / "run"
-    base = dict(artifact=art, data=str(trained / "train.jsonl"), out=str(run), steps=4, batch_size=4, max_len=64,
-                lr=5e-3, warmup_ratio=0.0)
-    train(TrainConfig(**base, merge_aware_steps=2), progress=False)
-    assert json.loads((run / "train_config.json").read_text())["merge_aware_steps"] == 2
-    r = CliRunner().invoke(export_cli, [art, "--out", str(tmp_path / "exp"), "--adapter", str(run), "--merge",
-                                        "--quiet"])
-    assert r.exit_code == 0 and json.loads(r.output)["merge"] == {"method": "rtn"}, r.output
-    back = convert(str(tmp_path / "exp"), tmp_path / "back", progress=False)
-    ids = torch.randint(0, 200, (1, 24), generator=torch.Generator().manual_seed(0))
-    merged, _ = load_adapted(art, str(run), activations="bf16")
-    assert merged.merged_forward
-    ref = _pact_logits(back, ids)
-    assert _rel(merged.logits(ids), ref) < 0.02 < _rel(_pact_logits(art, ids, str(run)), ref) / 2
-    for bad, why in (({"merge_aware_steps": 5}, "more than --steps 4"),
-                     ({"merge_aware_steps": 1, "cuda_graphs": "on"}, "--cuda-graphs auto"),
-                     ({"merge_aware_steps": 1, "fp8_weights": "resident"}, "--fp8-weights per-call")):
-        with pytest.raises(PactError, match=why):
-            TrainConfig(**base, **bad)
