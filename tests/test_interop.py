@@ -263,11 +263,16 @@ def test_export_with_adapter(trained, tmp_path):
     assert r["adapter"] == "beside"
     cfg = json.loads((tmp_path / "ct" / "adapter" / "adapter_config.json").read_text())
     assert cfg["base_model_name_or_path"] == str((tmp_path / "ct").resolve())
+    # transformers keeps NVFP4 Linears compressed (no .weight for PEFT to wrap) unless asked to decompress:
+    # dequantize=True (the README's spelling), run_compressed=False where transformers predates it
+    import inspect
+
     from transformers.utils.quantization_config import CompressedTensorsConfig
 
-    # transformers keeps NVFP4 Linears compressed (no .weight for PEFT to wrap) unless asked to decompress
+    ask = {"dequantize": True} if "dequantize" in inspect.signature(CompressedTensorsConfig).parameters \
+        else {"run_compressed": False}
     base_ct = AutoModelForCausalLM.from_pretrained(tmp_path / "ct", dtype=torch.bfloat16,
-                                                   quantization_config=CompressedTensorsConfig(run_compressed=False))
+                                                   quantization_config=CompressedTensorsConfig(**ask))
     hf = PeftModel.from_pretrained(base_ct, tmp_path / "ct" / "adapter")
     assert _rel(hf(input_ids=ids).logits.detach(), ref) < 0.02
 
