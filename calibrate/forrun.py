@@ -112,8 +112,9 @@ def _check_source(art, artifact: str, data: str) -> None:
 
 def _check_resume(run: Path, out: Path, same: bool) -> None:
     """--resume --calibrate on a run that has trained: only on the calibrated/ it trained on."""
-    trained_on = run_record(run).get("artifact")
-    if trained_on is not None and trained_on != str(out.resolve()):
+    record = run_record(run)
+    trained_on, was = record.get("artifact"), record.get("out")  # (a run folder moved since: its old calibrated/)
+    if trained_on is not None and trained_on not in (str(out.resolve()), str(Path(str(was)) / out.name)):
         raise PactError(f"--resume --calibrate: {run} trained on {trained_on}, without --calibrate: drop --calibrate "
                         "to resume it")
     if not same:

@@ -85,7 +85,8 @@ RESUME_MAY_CHANGE = ("steps", "epochs", "save_every", "eval_every", "early_stopp
                      "report_to")
 
 
-def _config_diff(saved: dict, now: dict, saved_world: int = 1, world: int = 1) -> list[str]:
+def _config_diff(saved: dict, now: dict, saved_world: int = 1, world: int = 1, may_move: tuple = ()) -> list[str]:
+    """The settings that differ and may not (``may_move``: paths that may, the files being the same)."""
     # a setting newer than the checkpoint counts as its default there (the run used that behaviour)
     saved = {**{f.name: f.default for f in fields(TrainConfig) if f.name not in saved
                 and f.default is not MISSING}, **saved}
@@ -93,7 +94,7 @@ def _config_diff(saved: dict, now: dict, saved_world: int = 1, world: int = 1) -
     if saved.get("batch_size", 0) * saved_world == now.get("batch_size", 0) * world:
         saved["batch_size"] = now.get("batch_size")  # the same global batch on another number of ranks
     return [f"  {k}: checkpoint {saved.get(k)!r} -> now {now.get(k)!r}" for k in sorted(set(saved) | set(now))
-            if saved.get(k) != now.get(k) and k not in RESUME_MAY_CHANGE]
+            if saved.get(k) != now.get(k) and k not in RESUME_MAY_CHANGE + may_move]
 
 
 MAX_STEP = 10**9
@@ -135,7 +136,14 @@ def _load_checkpoint(run: Path, ck: Path, model: PactModel, opt: torch.optim.Opt
         raise PactError(f"--resume: the {' and the '.join(changed)} changed since {ck} was saved (fingerprint "
                         "differs): resuming would silently mix two trainings; restore the originals or start a "
                         "new run in another --out")
-    diff = _config_diff(state.pop("config"), cfg.as_json(), state.pop("world_size", 1), world)
+    # a run folder moved (or its inputs moved, their fingerprints the same) resumes where it is now
+    may_move = ("out", "artifact", "data") if saved_inputs is not None else ("out",)
+    saved_cfg = state.pop("config")
+    diff = _config_diff(saved_cfg, cfg.as_json(), state.pop("world_size", 1), world, may_move)
+    moved = [k for k in may_move if isinstance(saved_cfg.get(k), str) and saved_cfg[k] != cfg.as_json().get(k)]
+    if moved:
+        log.info("--resume: %s moved since %s was saved (%s): resuming where they are now", ", ".join(moved), ck,
+                 "; ".join(f"{k}: {saved_cfg[k]} -> {cfg.as_json().get(k)}" for k in moved))
     if diff:
         raise PactError(f"--resume: {ck} was made with other settings; resume with the same flags or start a new run:\n"
                         + "\n".join(diff))

@@ -549,6 +549,15 @@ def test_train_calibrate_refusals_and_recovery(tmp_path, caplog):
     assert (run / "calibrated" / "zarr.json").stat().st_mtime_ns == stamp
     r = CliRunner().invoke(train_cli, [*args[:-4], "--save-every", "1", "--steps", "3", "--resume"])  # no --calibrate
     assert r.exit_code != 0 and "pact-train --calibrate" in r.output and "calibrated" in r.output
+    # the run folder moved elsewhere: --resume --calibrate resumes it there, on its calibrated/ as it is
+    moved = tmp_path / "moved" / "run"
+    moved.parent.mkdir()
+    run.rename(moved)
+    r = CliRunner().invoke(train_cli, [*[str(moved) if a == str(run) else a for a in args], "--save-every", "1",
+                                       "--steps", "3", "--resume"])
+    assert r.exit_code == 0, r.output
+    assert (moved / "calibrated" / "zarr.json").stat().st_mtime_ns == stamp
+    assert json.loads((moved / "train_config.json").read_text())["artifact"] == str(moved / "calibrated")
     # a record training would refuse names --data's own file, and no --out is left behind
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"foo": "a"}\n')

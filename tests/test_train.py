@@ -137,6 +137,25 @@ def test_resume_is_bitwise(task, tmp_path):
     assert all(torch.equal(a[k][0], b[k][0]) and torch.equal(a[k][1], b[k][1]) for k in a)
 
 
+def test_resume_a_moved_run(task, tmp_path):
+    """A run folder moved elsewhere (its inputs the same files, by fingerprint) resumes where it is and
+    ends as it would have; a moved run with other settings is still refused for those."""
+    import shutil
+
+    kw = dict(steps=6, save_every=3)
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    train(_cfg(task, full, **kw), progress=False)
+    train(_cfg(task, cut, **kw), progress=False, stop_after=4)
+    moved = tmp_path / "elsewhere" / "run"
+    moved.parent.mkdir()
+    shutil.move(cut, moved)
+    with pytest.raises(PactError, match=r"other settings(.|\n)*lr: checkpoint 0.005 -> now 0.001"):
+        train(_cfg(task, moved, **kw, lr=1e-3), resume=True, progress=False)
+    train(_cfg(task, moved, **kw), resume=True, progress=False)
+    assert [r["loss"] for r in _metrics(moved)] == [r["loss"] for r in _metrics(full)]
+    assert json.loads((moved / "train_config.json").read_text())["out"] == str(moved)
+
+
 def test_resume_refuses_other_hyperparameters(task, tmp_path):
     run = tmp_path / "run"
     train(_cfg(task, run, steps=3, save_every=3), progress=False, stop_after=3)
