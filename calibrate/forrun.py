@@ -117,6 +117,9 @@ def _check_resume(run: Path, out: Path, same: bool) -> None:
     if trained_on is not None and trained_on not in (str(out.resolve()), str(Path(str(was)) / out.name)):
         raise PactError(f"--resume --calibrate: {run} trained on {trained_on}, without --calibrate: drop --calibrate "
                         "to resume it")
+    if not out.exists():
+        raise PactError(f"--resume --calibrate: {out} is gone, and the run's checkpoints learned on those weights: "
+                        "put it back to resume, or start a new --out")
     if not same:
         raise PactError(f"--resume --calibrate: {out} was made from another artifact, other texts or another "
                         "--calibrate-samples / --max-len than these, and the run's checkpoints learned on it: resume "

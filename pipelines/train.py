@@ -5,6 +5,7 @@ and choices live there)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import click
 
@@ -31,7 +32,7 @@ from .common import cli_errors, config_from, config_options, main_rank, with_con
 def main(config: str | None, **params) -> None:
     """Train LoRA adapters on ARTIFACT; the adapter is saved in PEFT format in --out."""
     if config:
-        params = with_config_file(config, params)
+        params = _where_the_run_is(config, with_config_file(config, params))
     resume, quiet = params.pop("resume"), params.pop("quiet")
     with_gptq, samples = params.pop("calibrate"), params.pop("calibrate_samples")
     cfg = config_from(TrainConfig, params)  # every setting checked before a minute of calibration
@@ -49,6 +50,36 @@ def main(config: str | None, **params) -> None:
     result = train(cfg, resume=resume, progress=not quiet)
     if main_rank():  # under torchrun, one result
         click.echo(json.dumps({k: v for k, v in result.items() if k != "eval_labels"}, indent=2))
+
+
+def _where_the_run_is(config: str, params: dict) -> dict:
+    """--config RUN/train_config.json of a run folder moved or copied since it was written: --out is the
+    folder holding the file (and an artifact that was the run's own calibrated/ is the one there), not
+    where the run was, unless given on the command line."""
+    from pact.runtime.checkpoints import CALIBRATED
+    from pact.runtime.evaluate import run_record
+    from pact.runtime.runfolder import _trained
+
+    p = Path(config).resolve()
+    folder = p if p.is_dir() else p.parent
+    record = run_record(str(folder)) if p.is_dir() or p.name == "train_config.json" else {}
+    was = record.get("out")
+    if "inputs_sha256" not in record or not isinstance(was, str) or Path(was) == folder or not _trained(folder):
+        return params  # not a run folder's record, or the run is where it was written
+    ctx = click.get_current_context()
+
+    def given(name: str) -> bool:
+        return ctx.get_parameter_source(name) not in (None, click.core.ParameterSource.DEFAULT)
+
+    if given("out") and Path(params["out"]).resolve() != folder:
+        return params  # another folder asked for: the settings as the file has them
+    if not given("out"):
+        click.echo(f"--config {config}: the run was written in {was} and is now in {folder}: training there "
+                   "(--out chooses another folder)", err=True)
+    params = {**params, "out": str(folder)}
+    if record.get("artifact") == str(Path(was) / CALIBRATED) and not given("artifact"):
+        params["artifact"] = str(folder / CALIBRATED)  # pact-train --calibrate's: the run's own, where it is now
+    return params
 
 
 def _uncalibrated(artifact: str) -> bool:

@@ -127,8 +127,9 @@ def _load_checkpoint(run: Path, ck: Path, model: PactModel, opt: torch.optim.Opt
                      inputs: dict, world: int = 1) -> dict:
     state = json.loads((ck / "state.json").read_text())
     saved_inputs = state.pop("inputs", None)
-    if saved_inputs is not None and saved_inputs != inputs:
-        changed = [k for k in inputs if saved_inputs.get(k) != inputs[k]]
+    # compared where both record them (a checkpoint older than the eval_data fingerprint: its path is compared)
+    changed = [k for k in inputs if k in (saved_inputs or {}) and saved_inputs[k] != inputs[k]]
+    if changed:
         ours = run / CALIBRATED
         if "artifact" in changed and ours.is_dir() and Path(cfg.artifact).resolve() != ours.resolve():
             raise PactError(f"--resume: {run} trained on {ours} (pact-train --calibrate): resume with --calibrate "
@@ -137,16 +138,17 @@ def _load_checkpoint(run: Path, ck: Path, model: PactModel, opt: torch.optim.Opt
                         "differs): resuming would silently mix two trainings; restore the originals or start a "
                         "new run in another --out")
     # a run folder moved (or its inputs moved, their fingerprints the same) resumes where it is now
-    may_move = ("out", "artifact", "data") if saved_inputs is not None else ("out",)
-    saved_cfg = state.pop("config")
-    diff = _config_diff(saved_cfg, cfg.as_json(), state.pop("world_size", 1), world, may_move)
-    moved = [k for k in may_move if isinstance(saved_cfg.get(k), str) and saved_cfg[k] != cfg.as_json().get(k)]
-    if moved:
-        log.info("--resume: %s moved since %s was saved (%s): resuming where they are now", ", ".join(moved), ck,
-                 "; ".join(f"{k}: {saved_cfg[k]} -> {cfg.as_json().get(k)}" for k in moved))
+    may_move = ("out",) + tuple(k for k in inputs if k in (saved_inputs or {}))
+    saved_cfg, now = state.pop("config"), cfg.as_json()
+    diff = _config_diff(saved_cfg, now, state.pop("world_size", 1), world, may_move)
     if diff:
         raise PactError(f"--resume: {ck} was made with other settings; resume with the same flags or start a new run:\n"
                         + "\n".join(diff))
+    was = {k: _absolute(saved_cfg[k]) for k in may_move if isinstance(saved_cfg.get(k), str)}
+    moved = [k for k in was if was[k] != now.get(k)]
+    if moved:
+        log.info("--resume: %s moved since %s was saved (%s): resuming where they are now", ", ".join(moved), ck,
+                 "; ".join(f"{k}: {was[k]} -> {now.get(k)}" for k in moved))
     _, adapters = load_peft_adapter(ck)
     model.load_adapter_state(adapters)
     try:

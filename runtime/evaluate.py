@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from .autorecipe import parse_auto
+from .checkpoints import CALIBRATED
 from .data import IGNORE, Example, collate
 from .model import rmsnorm
 
@@ -230,7 +231,9 @@ def warn_other_weights(adapter: str, artifact, tool: str) -> None:
     inputs = record.get("inputs_sha256")
     trained_on = inputs.get("artifact") if isinstance(inputs, dict) else None
     if trained_on and trained_on != artifact.fingerprint():
-        where = record.get("artifact")
+        where, was = record.get("artifact"), record.get("out")
+        if isinstance(where, str) and isinstance(was, str) and where == str(Path(was) / CALIBRATED):
+            where = str(Path(adapter).resolve() / CALIBRATED)  # its own calibrated/, wherever the run folder is now
         log.warning("%s was trained on %s, whose weights differ from %s: give %s that artifact to use the weights "
                     "the adapter learned on", adapter, where if isinstance(where, str) else "another artifact",
                     artifact.path, tool)

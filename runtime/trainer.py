@@ -156,6 +156,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True, stop
     check_inputs(cfg)
     lock, error, created, owned = contextlib.ExitStack(), None, dist.main and not run.exists(), False
     fresh = dist.main and _is_new(run)  # no results yet (it may hold pact-train --calibrate's calibrated/)
+    if resume and fresh:
+        log.warning("--resume: %s holds no run yet: starting one from step 0", run)
     try:
         try:
             if dist.main:
@@ -205,6 +207,9 @@ def _setup(cfg: TrainConfig, run: Path, resume: bool, dist: Dist, device: str | 
     ses = open_session(cfg.artifact, device=device, flag="--artifact")  # from_env's: cfg.device, or this rank's
     records = read_records(cfg.data, "--data", cfg.data_split)
     inputs = {"artifact": ses.artifact.fingerprint(), "data": data_fingerprint(cfg.data, records)}
+    held_records = read_records(cfg.eval_data, "--eval-data", cfg.eval_split) if cfg.eval_data else None
+    if held_records is not None:  # (a resumed run's best/ compares evaluations of the same examples)
+        inputs["eval_data"] = data_fingerprint(cfg.eval_data, held_records)
     auto = parse_auto(cfg.activations)  # --activations auto: the default recipe until the probe picks
     tokens = cfg.batch_size * cfg.max_len  # graphed steps: no micro-batch is larger
     graphs = use_graphs(cfg.cuda_graphs, tokens, weights := layer_weights(ses.artifact))
@@ -255,7 +260,7 @@ def _setup(cfg: TrainConfig, run: Path, resume: bool, dist: Dist, device: str | 
         _write_run_config(run, cfg, model, dist, state)
     held = None
     if cfg.eval_data:
-        held = tokenize(read_records(cfg.eval_data, "--eval-data", cfg.eval_split), ses.tokenizer,
+        held = tokenize(held_records, ses.tokenizer,
                         max_len=cfg.max_len, overlong=cfg.overlong,
                         vocab_size=vocab)
         if cfg.metric_for_best == "eval_accuracy" and label_candidates(held) is None:

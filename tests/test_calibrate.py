@@ -558,6 +558,23 @@ def test_train_calibrate_refusals_and_recovery(tmp_path, caplog):
     assert r.exit_code == 0, r.output
     assert (moved / "calibrated" / "zarr.json").stat().st_mtime_ns == stamp
     assert json.loads((moved / "train_config.json").read_text())["artifact"] == str(moved / "calibrated")
+    moved2 = tmp_path / "moved" / "run2"  # moved again, not resumed since: the warning names where its weights are
+    moved.rename(moved2)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        warn_other_weights(str(moved2), open_artifact(tmp_path / "art"), "pact-eval")
+    assert any(f"trained on {moved2 / 'calibrated'}," in m for m in caplog.messages), caplog.messages
+    # resumed by its train_config.json, which names the old folder: it trains where it is, on its calibrated/
+    (moved2 / "adapter_model.safetensors").unlink()
+    r = CliRunner().invoke(train_cli, ["--config", str(moved2 / "train_config.json"), "--steps", "4", "--resume",
+                                       "--quiet"])
+    assert r.exit_code == 0 and "training there" in r.output, r.output
+    assert json.loads((moved2 / "train_config.json").read_text())["artifact"] == str(moved2 / "calibrated")
+    (moved2 / "calibrated").rename(tmp_path / "aside")  # its calibrated/ gone: said, nothing remade
+    (moved2 / "adapter_model.safetensors").unlink()
+    r = CliRunner().invoke(train_cli, [*[str(moved2) if a == str(run) else a for a in args], "--save-every", "1",
+                                       "--steps", "3", "--resume"])
+    assert r.exit_code != 0 and "calibrated is gone" in r.output and not (moved2 / "calibrated").exists(), r.output
     # a record training would refuse names --data's own file, and no --out is left behind
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"foo": "a"}\n')

@@ -156,6 +156,40 @@ def test_resume_a_moved_run(task, tmp_path):
     assert json.loads((moved / "train_config.json").read_text())["out"] == str(moved)
 
 
+def test_resume_a_moved_run_by_its_config_and_eval_data(task, tmp_path, caplog):
+    """--config RUN/train_config.json --resume of a run folder moved (or copied) since trains that
+    folder, not the one the file names; --eval-data may move too (its fingerprint is recorded) but not
+    change; --resume of a folder with no run yet says it starts one."""
+    import logging
+    import shutil
+
+    from click.testing import CliRunner
+
+    from pact.pipelines.train import main as train_cli
+
+    held = tmp_path / "d1" / "test.jsonl"
+    held.parent.mkdir()
+    shutil.copy(task / "train.jsonl", held)
+    first = tmp_path / "first"
+    train(_cfg(task, first, steps=6, save_every=2, eval_data=str(held)), progress=False, stop_after=4)
+    copy = tmp_path / "copy"
+    shutil.copytree(first, copy)
+    r = CliRunner().invoke(train_cli, ["--config", str(copy / "train_config.json"), "--resume", "--quiet"])
+    assert r.exit_code == 0 and f"is now in {copy}: training there" in r.output, r.output
+    assert (copy / "adapter_model.safetensors").is_file() and not (first / "adapter_model.safetensors").exists()
+    held.parent.rename(tmp_path / "d2")  # the held-out file moved: resumes; another file there: refused
+    moved = tmp_path / "d2" / "test.jsonl"
+    train(_cfg(task, first, steps=6, save_every=2, eval_data=str(moved)), resume=True, progress=False)
+    shutil.rmtree(first / "checkpoints" / "step-0000006")
+    (first / "adapter_model.safetensors").unlink()
+    moved.write_text(moved.read_text().splitlines(keepends=True)[0])
+    with pytest.raises(PactError, match="the eval_data changed"):
+        train(_cfg(task, first, steps=6, save_every=2, eval_data=str(moved)), resume=True, progress=False)
+    with caplog.at_level(logging.WARNING):
+        train(_cfg(task, tmp_path / "new", steps=1), resume=True, progress=False)
+    assert any("holds no run yet: starting one from step 0" in m for m in caplog.messages)
+
+
 def test_resume_refuses_other_hyperparameters(task, tmp_path):
     run = tmp_path / "run"
     train(_cfg(task, run, steps=3, save_every=3), progress=False, stop_after=3)
