@@ -238,6 +238,7 @@ merge)  # (carry .gg2 .fid) what merged exports keep of the adapter's gain: one 
   MT=${MERGE_TASKS:-rt,hyperbaton,navigate,epistemic_reasoning}
   python3 benchmarks/bench_fidelity.py prepare --workdir /tmp/wd --tasks $MT --methods pact=mixed --convert-only 2>&1 | grep -v Warn | tail -2
   ART=/tmp/wd/smollm2-135m-nvfp4-1d-mse; DEADLINE=$(( START + ${CALL_LIMIT:-600} - 40 ))
+  export DEADLINE; export -f left  # (the merge jobs run in their own shells: xargs bash -c)
   # MERGE_PHASE=train: every (task, seed) trains at once (one process each) and stops; then (the default,
   # or MERGE_PHASE=merge in a later call on the warm machine) the runs are merged and scored,
   # MERGE_WORKERS at a time (a GPTQ merge is CPU-heavy: 20 at once took ~5 min each), skipping done ones
@@ -251,7 +252,7 @@ print(*f('$t', Path('/tmp/wd'), None))")
         CUDA_VISIBLE_DEVICES=$(( s % NGPU )) OMP_NUM_THREADS=1 timeout $(left) python3 \
           benchmarks/bench_merge.py run $args --train-only ${MERGE_ARGS:-} > /tmp/rows/train-$t-$s.log 2>&1 &
       fi
-      [ -f /tmp/rows/merge-$t-$s.json ] || echo "OMP_NUM_THREADS=2 timeout \$(( $DEADLINE - \$(date +%s) > 1 ? $DEADLINE - \$(date +%s) : 1 )) python3 \
+      [ -f /tmp/rows/merge-$t-$s.json ] || echo "OMP_NUM_THREADS=2 timeout \$(left) python3 \
 benchmarks/bench_merge.py run $args --reuse-runs --json-out /tmp/rows/merge-$t-$s.json ${MERGE_ARGS:-} \
 > /tmp/rows/merge-$t-$s.log 2>&1" >> /tmp/rows/merge-jobs.txt
     done

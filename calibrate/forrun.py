@@ -16,7 +16,7 @@ from pathlib import Path
 
 from pact.formats import PactError, check_apart, default_cache, open_artifact
 from pact.runtime.data import parse_record, read_records
-from pact.runtime.evaluate import run_record
+from pact.runtime.evaluate import run_record, trained_on_own_calibrated
 from pact.runtime.runfolder import CALIBRATED, _is_new, _prepare_run, made_for_run, run_lock
 
 from .calibrate import calibrate
@@ -113,8 +113,8 @@ def _check_source(art, artifact: str, data: str) -> None:
 def _check_resume(run: Path, out: Path, same: bool) -> None:
     """--resume --calibrate on a run that has trained: only on the calibrated/ it trained on."""
     record = run_record(run)
-    trained_on, was = record.get("artifact"), record.get("out")  # (a run folder moved since: its old calibrated/)
-    if trained_on is not None and trained_on not in (str(out.resolve()), str(Path(str(was)) / out.name)):
+    trained_on = record.get("artifact")  # (a run folder moved since names its old calibrated/)
+    if trained_on is not None and trained_on != str(out.resolve()) and not trained_on_own_calibrated(record):
         raise PactError(f"--resume --calibrate: {run} trained on {trained_on}, without --calibrate: drop --calibrate "
                         "to resume it")
     if not out.exists():

@@ -57,7 +57,7 @@ def _where_the_run_is(config: str, params: dict) -> dict:
     folder holding the file (and an artifact that was the run's own calibrated/ is the one there), not
     where the run was, unless given on the command line."""
     from pact.runtime.checkpoints import CALIBRATED
-    from pact.runtime.evaluate import run_record
+    from pact.runtime.evaluate import run_record, trained_on_own_calibrated
     from pact.runtime.runfolder import _trained
 
     p = Path(config).resolve()
@@ -77,7 +77,7 @@ def _where_the_run_is(config: str, params: dict) -> dict:
         click.echo(f"--config {config}: the run was written in {was} and is now in {folder}: training there "
                    "(--out chooses another folder)", err=True)
     params = {**params, "out": str(folder)}
-    if record.get("artifact") == str(Path(was) / CALIBRATED) and not given("artifact"):
+    if trained_on_own_calibrated(record) and not given("artifact"):
         params["artifact"] = str(folder / CALIBRATED)  # pact-train --calibrate's: the run's own, where it is now
     return params
 

@@ -224,6 +224,13 @@ def run_record(adapter: str) -> dict:
     return record
 
 
+def trained_on_own_calibrated(record: dict) -> bool:
+    """By its run record, the run trained on its own RUN/calibrated/ (pact-train --calibrate), wherever
+    the run folder is now (the record names the folder it was written in)."""
+    where, was = record.get("artifact"), record.get("out")
+    return isinstance(where, str) and isinstance(was, str) and where == str(Path(was) / CALIBRATED)
+
+
 def warn_other_weights(adapter: str, artifact, tool: str) -> None:
     """A warning when the run in ``adapter`` trained on other weights than the open ``artifact``'s
     (e.g. a pact-train --calibrate run, whose weights are its OUT/calibrated/)."""
@@ -231,8 +238,8 @@ def warn_other_weights(adapter: str, artifact, tool: str) -> None:
     inputs = record.get("inputs_sha256")
     trained_on = inputs.get("artifact") if isinstance(inputs, dict) else None
     if trained_on and trained_on != artifact.fingerprint():
-        where, was = record.get("artifact"), record.get("out")
-        if isinstance(where, str) and isinstance(was, str) and where == str(Path(was) / CALIBRATED):
+        where = record.get("artifact")
+        if trained_on_own_calibrated(record):
             where = str(Path(adapter).resolve() / CALIBRATED)  # its own calibrated/, wherever the run folder is now
         log.warning("%s was trained on %s, whose weights differ from %s: give %s that artifact to use the weights "
                     "the adapter learned on", adapter, where if isinstance(where, str) else "another artifact",
