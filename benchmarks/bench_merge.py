@@ -77,9 +77,11 @@ def cli() -> None:
 @click.option("--reuse-runs", is_flag=True, help="A seed whose run folder holds an adapter is not trained again.")
 @click.option("--train-only", is_flag=True, help="Train each seed's run (kept in --workdir) and stop: no scores.")
 @click.option("--variants", default="rtn,gptq,bf16,hf", show_default=True,
-              help="Merges scored: rtn (plain), gptq, gptq-keepNN (GPTQ with NN% of the adapted projections "
-                   "kept bf16: --merge-keep-bf16), gptq-mi (GPTQ on the merged model's inputs: gptq_merge "
-                   "inputs='merged'), bf16, hf (the GPTQ export read by transformers).")
+              help="Merges scored: rtn (plain), gptq (pact-export --merge's default: GPTQ on the merged "
+                   "model's inputs), gptq-keepNN (that with NN% of the adapted projections kept bf16: "
+                   "--merge-keep-bf16), gptq-ai (GPTQ on the adapted model's inputs: --merge-inputs adapted), "
+                   "bf16, hf (the GPTQ export read by transformers). Rows made before commit 'merged inputs by "
+                   "default' name the adapted-inputs merge gptq and the merged-inputs one gptq-mi.")
 @click.option("--merge-samples", default=128, show_default=True, help="The GPTQ merge's texts (gptq_merge).")
 @click.option("--merge-damp", default=0.01, show_default=True, help="The GPTQ merge's damping.")
 @click.option("--merge-act-order", is_flag=True, help="The GPTQ merge in act-order (scales fixed up front).")
@@ -131,11 +133,11 @@ def run(name, artifact, train_f, test_f, workdir, seeds, steps, lr, max_len, lim
                 return solved[inputs][0], dict(solved[inputs][1])
             return solver
 
-        hows = [h for h in variants.split(",") if h in ("rtn", "gptq", "gptq-mi") or h.startswith("gptq-keep")]
+        hows = [h for h in variants.split(",") if h in ("rtn", "gptq", "gptq-ai") or h.startswith("gptq-keep")]
         for how in hows:
             t = time.perf_counter()
             keep = int(how.removeprefix("gptq-keep")) / 100 if how.startswith("gptq-keep") else 0.0
-            solver = None if how == "rtn" else solver_on("merged" if how == "gptq-mi" else "adapted")
+            solver = None if how == "rtn" else solver_on("adapted" if how == "gptq-ai" else "merged")
             summary = export(str(artifact), d / f"ct-{how}", adapter=str(run), merge=True, overwrite=True,
                              merge_solver=solver, merge_keep_bf16=keep)["merge"]
             row[f"{how}_merge_s"] = round(time.perf_counter() - t, 1)
@@ -180,7 +182,8 @@ def table(files) -> None:
     for r in rows:
         by.setdefault(f"{r.get('task', '')} (lr {r.get('lr', '')})", []).append(r)
     # gptq-seq: a removed method (BENCHMARKS.md re-tables its rows)
-    names = {"rtn": "plain", "gptq": "GPTQ", "gptq-mi": "GPTQ merged inputs", "gptq-seq": "GPTQ-seq", "bf16": "bf16"}
+    names = {"rtn": "plain", "gptq": "GPTQ", "gptq-ai": "GPTQ adapted inputs", "gptq-mi": "GPTQ merged inputs",
+             "gptq-seq": "GPTQ-seq", "bf16": "bf16"}
     for k in sorted({k for r in rows for k in r if k.startswith("merged_gptq-keep")}):  # GPTQ, NN% kept bf16
         names[k.removeprefix("merged_")] = f"GPTQ + {k.removeprefix('merged_gptq-keep')}% bf16"
     shown = [v for v in names if any(f"merged_{v}" in r for r in rows)]

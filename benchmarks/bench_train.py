@@ -207,6 +207,7 @@ def _peft_step(model, bs: int, seq: int, warmup: int, iters: int, checkpoint: bo
     from peft import LoraConfig, get_peft_model
 
     model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=TARGETS))
+    model.train()  # from_pretrained (the QLoRA peer) returns eval mode, where transformers skips checkpointing
     if checkpoint:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()

@@ -6,7 +6,10 @@ A plain merge rounds W + s * B A to the nearest NVFP4 values: where the adapter'
 than half an E2M1 step it is rounded away. GPTQ instead quantizes column by column and pushes each
 column's rounding error onto the columns not yet quantized, weighted by how the inputs see them,
 so the merged layer reproduces the adapted layer's outputs on those inputs. Each layer's inputs
-come from the adapted (unmerged) model: the target is what training produced.
+come, by default, from the model merged so far (as GPTQ calibration takes them): each layer is
+solved for the inputs the merged layers below it will give it at serving time. On the H200 this
+kept more of the gain than the adapted model's inputs on every one of four tasks (BENCHMARKS.md
+"What a merged NVFP4 export keeps").
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from .quantizer import NVFP4Quantizer
 
 def gptq_merge(artifact: str | os.PathLike, adapter: str | os.PathLike, data: str | os.PathLike, *,
                max_samples: int = 128, max_len: int = 512, damp: float = 0.01, blocksize: int = 128,
-               actorder: bool = False, inputs: str = "adapted", device: str | None = None,
+               actorder: bool = False, inputs: str = "merged", device: str | None = None,
                progress: bool = False) -> tuple[dict[str, NVFP4Tensor], dict]:
     """The merged NVFP4 forward-layout tensor of every projection the adapter adapts (1x16 blocks;
     a fused group's members share one global scale, as vLLM fuses q|k|v and gate|up), and a
@@ -38,10 +41,10 @@ def gptq_merge(artifact: str | os.PathLike, adapter: str | os.PathLike, data: st
     layer-output error on these inputs of the plain (round-to-nearest) merge and of this one,
     relative to the adapted layer's output.
 
-    ``inputs``: whose activations each layer's Hessian is taken on: "adapted" (the adapted model's:
-    every layer solved for the inputs the unmerged model gives it) or "merged" (the merged model's
-    so far, as GPTQ calibration does: each layer solved for the inputs the layers merged below it
-    will give it at serving time)."""
+    ``inputs``: whose activations each layer's Hessian is taken on: "merged" (the default: the merged
+    model's so far, as GPTQ calibration does: each layer solved for the inputs the layers merged below
+    it will give it at serving time) or "adapted" (the adapted model's: every layer solved for the
+    inputs the unmerged model gives it)."""
     if inputs not in ("adapted", "merged"):
         raise ValueError(f"gptq_merge: inputs must be 'adapted' or 'merged', got {inputs!r}")
     clock = _Clock("cpu")  # as calibration's: the device is known once the session is open

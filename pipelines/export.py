@@ -32,6 +32,10 @@ from .common import cli_errors
 @click.option("--merge-data", default=None, type=click.Path(dir_okay=True),
               help="Texts like the training data for --merge-method gptq (JSONL as pact-train reads it). "
                    "Default: the run's --data, as its train_config.json records it.")
+@click.option("--merge-inputs", type=click.Choice(["merged", "adapted"]), default="merged", show_default=True,
+              help="--merge-method gptq: each layer solved on the inputs the layers merged below it give it "
+                   "(merged, as served), or on the trained model's own (adapted; kept less of the gain, "
+                   "BENCHMARKS.md).")
 @click.option("--merge-samples", default=128, show_default=True, help="Examples of --merge-data used (max-len 512).")
 @click.option("--merge-keep-bf16", default=0.0, show_default=True, type=float,
               help="With the GPTQ merge: this share of the adapted projections (whole q|k|v and gate|up groups, "
@@ -41,13 +45,14 @@ from .common import cli_errors
                    "it); any other folder is refused. Replaced by rename: the old export is removed last.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @cli_errors
-def main(artifact, out, fmt, adapter, merge, merge_method, merge_data, merge_samples, merge_keep_bf16, overwrite,
-         quiet) -> None:
+def main(artifact, out, fmt, adapter, merge, merge_method, merge_data, merge_inputs, merge_samples, merge_keep_bf16,
+         overwrite, quiet) -> None:
     """Export ARTIFACT (with --adapter) for inference."""
     if adapter and Path(adapter).is_dir() and Path(artifact).is_dir():
         from pact.formats import open_artifact
-        from pact.runtime.evaluate import warn_other_weights
+        from pact.runtime.evaluate import own_weights, warn_other_weights
 
+        artifact = own_weights(artifact, adapter)  # a run's own calibrated/, given the artifact it was made from
         warn_other_weights(adapter, open_artifact(artifact), "pact-export")
     solver = None
     if merge_method == "gptq":
@@ -55,7 +60,7 @@ def main(artifact, out, fmt, adapter, merge, merge_method, merge_data, merge_sam
             from pact.calibrate.merge import gptq_merge
 
             return gptq_merge(art_path, run, merge_data or _run_data(run), max_samples=merge_samples,
-                              progress=not quiet)
+                              inputs=merge_inputs, progress=not quiet)
 
     r = export(artifact, out, fmt=fmt, adapter=adapter, merge=merge, overwrite=overwrite, progress=not quiet,
                merge_solver=solver, merge_keep_bf16=merge_keep_bf16)

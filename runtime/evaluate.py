@@ -231,16 +231,44 @@ def trained_on_own_calibrated(record: dict) -> bool:
     return isinstance(where, str) and isinstance(was, str) and where == str(Path(was) / CALIBRATED)
 
 
+def _run_folder(adapter: str) -> Path:
+    """The pact-train run an adapter folder belongs to: itself, or (RUN/best/) the folder holding it."""
+    a = Path(adapter)
+    return a.parent if not (a / "train_config.json").is_file() and (a.parent / "train_config.json").is_file() else a
+
+
+def own_weights(artifact: str, adapter: str | None) -> str:
+    """The artifact an adapter learned on, when ``artifact`` is the one its run calibrated into its own
+    RUN/calibrated/ (pact-train's default): that calibrated/, said once; otherwise ``artifact``."""
+    if not adapter:
+        return artifact
+    run = _run_folder(adapter)
+    if not trained_on_own_calibrated(run_record(str(run))):
+        return artifact
+    from pact.formats import PactError, open_artifact
+
+    own = run / CALIBRATED
+    try:
+        made_from = open_artifact(own).meta["provenance"]["calibration"]["for_run"]["artifact_fingerprint"]
+        if made_from != open_artifact(artifact).fingerprint():
+            return artifact  # other weights: warn_other_weights says so
+    except (PactError, OSError, KeyError, ValueError, TypeError):
+        return artifact  # (a calibrated/ gone or unreadable, or a bad artifact: said where it is opened)
+    log.info("%s learned on %s, calibrated from %s by its run: using it", adapter, own, artifact)
+    return str(own)
+
+
 def warn_other_weights(adapter: str, artifact, tool: str) -> None:
     """A warning when the run in ``adapter`` trained on other weights than the open ``artifact``'s
     (e.g. a pact-train --calibrate run, whose weights are its OUT/calibrated/)."""
-    record = run_record(adapter)
+    run = _run_folder(adapter)
+    record = run_record(str(run))
     inputs = record.get("inputs_sha256")
     trained_on = inputs.get("artifact") if isinstance(inputs, dict) else None
     if trained_on and trained_on != artifact.fingerprint():
         where = record.get("artifact")
         if trained_on_own_calibrated(record):
-            where = str(Path(adapter).resolve() / CALIBRATED)  # its own calibrated/, wherever the run folder is now
+            where = str(run.resolve() / CALIBRATED)  # its own calibrated/, wherever the run folder is now
         log.warning("%s was trained on %s, whose weights differ from %s: give %s that artifact to use the weights "
                     "the adapter learned on", adapter, where if isinstance(where, str) else "another artifact",
                     artifact.path, tool)
@@ -254,11 +282,12 @@ def load_adapted(artifact: str, adapter: str | None, *, device: str | None = Non
 
     from .session import open_session
 
+    artifact = own_weights(artifact, adapter)  # a run's own calibrated/, given the artifact it was made from
     log.info("loading %s%s (its checksums are verified on first use)", artifact, f" with {adapter}" if adapter else "")
     ses = open_session(artifact, device=device, tool=tool)  # a damaged artifact never runs
     lora_cfg, weights = load_peft_adapter(adapter) if adapter else (None, None)
     if activations is None and adapter:  # the recipe the adapter was trained with
-        recorded = run_record(adapter).get("activations")
+        recorded = run_record(str(_run_folder(adapter))).get("activations")  # (RUN/best/: the run's)
         if recorded is not None and not isinstance(recorded, str):
             log.warning("%s/train_config.json: activations %r is not a recipe; the default is used", adapter, recorded)
             recorded = None

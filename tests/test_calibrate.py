@@ -470,12 +470,21 @@ def test_train_calibrate_flag(tmp_path, caplog):
     assert names and all(torch.equal(ref.nvfp4(n).packed, cal_art.nvfp4(n).packed) for n in names)
     rtn = open_artifact(tmp_path / "art")
     assert any(not torch.equal(rtn.nvfp4(n).packed, cal_art.nvfp4(n).packed) for n in names)  # GPTQ moved codes
-    # without --calibrate, an uncalibrated artifact gets a one-line note; a calibrated one none
+    # the default calibrates an uncalibrated artifact whose source is here (the same codes as --calibrate
+    # with the default 128 records), says so, and trains on it; a calibrated artifact is trained as it is
     plain = [a for a in args if a != "--quiet"]
-    r = CliRunner().invoke(train_cli, [*plain[:4], str(tmp_path / "plain"), *plain[5:]])
-    assert r.exit_code == 0 and "is not calibrated; --calibrate" in r.output
+    r = CliRunner().invoke(train_cli, [*plain[:4], str(tmp_path / "auto"), *plain[5:]])
+    assert r.exit_code == 0 and "before training (--no-calibrate skips it)" in r.output, r.output
+    rec = json.loads((tmp_path / "auto" / "train_config.json").read_text())
+    assert rec["artifact"] == str((tmp_path / "auto" / "calibrated").resolve())
     r = CliRunner().invoke(train_cli, [str(run / "calibrated"), *plain[1:4], str(tmp_path / "plain2"), *plain[5:]])
-    assert r.exit_code == 0 and "not calibrated" not in r.output
+    assert r.exit_code == 0 and "calibrat" not in r.output.lower().replace("/calibrated", "")
+    assert not (tmp_path / "plain2" / "calibrated").exists()
+    # --no-calibrate: the artifact as it is, nothing said
+    r = CliRunner().invoke(train_cli, [*plain[:4], str(tmp_path / "plain"), *plain[5:], "--no-calibrate"])
+    assert r.exit_code == 0 and "calibrat" not in r.output and not (tmp_path / "plain" / "calibrated").exists()
+    rec = json.loads((tmp_path / "plain" / "train_config.json").read_text())
+    assert rec["artifact"] == str((tmp_path / "art").resolve())
     # a finished run is refused before any calibration; a rerun into a folder holding only calibrated/ reuses it
     r = CliRunner().invoke(train_cli, [*args, "--calibrate"])
     assert r.exit_code != 0 and "is not empty" in r.output
@@ -488,19 +497,86 @@ def test_train_calibrate_flag(tmp_path, caplog):
     assert open_artifact(other).meta["provenance"]["calibration"]["samples"] == 8  # other texts: made anew
     with pytest.raises(PactError, match="own calibrated artifact"):
         calibrate_for_run(str(run2 / "calibrated"), str(data), run2, samples=8, progress=False)
-    # the adapter evaluated on the uncalibrated artifact: said; on its own weights: not
-    with caplog.at_level(logging.WARNING):
-        evaluate_artifact(str(tmp_path / "art"), str(data), adapter=str(run), max_len=64, generate=False)
-    assert any("whose weights differ" in m for m in caplog.messages)
-    caplog.clear()
-    with caplog.at_level(logging.WARNING):
-        evaluate_artifact(str(run / "calibrated"), str(data), adapter=str(run), max_len=64, generate=False)
+    # given the artifact its run calibrated, the adapter is evaluated on its own calibrated/ (said; the
+    # same scores); given another artifact's weights, a warning
+    with caplog.at_level(logging.INFO):
+        got = evaluate_artifact(str(tmp_path / "art"), str(data), adapter=str(run), max_len=64, generate=False)
+    assert any("calibrated from" in m and "using it" in m for m in caplog.messages), caplog.messages
     assert not any("whose weights differ" in m for m in caplog.messages)
-    from pact.runtime.evaluate import load_adapted
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        own = evaluate_artifact(str(run / "calibrated"), str(data), adapter=str(run), max_len=64, generate=False)
+    assert not any("whose weights differ" in m or "using it" in m for m in caplog.messages)
+    assert got["eval_loss"] == own["eval_loss"]
+    make_model(tmp_path / "src-b", "llama", seed=1, initializer_range=0.15)
+    convert(str(tmp_path / "src-b"), tmp_path / "art-b", progress=False)
+    with caplog.at_level(logging.WARNING):
+        evaluate_artifact(str(tmp_path / "art-b"), str(data), adapter=str(run), max_len=64, generate=False)
+    assert any("whose weights differ" in m for m in caplog.messages)
+    from pact.runtime.evaluate import load_adapted, own_weights
+
+    (run / "best").mkdir()  # RUN/best/ (as --eval-every keeps it) belongs to the same run
+    for f in ("adapter_model.safetensors", "adapter_config.json"):
+        (run / "best" / f).write_bytes((run / f).read_bytes())
+    assert own_weights(str(tmp_path / "art"), str(run / "best")) == str(run / "calibrated")
+    assert own_weights(str(tmp_path / "art-b"), str(run / "best")) == str(tmp_path / "art-b")
 
     for text in ('{"artifact": ', '{"activations": 5}'):  # a broken run record: the adapter still loads
         (run / "train_config.json").write_text(text)
         load_adapted(str(run / "calibrated"), str(run))
+
+
+def test_train_calibrates_by_default_where_it_can(tmp_path, monkeypatch):
+    """pact-train's default calibrates only where it can and should, and says why when it does not:
+    the source model gone (trains on the artifact as it is, one note), under torchrun, a source that
+    is a hub id, a calibrated or imported artifact (nothing said); resuming follows what the run
+    trained on (an uncalibrated run is never calibrated under its checkpoints)."""
+    import shutil
+
+    from pact.calibrate.forrun import auto_calibrate
+    from pact.pipelines.train import main as train_cli
+
+    make_model(tmp_path / "src", "llama", initializer_range=0.15)
+    art = convert(str(tmp_path / "src"), tmp_path / "art", progress=False)
+    data = make_sentiment_jsonl(tmp_path / "train.jsonl", 24)
+    assert auto_calibrate(str(art), str(data), tmp_path / "r0") == (True, None)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    do, why = auto_calibrate(str(art), str(data), tmp_path / "r0")
+    assert not do and "torchrun" in why and "pact-calibrate" in why
+    monkeypatch.delenv("WORLD_SIZE")
+    # an uncalibrated run resumed: not calibrated under its checkpoints, nothing to say
+    args = [str(art), "--data", str(data), "--max-len", "64", "--batch-size", "8"]
+    r = CliRunner().invoke(train_cli, [*args, "--out", str(tmp_path / "r1"), "--steps", "2", "--no-calibrate",
+                                       "--save-every", "1", "--quiet"])
+    assert r.exit_code == 0, r.output
+    assert auto_calibrate(str(art), str(data), tmp_path / "r1", resume=True) == (False, None)
+    r = CliRunner().invoke(train_cli, [*args, "--out", str(tmp_path / "r1"), "--steps", "3", "--resume"])
+    assert r.exit_code == 0 and "calibrat" not in r.output and not (tmp_path / "r1" / "calibrated").exists(), r.output
+    # the source gone: one note naming it, and the run trains on the artifact as it is
+    shutil.move(tmp_path / "src", tmp_path / "src-moved")
+    r = CliRunner().invoke(train_cli, [*args, "--out", str(tmp_path / "r2"), "--steps", "2"])
+    assert r.exit_code == 0, r.output
+    assert f"uncalibrated: its source model {tmp_path / 'src'} is not on this machine" in r.output, r.output
+    assert json.loads((tmp_path / "r2" / "train_config.json").read_text())["artifact"] == str(art.resolve())
+    r = CliRunner().invoke(train_cli, [*args, "--out", str(tmp_path / "r3"), "--steps", "2", "--calibrate"])
+    assert r.exit_code != 0 and "not there" in r.output  # --calibrate insists: refused, as before
+    # an artifact calibrated on other texts: trained as it is, with a note; on --data itself: nothing said
+    other = make_sentiment_jsonl(tmp_path / "other.jsonl", 12)
+    shutil.move(tmp_path / "src-moved", tmp_path / "src")
+    cal = calibrate(str(art), other, tmp_path / "cal-other", max_samples=8, seq_len=32, progress=False)
+    do, note = auto_calibrate(str(cal), str(data), tmp_path / "r5")
+    assert not do and "was calibrated on" in note and "not on --data" in note
+    own = calibrate(str(art), data, tmp_path / "cal-own", max_samples=8, seq_len=32, progress=False)
+    assert auto_calibrate(str(own), str(data), tmp_path / "r5") == (False, None)
+    # a hub id as the source: said, not fetched
+    import zarr
+
+    g = zarr.open_group(str(art), mode="r+")
+    meta = dict(g.attrs["pact"])
+    meta["provenance"] = {**meta["provenance"], "source": "org/model"}
+    g.attrs["pact"] = meta
+    do, why = auto_calibrate(str(art), str(data), tmp_path / "r4")
+    assert not do and "org/model, not a local path" in why
 
 
 def test_train_calibrate_refusals_and_recovery(tmp_path, caplog):
@@ -547,14 +623,18 @@ def test_train_calibrate_refusals_and_recovery(tmp_path, caplog):
     r = CliRunner().invoke(train_cli, [*args[:-1], "4", "--save-every", "1", "--steps", "3", "--resume"])
     assert r.exit_code != 0 and "--resume --calibrate" in r.output and "learned on it" in r.output
     assert (run / "calibrated" / "zarr.json").stat().st_mtime_ns == stamp
-    r = CliRunner().invoke(train_cli, [*args[:-4], "--save-every", "1", "--steps", "3", "--resume"])  # no --calibrate
-    assert r.exit_code != 0 and "pact-train --calibrate" in r.output and "calibrated" in r.output
+    # no flag (the default): the run resumes on its own calibrated/ as it is, whatever --calibrate-samples says
+    r = CliRunner().invoke(train_cli, [*args[:-4], "--save-every", "1", "--steps", "3", "--resume"])
+    assert r.exit_code == 0, r.output
+    assert json.loads((run / "train_config.json").read_text())["artifact"] == str(run / "calibrated")
+    assert (run / "calibrated" / "zarr.json").stat().st_mtime_ns == stamp
+    (run / "adapter_model.safetensors").unlink()
     # the run folder moved elsewhere: --resume --calibrate resumes it there, on its calibrated/ as it is
     moved = tmp_path / "moved" / "run"
     moved.parent.mkdir()
     run.rename(moved)
     r = CliRunner().invoke(train_cli, [*[str(moved) if a == str(run) else a for a in args], "--save-every", "1",
-                                       "--steps", "3", "--resume"])
+                                       "--steps", "4", "--resume"])
     assert r.exit_code == 0, r.output
     assert (moved / "calibrated" / "zarr.json").stat().st_mtime_ns == stamp
     assert json.loads((moved / "train_config.json").read_text())["artifact"] == str(moved / "calibrated")
@@ -566,7 +646,7 @@ def test_train_calibrate_refusals_and_recovery(tmp_path, caplog):
     assert any(f"trained on {moved2 / 'calibrated'}," in m for m in caplog.messages), caplog.messages
     # resumed by its train_config.json, which names the old folder: it trains where it is, on its calibrated/
     (moved2 / "adapter_model.safetensors").unlink()
-    r = CliRunner().invoke(train_cli, ["--config", str(moved2 / "train_config.json"), "--steps", "4", "--resume",
+    r = CliRunner().invoke(train_cli, ["--config", str(moved2 / "train_config.json"), "--steps", "5", "--resume",
                                        "--quiet"])
     assert r.exit_code == 0 and "training there" in r.output, r.output
     assert json.loads((moved2 / "train_config.json").read_text())["artifact"] == str(moved2 / "calibrated")
@@ -574,6 +654,9 @@ def test_train_calibrate_refusals_and_recovery(tmp_path, caplog):
     (moved2 / "adapter_model.safetensors").unlink()
     r = CliRunner().invoke(train_cli, [*[str(moved2) if a == str(run) else a for a in args], "--save-every", "1",
                                        "--steps", "3", "--resume"])
+    assert r.exit_code != 0 and "calibrated is gone" in r.output and not (moved2 / "calibrated").exists(), r.output
+    r = CliRunner().invoke(train_cli, [*[str(moved2) if a == str(run) else a for a in args[:-3]], "--save-every", "1",
+                                       "--steps", "3", "--resume"])  # the default: the same refusal, nothing remade
     assert r.exit_code != 0 and "calibrated is gone" in r.output and not (moved2 / "calibrated").exists(), r.output
     # a record training would refuse names --data's own file, and no --out is left behind
     bad = tmp_path / "bad.jsonl"
@@ -604,7 +687,10 @@ def test_train_calibrate_refusals_and_recovery(tmp_path, caplog):
     with pytest.raises(PactError, match="did not make .* never replaced"):
         calibrate_for_run(str(tmp_path / "art"), str(data), user, samples=8, progress=False)
     r = CliRunner().invoke(train_cli, [str(tmp_path / "art"), "--data", str(data), "--out", str(user), "--steps", "1",
-                                       "--max-len", "64", "--quiet"])
+                                       "--max-len", "64", "--quiet"])  # the default would calibrate there: refused
+    assert r.exit_code != 0 and "never replaced; choose another --out" in r.output
+    r = CliRunner().invoke(train_cli, [str(tmp_path / "art"), "--data", str(data), "--out", str(user), "--steps", "1",
+                                       "--max-len", "64", "--quiet", "--no-calibrate"])
     assert r.exit_code != 0 and "is not empty" in r.output
     assert (user / "calibrated" / "zarr.json").stat().st_mtime_ns == stamp and len(list(user.iterdir())) == 1
     # the source model gone: said before anything, with the way around it

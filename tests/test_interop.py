@@ -325,6 +325,10 @@ def test_gptq_merge_keeps_more_of_the_adapter(trained, tmp_path):
     assert not (tmp_path / "x").exists()
     r = CliRunner().invoke(export_cli, args + ["--merge-data", str(trained / "train.jsonl"), "--merge-samples", "4"])
     assert r.exit_code == 0 and json.loads(r.output)["merge"]["samples"] == 4, r.output
+    assert json.loads(r.output)["merge"]["inputs"] == "merged"  # the default; the other is selectable
+    r = CliRunner().invoke(export_cli, args + ["--merge-data", str(trained / "train.jsonl"), "--merge-samples", "4",
+                                               "--merge-inputs", "adapted", "--overwrite"])
+    assert r.exit_code == 0 and json.loads(r.output)["merge"]["inputs"] == "adapted", r.output
 
 
 def test_merge_keeping_the_worst_groups_in_bf16(trained, tmp_path):
@@ -412,15 +416,16 @@ def test_gptq_merge_in_act_order(trained):
 
 
 def test_gptq_merge_on_the_merged_models_inputs(trained):
-    """inputs="merged": each layer's Hessian comes from the layers merged below it (as calibration
-    does): layer 0 sees the same inputs either way (the same codes), later layers other ones; every
-    adapted projection still ends with less layer-output error than rounding W + BA."""
+    """inputs="merged" (the default): each layer's Hessian comes from the layers merged below it (as
+    calibration does), inputs="adapted" from the unmerged model: layer 0 sees the same inputs either
+    way (the same codes), later layers other ones; every adapted projection still ends with less
+    layer-output error than rounding W + BA."""
     from pact.calibrate.merge import gptq_merge
 
     args = (str(trained / "art"), str(trained / "run"), str(trained / "train.jsonl"))
-    ref, _ = gptq_merge(*args, max_samples=8)
-    out, summary = gptq_merge(*args, max_samples=8, inputs="merged")
-    assert summary["inputs"] == "merged" and set(out) == set(ref)
+    ref, adapted = gptq_merge(*args, max_samples=8, inputs="adapted")
+    out, summary = gptq_merge(*args, max_samples=8)
+    assert summary["inputs"] == "merged" and adapted["inputs"] == "adapted" and set(out) == set(ref)
     first = [n for n in out if ".layers.0." in n]
     assert first and all(torch.equal(out[n].packed, ref[n].packed) for n in first)
     assert any(not torch.equal(out[n].packed, ref[n].packed) for n in out if n not in first)
