@@ -36,6 +36,11 @@ from .prompts import load_prompts
 from .quantizer import NVFP4Quantizer
 
 log = logging.getLogger(__name__)
+
+
+class SourceError(PactError):
+    """The artifact's source model cannot be read as the one it was converted from (gone, emptied, its
+    weights removed, or another model at its path): GPTQ needs the original weights."""
 GROUPS = ("qkv", "o", "gate_up", "down")
 BATCH_TOKENS = 4096  # text prompts go through a layer in right-padded batches of about this many tokens
 
@@ -149,19 +154,22 @@ def calibrate(
     src_name = source or prov["source"]
     gguf = str(src_name).endswith(".gguf")
     if source is None and gguf and Path(src_name).is_file() and sha256_file(Path(src_name)) != prov.get("gguf_sha256"):
-        raise PactError(f"{src_name}: not the GGUF file this artifact was converted from (sha256 differs): "
+        raise SourceError(f"{src_name}: not the GGUF file this artifact was converted from (sha256 differs): "
                         "pass --source with the original model")
     workdir = work_path(out, "src") if gguf else None
     try:
-        src = open_source(src_name, revision=prov.get("revision"), workdir=workdir)
+        try:
+            src = open_source(src_name, revision=prov.get("revision"), workdir=workdir)
+        except PactError as e:  # gone, emptied, no safetensors left, ...
+            raise SourceError(str(e)) from None
         # a GGUF source is checked by its file hash above (its dequantized folder is made anew)
         if source is None and not gguf and src.fingerprint() != prov.get("source_fingerprint"):
-            raise PactError(f"{src_name}: not the model this artifact was converted from (fingerprint differs): "
+            raise SourceError(f"{src_name}: not the model this artifact was converted from (fingerprint differs): "
                             "pass --source with the original model")
         # the weights' own bytes (artifacts converted since it is recorded), with --source too: GPTQ on
         # another model's weights would silently write a mix of two models
         if not gguf and "source_sha256" in prov and src.content_sha256() != prov["source_sha256"]:
-            raise PactError(f"{src_name}: not the weights this artifact was converted from (sha256 of the "
+            raise SourceError(f"{src_name}: not the weights this artifact was converted from (sha256 of the "
                             f"safetensors differs): pass {'--source with ' if source is None else ''}"
                             "the original model")
         clock.device = torch.device(ses.device)

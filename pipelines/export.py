@@ -78,10 +78,10 @@ def main(artifact, out, fmt, adapter, merge, merge_method, merge_data, merge_inp
 def _run_data(adapter: str) -> str:
     """The training data a pact-train run recorded (its train_config.json), checked to exist."""
     from pact.formats import PactError
-    from pact.runtime.evaluate import run_record
+    from pact.runtime.evaluate import run_folder, run_record
 
-    cfg = Path(adapter) / "train_config.json"
-    data = run_record(adapter).get("data")
+    cfg = run_folder(adapter) / "train_config.json"  # (RUN/best/, a checkpoint: the run's)
+    data = run_record(str(cfg.parent)).get("data")
     if not isinstance(data, str) or not data or not Path(data).exists():
         where = f"the run's --data ({data}) is not there" if data else f"{cfg} does not name the training data"
         raise PactError(f"--merge-method gptq needs texts like the training data and {where}: pass --merge-data FILE, "

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import click
 
+from pact.formats import PactError
 from pact.runtime.trainer import TrainConfig, check_inputs, train
 
 from .common import cli_errors, config_from, config_options, main_rank, with_config_file
@@ -38,25 +39,38 @@ def main(config: str | None, **params) -> None:
     resume, quiet = params.pop("resume"), params.pop("quiet")
     with_gptq, samples = params.pop("calibrate"), params.pop("calibrate_samples")
     cfg = config_from(TrainConfig, params)  # every setting checked before a minute of calibration
-    if with_gptq is None:  # the default: calibrate when it can, or say why not
+    if with_gptq is not False and samples < 1:
+        raise PactError(f"--calibrate-samples must be >= 1, got {samples}")
+    auto = with_gptq is None
+    if auto:  # the default: calibrate when it can, or say why not
         from pact.calibrate.forrun import auto_calibrate
         from pact.runtime.evaluate import own_weights
 
         if resume:  # a run that trained on its own calibrated/ resumes on it as it is
             cfg.artifact = own_weights(cfg.artifact, cfg.out)
-        with_gptq, note = auto_calibrate(cfg.artifact, cfg.data, cfg.out, resume)
+        with_gptq, note = auto_calibrate(cfg.artifact, cfg.data, cfg.out, resume, split=cfg.data_split)
         if note and not quiet and main_rank():
             click.echo(f"note: {note}; --no-calibrate silences this", err=True)
-        elif with_gptq and not quiet and not resume:
-            click.echo(f"calibrating {cfg.artifact} on the first {samples} records of --data into "
-                       f"{Path(cfg.out) / 'calibrated'} before training (--no-calibrate skips it)", err=True)
     if with_gptq:
+        from pact.calibrate.calibrate import SourceError
         from pact.calibrate.forrun import calibrate_for_run
 
         check_inputs(cfg, tokenize=True)  # a bad record in --data / --eval-data fails before GPTQ, not after
-        cfg.artifact = str(calibrate_for_run(cfg.artifact, cfg.data, cfg.out, split=cfg.data_split, samples=samples,
-                                             seq_len=min(cfg.max_len, 512), resume=resume, device=cfg.device,
-                                             progress=not quiet))
+        if auto and not quiet and not resume:
+            click.echo(f"calibrating {cfg.artifact} on --data's first records (up to {samples}) into "
+                       f"{Path(cfg.out) / 'calibrated'} before training (--no-calibrate skips it)", err=True)
+        try:
+            cfg.artifact = str(calibrate_for_run(cfg.artifact, cfg.data, cfg.out, split=cfg.data_split,
+                                                 samples=samples, seq_len=min(cfg.max_len, 512), resume=resume,
+                                                 device=cfg.device, progress=not quiet))
+        except SourceError as e:  # the source is there but not the model converted: never a mix of two models
+            fix = (f"calibrate with pact-calibrate {cfg.artifact} --source ORIGINAL_MODEL --prompts {cfg.data} "
+                   "--out CALIBRATED/ and train on CALIBRATED/")
+            if not auto:
+                raise PactError(f"--calibrate: {e} ({fix}; or --no-calibrate)") from None
+            if not quiet and main_rank():
+                click.echo(f"note: training on {cfg.artifact} uncalibrated: {e} ({fix}); --no-calibrate silences "
+                           "this", err=True)
     result = train(cfg, resume=resume, progress=not quiet)
     if main_rank():  # under torchrun, one result
         click.echo(json.dumps({k: v for k, v in result.items() if k != "eval_labels"}, indent=2))

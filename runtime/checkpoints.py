@@ -132,8 +132,8 @@ def _load_checkpoint(run: Path, ck: Path, model: PactModel, opt: torch.optim.Opt
     if changed:
         ours = run / CALIBRATED
         if "artifact" in changed and ours.is_dir() and Path(cfg.artifact).resolve() != ours.resolve():
-            raise PactError(f"--resume: {run} trained on {ours} (pact-train --calibrate): resume with --calibrate "
-                            f"and the same --data, or with {ours} as the artifact")
+            raise PactError(f"--resume: {run} trained on {ours}, its own calibration: resume without --no-calibrate "
+                            f"(with the same --data), or with {ours} as the artifact")
         raise PactError(f"--resume: the {' and the '.join(changed)} changed since {ck} was saved (fingerprint "
                         "differs): resuming would silently mix two trainings; restore the originals or start a "
                         "new run in another --out")

@@ -231,10 +231,16 @@ def trained_on_own_calibrated(record: dict) -> bool:
     return isinstance(where, str) and isinstance(was, str) and where == str(Path(was) / CALIBRATED)
 
 
-def _run_folder(adapter: str) -> Path:
-    """The pact-train run an adapter folder belongs to: itself, or (RUN/best/) the folder holding it."""
+def run_folder(adapter: str) -> Path:
+    """The pact-train run an adapter folder belongs to: itself, or the run holding it (RUN/best/,
+    RUN/checkpoints/step-N/)."""
     a = Path(adapter)
-    return a.parent if not (a / "train_config.json").is_file() and (a.parent / "train_config.json").is_file() else a
+    if (a / "train_config.json").is_file():
+        return a
+    for run, inside in ((a.parent, a.name == "best"), (a.parent.parent, a.parent.name == "checkpoints")):
+        if inside and (run / "train_config.json").is_file():
+            return run
+    return a
 
 
 def own_weights(artifact: str, adapter: str | None) -> str:
@@ -242,7 +248,7 @@ def own_weights(artifact: str, adapter: str | None) -> str:
     RUN/calibrated/ (pact-train's default): that calibrated/, said once; otherwise ``artifact``."""
     if not adapter:
         return artifact
-    run = _run_folder(adapter)
+    run = run_folder(adapter)
     if not trained_on_own_calibrated(run_record(str(run))):
         return artifact
     from pact.formats import PactError, open_artifact
@@ -261,7 +267,7 @@ def own_weights(artifact: str, adapter: str | None) -> str:
 def warn_other_weights(adapter: str, artifact, tool: str) -> None:
     """A warning when the run in ``adapter`` trained on other weights than the open ``artifact``'s
     (e.g. a pact-train --calibrate run, whose weights are its OUT/calibrated/)."""
-    run = _run_folder(adapter)
+    run = run_folder(adapter)
     record = run_record(str(run))
     inputs = record.get("inputs_sha256")
     trained_on = inputs.get("artifact") if isinstance(inputs, dict) else None
@@ -287,7 +293,7 @@ def load_adapted(artifact: str, adapter: str | None, *, device: str | None = Non
     ses = open_session(artifact, device=device, tool=tool)  # a damaged artifact never runs
     lora_cfg, weights = load_peft_adapter(adapter) if adapter else (None, None)
     if activations is None and adapter:  # the recipe the adapter was trained with
-        recorded = run_record(str(_run_folder(adapter))).get("activations")  # (RUN/best/: the run's)
+        recorded = run_record(str(run_folder(adapter))).get("activations")  # (RUN/best/: the run's)
         if recorded is not None and not isinstance(recorded, str):
             log.warning("%s/train_config.json: activations %r is not a recipe; the default is used", adapter, recorded)
             recorded = None

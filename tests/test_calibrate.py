@@ -3,6 +3,7 @@
 import json
 import logging
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -520,6 +521,9 @@ def test_train_calibrate_flag(tmp_path, caplog):
         (run / "best" / f).write_bytes((run / f).read_bytes())
     assert own_weights(str(tmp_path / "art"), str(run / "best")) == str(run / "calibrated")
     assert own_weights(str(tmp_path / "art-b"), str(run / "best")) == str(tmp_path / "art-b")
+    from pact.pipelines.export import _run_data
+
+    assert Path(_run_data(str(run / "best"))).resolve() == data.resolve()  # --merge's texts: the run's --data
 
     for text in ('{"artifact": ', '{"activations": 5}'):  # a broken run record: the adapter still loads
         (run / "train_config.json").write_text(text)
@@ -568,6 +572,35 @@ def test_train_calibrates_by_default_where_it_can(tmp_path, monkeypatch):
     assert not do and "was calibrated on" in note and "not on --data" in note
     own = calibrate(str(art), data, tmp_path / "cal-own", max_samples=8, seq_len=32, progress=False)
     assert auto_calibrate(str(own), str(data), tmp_path / "r5") == (False, None)
+    # another run's calibrated/: nothing said for the same --data, a note for other data
+    r = CliRunner().invoke(train_cli, [*args, "--out", str(tmp_path / "r8"), "--steps", "2", "--save-every", "1",
+                                       "--quiet"])
+    assert r.exit_code == 0 and (tmp_path / "r8" / "calibrated").is_dir(), r.output
+    assert auto_calibrate(str(tmp_path / "r8" / "calibrated"), str(data), tmp_path / "r9") == (False, None)
+    do, note = auto_calibrate(str(tmp_path / "r8" / "calibrated"), str(other), tmp_path / "r9")
+    assert not do and "not on --data" in note
+    # an adapter in a checkpoint belongs to its run: the run's calibrated/ is used
+    from pact.runtime.evaluate import own_weights
+
+    step = sorted((tmp_path / "r8" / "checkpoints").glob("step-*"))[-1]
+    assert own_weights(str(art), str(step)) == str(tmp_path / "r8" / "calibrated")
+    # what a killed recalibration left beside calibrated/ is removed when calibrated/ is reused
+    from pact.calibrate.forrun import calibrate_for_run
+
+    left = tmp_path / "r8" / ".calibrated.tmp-999999-deadbeef"
+    left.mkdir()
+    calibrate_for_run(str(art), str(data), tmp_path / "r8", seq_len=64, resume=True, progress=False)
+    assert not left.exists()
+    # the source path holds another model now: a note, and the run trains uncalibrated (never on a mix of
+    # two models); --calibrate refuses, naming pact-calibrate --source and --no-calibrate
+    shutil.move(tmp_path / "src", tmp_path / "src-orig")
+    make_model(tmp_path / "src", "llama", seed=1, initializer_range=0.15)
+    r = CliRunner().invoke(train_cli, [*args, "--out", str(tmp_path / "r6"), "--steps", "2"])
+    assert r.exit_code == 0 and "uncalibrated: " in r.output and "converted from" in r.output, r.output
+    assert not (tmp_path / "r6" / "calibrated").exists()
+    assert json.loads((tmp_path / "r6" / "train_config.json").read_text())["artifact"] == str(art.resolve())
+    r = CliRunner().invoke(train_cli, [*args, "--out", str(tmp_path / "r7"), "--steps", "2", "--calibrate"])
+    assert r.exit_code != 0 and "--source ORIGINAL_MODEL" in r.output and "--no-calibrate" in r.output, r.output
     # a hub id as the source: said, not fetched
     import zarr
 
