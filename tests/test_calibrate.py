@@ -542,8 +542,11 @@ def test_train_calibrates_by_default_where_it_can(tmp_path, monkeypatch):
 
     make_model(tmp_path / "src", "llama", initializer_range=0.15)
     art = convert(str(tmp_path / "src"), tmp_path / "art", progress=False)
-    data = make_sentiment_jsonl(tmp_path / "train.jsonl", 24)
+    data = make_sentiment_jsonl(tmp_path / "train.jsonl", 40)
     assert auto_calibrate(str(art), str(data), tmp_path / "r0") == (True, None)
+    few = make_sentiment_jsonl(tmp_path / "few.jsonl", 8)  # too few records for the default: a note
+    do, why = auto_calibrate(str(art), str(few), tmp_path / "r0")
+    assert not do and "has 8 records, fewer than the 32" in why
     monkeypatch.setenv("WORLD_SIZE", "2")
     do, why = auto_calibrate(str(art), str(data), tmp_path / "r0")
     assert not do and "torchrun" in why and "pact-calibrate" in why
@@ -623,7 +626,7 @@ def test_train_calibrate_refusals_and_recovery(tmp_path, caplog):
     for name, seed in (("a", 0), ("b", 1)):
         make_model(tmp_path / f"src-{name}", "llama", seed=seed, initializer_range=0.15)
         convert(str(tmp_path / f"src-{name}"), tmp_path / f"art-{name}", progress=False)
-    data = make_sentiment_jsonl(tmp_path / "train.jsonl", 24)
+    data = make_sentiment_jsonl(tmp_path / "train.jsonl", 40)
     (tmp_path / "art").symlink_to(tmp_path / "art-a")
     run = tmp_path / "run"
     first = calibrate_for_run(str(tmp_path / "art"), str(data), run, samples=8, seq_len=64, progress=False)
