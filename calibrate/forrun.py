@@ -1,8 +1,10 @@
-"""`pact-train --calibrate`: GPTQ on the run's own training texts before it trains, into
-RUN/calibrated/ (the artifact the run then trains on, and that its train_config.json names).
+"""pact-train's calibration (its default; `--calibrate` insists): GPTQ on the run's own training
+texts before it trains, into RUN/calibrated/ (the artifact the run then trains on, and that its
+train_config.json names).
 
 Measured downstream (BENCHMARKS.md "Calibration downstream"), calibrating on the task's own
-training texts is what brings LoRA on NVFP4 weights level with BF16 LoRA; this makes it one flag."""
+training texts is what brings LoRA on NVFP4 weights level with BF16 LoRA; so pact-train does it
+unless it cannot (`auto_calibrate` says why)."""
 
 from __future__ import annotations
 
@@ -164,9 +166,9 @@ def _other_texts(artifact: str, cal: dict, data: str, split: str | None) -> str 
 
 
 def _check_ours(out: Path) -> None:
-    """An existing RUN/calibrated/ is replaced only when pact-train --calibrate made it."""
+    """An existing RUN/calibrated/ is replaced only when pact-train's calibration made it."""
     if out.exists() and not _recorded(out):
-        raise PactError(f"{out} is not a readable artifact (damaged, or not made by pact-train --calibrate): "
+        raise PactError(f"{out} is not a readable artifact (damaged, or not made by pact-train): "
                         "remove it and run again")
     if out.exists() and not made_for_run(out):
         raise PactError(f"{out} holds an artifact pact-train did not make (pact-calibrate's?): it is never "

@@ -102,7 +102,7 @@ def _where_the_run_is(config: str, params: dict) -> dict:
                    "(--out chooses another folder)", err=True)
     params = {**params, "out": str(folder)}
     if trained_on_own_calibrated(record) and not given("artifact"):
-        params["artifact"] = str(folder / CALIBRATED)  # pact-train --calibrate's: the run's own, where it is now
+        params["artifact"] = str(folder / CALIBRATED)  # pact-train's calibration's: the run's own, where it is now
     return params
 
 

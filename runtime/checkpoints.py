@@ -32,7 +32,7 @@ CHECKPOINT_FILES = ("adapter_config.json", "adapter_model.safetensors", "optimiz
                     "state.json")
 
 
-CALIBRATED = "calibrated"  # RUN/calibrated/: pact-train --calibrate's artifact, made before the run starts
+CALIBRATED = "calibrated"  # RUN/calibrated/: pact-train's calibration's artifact, made before the run starts
 
 
 def base_model(art) -> str:

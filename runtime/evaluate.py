@@ -225,7 +225,7 @@ def run_record(adapter: str) -> dict:
 
 
 def trained_on_own_calibrated(record: dict) -> bool:
-    """By its run record, the run trained on its own RUN/calibrated/ (pact-train --calibrate), wherever
+    """By its run record, the run trained on its own RUN/calibrated/ (pact-train's calibration), wherever
     the run folder is now (the record names the folder it was written in)."""
     where, was = record.get("artifact"), record.get("out")
     return isinstance(where, str) and isinstance(was, str) and where == str(Path(was) / CALIBRATED)
@@ -266,7 +266,7 @@ def own_weights(artifact: str, adapter: str | None) -> str:
 
 def warn_other_weights(adapter: str, artifact, tool: str) -> None:
     """A warning when the run in ``adapter`` trained on other weights than the open ``artifact``'s
-    (e.g. a pact-train --calibrate run, whose weights are its OUT/calibrated/)."""
+    (e.g. a run pact-train calibrated for, whose weights are its OUT/calibrated/)."""
     run = run_folder(adapter)
     record = run_record(str(run))
     inputs = record.get("inputs_sha256")

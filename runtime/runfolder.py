@@ -68,7 +68,7 @@ def run_lock(run: Path):
 
 
 def made_for_run(path: Path) -> bool:
-    """``path`` is an artifact pact-train --calibrate wrote (its calibration records ``for_run``), not
+    """``path`` is an artifact pact-train's calibration wrote (its calibration records ``for_run``), not
     one a user put there (pact-calibrate's, say), which no run may count as its own or replace."""
     try:
         return "for_run" in open_artifact(path).meta["provenance"]["calibration"]
@@ -77,13 +77,13 @@ def made_for_run(path: Path) -> bool:
 
 
 def _not_a_result(p: Path) -> bool:
-    """The lock, and pact-train --calibrate's artifact (or its writer's temp folders, named by its
+    """The lock, and pact-train's calibration's artifact (or its writer's temp folders, named by its
     process): a run folder holding only these is still new."""
     return p.name == ".lock" or p.name.startswith(f".{CALIBRATED}.") or (p.name == CALIBRATED and made_for_run(p))
 
 
 def _is_new(run: Path) -> bool:
-    """No run's results in ``run`` (absent, empty, or only the lock and pact-train --calibrate's artifact)."""
+    """No run's results in ``run`` (absent, empty, or only the lock and pact-train's calibration's artifact)."""
     return not run.is_dir() or all(_not_a_result(p) for p in run.iterdir())
 
 

@@ -155,7 +155,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True, stop
     run = Path(cfg.out)
     check_inputs(cfg)
     lock, error, created, owned = contextlib.ExitStack(), None, dist.main and not run.exists(), False
-    fresh = dist.main and _is_new(run)  # no results yet (it may hold pact-train --calibrate's calibrated/)
+    fresh = dist.main and _is_new(run)  # no results yet (it may hold pact-train's calibration's calibrated/)
     if resume and fresh:
         log.warning("--resume: %s holds no run yet: starting one from step 0", run)
     try:
@@ -171,12 +171,12 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True, stop
         return _train(cfg, run, resume, progress and dist.main, stop_after, dist, device)
     finally:
         # a run that failed before its first step leaves no folder (or, in one that held only
-        # pact-train --calibrate's calibrated/, nothing beside it): only the lock holder removes it (a
+        # pact-train's calibration's calibrated/, nothing beside it): only the lock holder removes it (a
         # concurrent pact-train that made the same --out first keeps it), and before releasing the lock
         if owned and run.is_dir() and not _trained(run):
             if created:
                 shutil.rmtree(run, ignore_errors=True)
-            elif fresh and (run / CALIBRATED).is_dir():  # pact-train --calibrate made it, and calibrated/ stays
+            elif fresh and (run / CALIBRATED).is_dir():  # pact-train's calibration made it, and calibrated/ stays
                 _clear_new_run(run)
         lock.close()
         leave(dist)
