@@ -1,11 +1,13 @@
 """Each projection's output error on a task's own inputs, artifact by artifact (a diagnostic).
 
     python benchmarks/bench_layer_error.py --source BF16_HF_FOLDER --texts TASK-test.jsonl \
-        [--samples 32 --max-len 128 --json-out out.json] ARTIFACT [ARTIFACT ...]
+        [--adapter RUN] [--samples 32 --max-len 128 --json-out out.json] ARTIFACT [ARTIFACT ...]
 
 The bf16 source model runs on the texts (prompt + completion of each record); every projection's
 inputs X are taken there, so each artifact's weights W_q are compared to the source's W on the same
-inputs, one layer at a time: error = ||(W_q - W) X|| / ||W X||. Printed per artifact: the mean and
+inputs, one layer at a time: error = ||(W_q - W) X|| / ||W X||. With --adapter (a pact-train run),
+the inputs are those of the source with that adapter folded in: where a trained model's activations
+go, which the untrained model's may not show. Printed per artifact: the mean and
 median over projections, the mean per projection kind, and, against the first artifact (the
 reference, e.g. round-to-nearest), on how many projections it is larger and the mean of log2 of the
 ratio. Which calibration brings the weights nearer the source on the task's inputs, and where.
@@ -24,12 +26,19 @@ import torch
 KINDS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def _inputs(source: Path, texts: Path, samples: int, max_len: int) -> dict[str, torch.Tensor]:
-    """Each nn.Linear's input rows (tokens x in_features, float32) on the texts, by weight name."""
+def _inputs(source: Path, texts: Path, samples: int, max_len: int,
+            adapter: Path | None = None) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Each projection's input rows (tokens x in_features, float32) on the texts and the source's
+    weight, by weight name (inputs with ``adapter`` folded into the source, weights without)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(source)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+    weights = {n: p.detach().float().clone() for n, p in model.named_parameters()}
+    if adapter is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload().eval()
     rows: dict[str, list[torch.Tensor]] = {}
     hooks = []
     for name, mod in model.named_modules():
@@ -45,7 +54,6 @@ def _inputs(source: Path, texts: Path, samples: int, max_len: int) -> dict[str, 
             model(input_ids=ids)
     for h in hooks:
         h.remove()
-    weights = {f"{n}": p.detach().float() for n, p in model.named_parameters()}
     return {k: (torch.cat(v), weights[k]) for k, v in rows.items()}
 
 
@@ -55,14 +63,16 @@ def _inputs(source: Path, texts: Path, samples: int, max_len: int) -> dict[str, 
               help="The bf16 HF folder the artifacts were made from.")
 @click.option("--texts", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="JSONL: text, or prompt + completion, records (e.g. a task's held-out file).")
+@click.option("--adapter", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
+              help="A PEFT adapter (pact-train run) folded into the source for the inputs.")
 @click.option("--samples", default=32, show_default=True)
 @click.option("--max-len", default=128, show_default=True)
 @click.option("--json-out", type=click.Path(dir_okay=False, path_type=Path), default=None)
-def main(artifacts, source, texts, samples, max_len, json_out) -> None:
+def main(artifacts, source, texts, adapter, samples, max_len, json_out) -> None:
     from pact.formats import open_artifact
     from pact.formats.nvfp4 import dequantize
 
-    taken = _inputs(source, texts, samples, max_len)
+    taken = _inputs(source, texts, samples, max_len, adapter)
     errs: dict[str, dict[str, float]] = {}
     for a in artifacts:
         art = open_artifact(a)
@@ -72,7 +82,8 @@ def main(artifacts, source, texts, samples, max_len, json_out) -> None:
             e[name] = float(((Wq - W) @ X.T).norm() / (W @ X.T).norm())
         errs[a] = e
     ref = artifacts[0]
-    out = {"texts": str(texts), "samples": samples, "max_len": max_len, "reference": ref, "artifacts": {}}
+    out = {"texts": str(texts), "adapter": str(adapter) if adapter else None, "samples": samples, "max_len": max_len,
+           "reference": ref, "artifacts": {}}
     for a, e in errs.items():
         row = {"mean": statistics.mean(e.values()), "median": statistics.median(e.values()),
                "by_kind": {k: statistics.mean(v for n, v in e.items() if n.endswith(f"{k}.weight")) for k in KINDS}}
