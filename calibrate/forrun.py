@@ -100,10 +100,11 @@ def auto_calibrate(artifact: str, data: str, run: str | os.PathLike, resume: boo
                    split: str | None = None) -> tuple[bool, str | None]:
     """pact-train's default (neither --calibrate nor --no-calibrate): whether to calibrate ``artifact``
     on the run's --data first, and if not, a note saying why (None when there is nothing to say: the
-    artifact was calibrated on this data or for a run, or the run resumes on the weights it trained
-    on). Calibrated when the artifact is not, its source model is a local path that is there, one
-    process trains, --data has at least MIN_RECORDS records, and (resuming) the run trained on its own
-    calibrated/."""
+    artifact was calibrated on this data, or the run resumes on the weights it trained on).
+    Calibrated when the artifact is not calibrated, or was calibrated on other texts than --data's
+    (measured: the task's own texts train better), and its source model is a local path that is
+    there, one process trains, --data has at least MIN_RECORDS records, and (resuming) the run
+    trained on its own calibrated/."""
     try:
         art = open_artifact(artifact)  # (a URL: its cached folder, as training opens it)
         prov = art.meta["provenance"]
@@ -111,36 +112,49 @@ def auto_calibrate(artifact: str, data: str, run: str | os.PathLike, resume: boo
         return False, None  # training says what is wrong with it
     if "source_quantization" in prov:
         return False, None  # an imported GPTQ checkpoint: trained as it is
-    if "calibration" in prov:
-        return False, _other_texts(artifact, prov["calibration"], data, split)
     if resume:
         record = run_record(str(run))
         if record:  # a run to continue: on what it trained on, never recalibrated under its checkpoints
-            return trained_on_own_calibrated(record), None
-    why = None
-    src = prov.get("source")
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        why = ("under torchrun each process would calibrate: calibrate once first (pact-calibrate ARTIFACT "
-               "--prompts TRAIN.jsonl --out CALIBRATED/) and train on CALIBRATED/")
-    elif not isinstance(src, str) or not src:
-        why = "its provenance names no source model to calibrate from (pact-calibrate --source MODEL)"
-    elif not Path(src).is_absolute():
-        why = (f"its source model is {src}, not a local path: --calibrate fetches it, or pact-calibrate "
-               f"{artifact} --source LOCAL_COPY --prompts TRAIN.jsonl --out CALIBRATED/")
-    elif not Path(src).exists():
-        why = (f"its source model {src} is not on this machine: put it back, or pact-calibrate {artifact} "
-               "--source MODEL --prompts TRAIN.jsonl --out CALIBRATED/ and train on CALIBRATED/")
+            own = trained_on_own_calibrated(record)
+            if own and art.path.resolve() == (Path(run) / CALIBRATED).resolve():
+                return False, None  # given its calibrated/ (pact-train swaps it in): resumed as it is
+            return own, None  # (its calibrated/ gone or other: calibrate_for_run says so)
+    other = None
+    if "calibration" in prov:
+        other = _other_texts(artifact, prov["calibration"], data, split)
+        if other is None:
+            return False, None  # calibrated on --data's texts already
+    why = _cannot_calibrate(artifact, prov, data, split)
     if why is None:
-        try:
-            _, n = calibration_texts(data, split, MIN_RECORDS)
-        except (PactError, OSError, ValueError, TypeError):
-            return True, None  # (--data's error is said by the checks before calibration)
-        if n >= MIN_RECORDS:
-            return True, None
-        why = (f"--data has {n} records, fewer than the {MIN_RECORDS} the default calibrates on (--calibrate "
-               "calibrates on them anyway)")
+        return True, None
+    if other is not None:
+        return False, f"{other} ({why})"
     return False, (f"training on {artifact} uncalibrated: {why}. Calibrating on the training texts trained 1.1-2.4 "
                    "points better on the mean of 9 tasks (BENCHMARKS.md \"Calibration downstream\")")
+
+
+def _cannot_calibrate(artifact: str, prov: dict, data: str, split: str | None) -> str | None:
+    """Why the default cannot calibrate ``artifact`` on --data here (None: it can)."""
+    src = prov.get("source")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return ("under torchrun each process would calibrate: calibrate once first (pact-calibrate ARTIFACT "
+                "--prompts TRAIN.jsonl --out CALIBRATED/) and train on CALIBRATED/")
+    if not isinstance(src, str) or not src:
+        return "its provenance names no source model to calibrate from (pact-calibrate --source MODEL)"
+    if not Path(src).is_absolute():
+        return (f"its source model is {src}, not a local path: --calibrate fetches it, or pact-calibrate "
+                f"{artifact} --source LOCAL_COPY --prompts TRAIN.jsonl --out CALIBRATED/")
+    if not Path(src).exists():
+        return (f"its source model {src} is not on this machine: put it back, or pact-calibrate {artifact} "
+                "--source MODEL --prompts TRAIN.jsonl --out CALIBRATED/ and train on CALIBRATED/")
+    try:
+        _, n = calibration_texts(data, split, MIN_RECORDS)
+    except (PactError, OSError, ValueError, TypeError):
+        return None  # (--data's error is said by the checks before calibration)
+    if n < MIN_RECORDS:
+        return (f"--data has {n} records, fewer than the {MIN_RECORDS} the default calibrates on (--calibrate "
+                "calibrates on them anyway)")
+    return None
 
 
 def _other_texts(artifact: str, cal: dict, data: str, split: str | None) -> str | None:
@@ -161,8 +175,8 @@ def _other_texts(artifact: str, cal: dict, data: str, split: str | None) -> str 
         return None
     return (f"{artifact} was calibrated on {cal.get('prompts', 'other texts')}, not on --data: on 9 tasks, "
             "calibration on the task's own texts trained 2.1 points better on the mean than on generic text and "
-            "0.7 better than on model-sampled text (BENCHMARKS.md \"Calibration downstream\"); from its source "
-            "model, pact-calibrate it on your --data and train on that")
+            "0.7 better than on model-sampled text (BENCHMARKS.md \"Calibration downstream\"); with its source "
+            "model, pact-train calibrates it again on --data")
 
 
 def _check_ours(out: Path) -> None:
