@@ -160,10 +160,14 @@ def _cannot_calibrate(artifact: str, prov: dict, data: str, split: str | None) -
 def _other_texts(artifact: str, cal: dict, data: str, split: str | None) -> str | None:
     """A note when a calibrated artifact was calibrated on texts other than --data's: on the tasks
     measured, calibration on the task's own texts trained better than on generic or model-sampled
-    ones. None when the texts are --data's (its file, or the records pact-train calibrated a run on)
-    or cannot be compared (--data not a local file)."""
-    if not Path(data).is_file():
-        return None
+    ones, and calibration on a handful of texts (fewer than MIN_RECORDS) is not what was measured.
+    None when the texts are --data's (its file, or the records pact-train calibrated a run on, at
+    least MIN_RECORDS of them) or cannot be compared (--data unreadable here: training says why)."""
+    n = cal.get("samples")
+    if isinstance(n, int) and n < MIN_RECORDS:
+        return (f"{artifact} was calibrated on {n} texts only ({cal.get('prompts', 'other texts')}); the default "
+                f"calibrates on up to 128 records of --data (at least {MIN_RECORDS}), and pact-train calibrates it "
+                "again on --data where its source model is here")
     if "for_run" in cal:  # another run's calibrated/: its first N records of its --data
         try:
             body, _ = calibration_texts(data, split, int(cal["for_run"]["records"]))
@@ -171,8 +175,8 @@ def _other_texts(artifact: str, cal: dict, data: str, split: str | None) -> str 
             return None  # (training says what is wrong with --data)
         if hashlib.sha256(body.encode()).hexdigest() == cal.get("prompts_sha256"):
             return None
-    elif cal.get("prompts_sha256") == sha256_file(Path(data)):
-        return None
+    elif Path(data).is_file() and cal.get("prompts_sha256") == sha256_file(Path(data)):
+        return None  # (pact-calibrate reads files: a datasets folder or hub id was not its --prompts)
     return (f"{artifact} was calibrated on {cal.get('prompts', 'other texts')}, not on --data: on 9 tasks, "
             "calibration on the task's own texts trained 2.1 points better on the mean than on generic text and "
             "0.7 better than on model-sampled text (BENCHMARKS.md \"Calibration downstream\"); with its source "
@@ -201,20 +205,20 @@ def _check_source(art, artifact: str, data: str) -> None:
 
 
 def _check_resume(run: Path, out: Path, same: bool) -> None:
-    """--resume --calibrate on a run that has trained: only on the calibrated/ it trained on."""
+    """--resume of a run that has trained, with calibration: only on the calibrated/ it trained on."""
     record = run_record(run)
     trained_on = record.get("artifact")  # (a run folder moved since names its old calibrated/)
     if trained_on is not None and trained_on != str(out.resolve()) and not trained_on_own_calibrated(record):
-        raise PactError(f"--resume --calibrate: {run} trained on {trained_on}, without --calibrate: drop --calibrate "
+        raise PactError(f"--resume --calibrate: {run} trained on {trained_on}, uncalibrated: drop --calibrate "
                         "to resume it")
     if not out.exists():
-        raise PactError(f"--resume --calibrate: {out} is gone, and the run's checkpoints learned on those weights: "
-                        "put it back to resume, or start a new --out")
+        raise PactError(f"--resume: {out} (the run's calibrated weights) is gone, and its checkpoints learned on "
+                        "them: put it back to resume, or start a new --out")
     if not same:
-        raise PactError(f"--resume --calibrate: {out} was made from another artifact, other texts or another "
-                        "--calibrate-samples / --max-len than these, and the run's checkpoints learned on it: resume "
-                        "with the run's own settings (pact-train --config RUN/train_config.json --resume), or start "
-                        "a new --out")
+        raise PactError(f"--resume: {out} (the run's calibrated weights) was made from another artifact, other texts "
+                        "or another --calibrate-samples / --max-len than these, and the run's checkpoints learned on "
+                        "it: resume with the run's own settings (pact-train --config RUN/train_config.json --resume), "
+                        "or start a new --out")
 
 
 def _recorded(out: Path) -> dict:

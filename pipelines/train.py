@@ -69,8 +69,8 @@ def main(config: str | None, **params) -> None:
             if not auto:
                 raise PactError(f"--calibrate: {e} ({fix}; or --no-calibrate)") from None
             if not quiet and main_rank():
-                click.echo(f"note: training on {cfg.artifact} uncalibrated: {e} ({fix}); --no-calibrate silences "
-                           "this", err=True)
+                click.echo(f"note: could not calibrate: {e}; training on {cfg.artifact} as it is ({fix}); "
+                           "--no-calibrate silences this", err=True)
     result = train(cfg, resume=resume, progress=not quiet)
     if main_rank():  # under torchrun, one result
         click.echo(json.dumps({k: v for k, v in result.items() if k != "eval_labels"}, indent=2))

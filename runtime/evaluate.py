@@ -275,6 +275,12 @@ def warn_other_weights(adapter: str, artifact, tool: str) -> None:
         where = record.get("artifact")
         if trained_on_own_calibrated(record):
             where = str(run.resolve() / CALIBRATED)  # its own calibrated/, wherever the run folder is now
+            if not Path(where).is_dir():
+                log.warning("%s was trained on its run's calibrated weights, %s, which are gone: %s runs it on %s, "
+                            "other weights than it learned on (pact-calibrate the artifact with the run's --data "
+                            "and --max-len into that folder for close ones, or train again)", adapter, where, tool,
+                            artifact.path)
+                return
         log.warning("%s was trained on %s, whose weights differ from %s: give %s that artifact to use the weights "
                     "the adapter learned on", adapter, where if isinstance(where, str) else "another artifact",
                     artifact.path, tool)

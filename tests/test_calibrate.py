@@ -478,8 +478,9 @@ def test_train_calibrate_flag(tmp_path, caplog):
     assert r.exit_code == 0 and "before training (--no-calibrate skips it)" in r.output, r.output
     rec = json.loads((tmp_path / "auto" / "train_config.json").read_text())
     assert rec["artifact"] == str((tmp_path / "auto" / "calibrated").resolve())
-    r = CliRunner().invoke(train_cli, [str(run / "calibrated"), *plain[1:4], str(tmp_path / "plain2"), *plain[5:]])
-    assert r.exit_code == 0 and "calibrat" not in r.output.lower().replace("/calibrated", "")
+    r = CliRunner().invoke(train_cli, [str(tmp_path / "auto" / "calibrated"), *plain[1:4], str(tmp_path / "plain2"),
+                                       *plain[5:]])  # (its 40 records; run/calibrated's 16 would be calibrated again)
+    assert r.exit_code == 0 and "calibrat" not in r.output.lower().replace("/calibrated", ""), r.output
     assert not (tmp_path / "plain2" / "calibrated").exists()
     # --no-calibrate: the artifact as it is, nothing said
     r = CliRunner().invoke(train_cli, [*plain[:4], str(tmp_path / "plain"), *plain[5:], "--no-calibrate"])
@@ -572,8 +573,10 @@ def test_train_calibrates_by_default_where_it_can(tmp_path, monkeypatch):
     shutil.move(tmp_path / "src-moved", tmp_path / "src")
     cal = calibrate(str(art), other, tmp_path / "cal-other", max_samples=8, seq_len=32, progress=False)
     assert auto_calibrate(str(cal), str(data), tmp_path / "r5") == (True, None)  # calibrated again, on --data
-    own = calibrate(str(art), data, tmp_path / "cal-own", max_samples=8, seq_len=32, progress=False)
+    own = calibrate(str(art), data, tmp_path / "cal-own", max_samples=40, seq_len=32, progress=False)
     assert auto_calibrate(str(own), str(data), tmp_path / "r5") == (False, None)
+    few_cal = calibrate(str(art), data, tmp_path / "cal-few", max_samples=4, seq_len=32, progress=False)
+    assert auto_calibrate(str(few_cal), str(data), tmp_path / "r5") == (True, None)  # 4 texts: calibrated again
     # another run's calibrated/: nothing said for the same --data, a note for other data
     r = CliRunner().invoke(train_cli, [*args, "--out", str(tmp_path / "r8"), "--steps", "2", "--save-every", "1",
                                        "--quiet"])
@@ -609,7 +612,7 @@ def test_train_calibrates_by_default_where_it_can(tmp_path, monkeypatch):
     shutil.move(tmp_path / "src", tmp_path / "src-orig")
     make_model(tmp_path / "src", "llama", seed=1, initializer_range=0.15)
     r = CliRunner().invoke(train_cli, [*args, "--out", str(tmp_path / "r6"), "--steps", "2"])
-    assert r.exit_code == 0 and "uncalibrated: " in r.output and "converted from" in r.output, r.output
+    assert r.exit_code == 0 and "could not calibrate: " in r.output and "converted from" in r.output, r.output
     assert not (tmp_path / "r6" / "calibrated").exists()
     assert json.loads((tmp_path / "r6" / "train_config.json").read_text())["artifact"] == str(art.resolve())
     r = CliRunner().invoke(train_cli, [*args, "--out", str(tmp_path / "r7"), "--steps", "2", "--calibrate"])
@@ -667,7 +670,7 @@ def test_train_calibrate_refusals_and_recovery(tmp_path, caplog):
     # --resume with other calibration settings: refused before any GPTQ, the weights the checkpoints learned on kept
     (run / "adapter_model.safetensors").unlink()  # (as if killed after its checkpoints)
     r = CliRunner().invoke(train_cli, [*args[:-1], "4", "--save-every", "1", "--steps", "3", "--resume"])
-    assert r.exit_code != 0 and "--resume --calibrate" in r.output and "learned on it" in r.output
+    assert r.exit_code != 0 and "--resume: " in r.output and "learned on it" in r.output
     assert (run / "calibrated" / "zarr.json").stat().st_mtime_ns == stamp
     # no flag (the default): the run resumes on its own calibrated/ as it is, whatever --calibrate-samples says
     r = CliRunner().invoke(train_cli, [*args[:-4], "--save-every", "1", "--steps", "3", "--resume"])
@@ -700,10 +703,14 @@ def test_train_calibrate_refusals_and_recovery(tmp_path, caplog):
     (moved2 / "adapter_model.safetensors").unlink()
     r = CliRunner().invoke(train_cli, [*[str(moved2) if a == str(run) else a for a in args], "--save-every", "1",
                                        "--steps", "3", "--resume"])
-    assert r.exit_code != 0 and "calibrated is gone" in r.output and not (moved2 / "calibrated").exists(), r.output
+    assert r.exit_code != 0 and "weights) is gone" in r.output and not (moved2 / "calibrated").exists(), r.output
     r = CliRunner().invoke(train_cli, [*[str(moved2) if a == str(run) else a for a in args[:-3]], "--save-every", "1",
                                        "--steps", "3", "--resume"])  # the default: the same refusal, nothing remade
-    assert r.exit_code != 0 and "calibrated is gone" in r.output and not (moved2 / "calibrated").exists(), r.output
+    assert r.exit_code != 0 and "weights) is gone" in r.output and not (moved2 / "calibrated").exists(), r.output
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):  # evaluated without its calibrated/: said as such
+        warn_other_weights(str(moved2), open_artifact(tmp_path / "art"), "pact-eval")
+    assert any("which are gone" in m for m in caplog.messages), caplog.messages
     # a record training would refuse names --data's own file, and no --out is left behind
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"foo": "a"}\n')
