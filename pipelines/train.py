@@ -50,6 +50,7 @@ def main(config: str | None, **params) -> None:
             cfg.artifact = own_weights(cfg.artifact, cfg.out)
         with_gptq, note = auto_calibrate(cfg.artifact, cfg.data, cfg.out, resume, split=cfg.data_split)
         if note and not quiet and main_rank():
+            check_inputs(cfg, tokenize=True)  # a bad record is said alone, not after a note about calibration
             click.echo(f"note: {note}; --no-calibrate silences this", err=True)
     if with_gptq:
         from pact.calibrate.calibrate import SourceError
