@@ -36,13 +36,13 @@ from .prompts import load_prompts
 from .quantizer import NVFP4Quantizer
 
 log = logging.getLogger(__name__)
+GROUPS = ("qkv", "o", "gate_up", "down")
+BATCH_TOKENS = 4096  # text prompts go through a layer in right-padded batches of about this many tokens
 
 
 class SourceError(PactError):
     """The artifact's source model cannot be read as the one it was converted from (gone, emptied, its
     weights removed, or another model at its path): GPTQ needs the original weights."""
-GROUPS = ("qkv", "o", "gate_up", "down")
-BATCH_TOKENS = 4096  # text prompts go through a layer in right-padded batches of about this many tokens
 
 
 def _output_error(W: torch.Tensor, Q: torch.Tensor, H: torch.Tensor) -> torch.Tensor:

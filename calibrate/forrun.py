@@ -19,6 +19,7 @@ from pathlib import Path
 from pact.formats import PactError, check_apart, default_cache, open_artifact
 from pact.formats.files import sha256_file, sweep_leftovers
 from pact.runtime.data import parse_record, read_records
+from pact.runtime.distributed import env_world
 from pact.runtime.evaluate import run_record, trained_on_own_calibrated
 from pact.runtime.runfolder import CALIBRATED, _is_new, _prepare_run, made_for_run, run_lock
 
@@ -32,12 +33,17 @@ SAMPLES, SEQ_LEN = 128, 512  # the first 128 training records, at most 512 token
 MIN_RECORDS = 32
 
 
+def texts_sha256(body: str) -> str:
+    """What a run's calibration records as its prompts' sha256 (of calibration_texts' body)."""
+    return hashlib.sha256(body.encode()).hexdigest()
+
+
 def calibration_texts(data: str, split: str | None, samples: int) -> tuple[str, int]:
     """The first ``samples`` records of the training data as JSON lines (and how many), in the forms
     pact-train reads (pact-calibrate joins prompt and completion, renders messages), so any --data
     works; a record in none of those forms is refused here, naming --data's file and line (pact-train
     tokenizes every record before calling this, which also checks types and empty completions)."""
-    records = read_records(data, "--data", split)[:samples]
+    records = read_records(data, "--data", split, limit=samples)
     for r in records:
         parse_record(r)
     body = "".join(json.dumps({k: v for k, v in r.items() if k != "_where"}, sort_keys=True, default=str) + "\n"
@@ -53,7 +59,7 @@ def calibrate_for_run(artifact: str, data: str, run: str | os.PathLike, *, split
     intact). With ``resume``, a run that has trained keeps its calibrated/ or is refused."""
     if samples < 1:
         raise PactError(f"--calibrate-samples must be >= 1, got {samples}")
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    if env_world() > 1:
         raise PactError("--calibrate under torchrun: calibrate once first (pact-calibrate ARTIFACT --prompts "
                         "TRAIN.jsonl --out CALIBRATED/), then torchrun pact-train CALIBRATED/ without --calibrate")
     run = Path(run)
@@ -63,7 +69,7 @@ def calibrate_for_run(artifact: str, data: str, run: str | os.PathLike, *, split
                         "or drop --calibrate")
     check_apart(run, {"artifact": art.path}, "pact-train")
     body, n = calibration_texts(data, split, samples)
-    digest = hashlib.sha256(body.encode()).hexdigest()
+    digest = texts_sha256(body)
     want = {"artifact_fingerprint": art.fingerprint(), "records": n, "seq_len": seq_len}
     _check_source(art, artifact, data)
     _check_ours(out)
@@ -136,7 +142,7 @@ def auto_calibrate(artifact: str, data: str, run: str | os.PathLike, resume: boo
 def _cannot_calibrate(artifact: str, prov: dict, data: str, split: str | None) -> str | None:
     """Why the default cannot calibrate ``artifact`` on --data here (None: it can)."""
     src = prov.get("source")
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    if env_world() > 1:
         return ("under torchrun each process would calibrate: calibrate once first (pact-calibrate ARTIFACT "
                 "--prompts TRAIN.jsonl --out CALIBRATED/) and train on CALIBRATED/")
     if not isinstance(src, str) or not src:
@@ -144,7 +150,7 @@ def _cannot_calibrate(artifact: str, prov: dict, data: str, split: str | None) -
     if not Path(src).is_absolute():
         return (f"its source model is {src}, not a local path: --calibrate fetches it, or pact-calibrate "
                 f"{artifact} --source LOCAL_COPY --prompts TRAIN.jsonl --out CALIBRATED/")
-    if not Path(src).exists():
+    if _source_gone(prov):
         return (f"its source model {src} is not on this machine: put it back, or pact-calibrate {artifact} "
                 "--source MODEL --prompts TRAIN.jsonl --out CALIBRATED/ and train on CALIBRATED/")
     try:
@@ -173,7 +179,7 @@ def _other_texts(artifact: str, cal: dict, data: str, split: str | None) -> str 
             body, _ = calibration_texts(data, split, int(cal["for_run"]["records"]))
         except (PactError, OSError, KeyError, ValueError, TypeError):
             return None  # (training says what is wrong with --data)
-        if hashlib.sha256(body.encode()).hexdigest() == cal.get("prompts_sha256"):
+        if texts_sha256(body) == cal.get("prompts_sha256"):
             return None
     elif Path(data).is_file() and cal.get("prompts_sha256") == sha256_file(Path(data)):
         return None  # (pact-calibrate reads files: a datasets folder or hub id was not its --prompts)
@@ -193,15 +199,22 @@ def _check_ours(out: Path) -> None:
                         "replaced; choose another --out (or train on it: pact-train OUT/calibrated --out ELSEWHERE)")
 
 
+def _source_gone(prov: dict) -> bool:
+    """The artifact's source is a local path that is not there (an imported checkpoint: calibrate says
+    why it cannot; a hub id: fetched or refused there)."""
+    src = prov.get("source")
+    return ("source_quantization" not in prov and isinstance(src, str) and Path(src).is_absolute()
+            and not Path(src).exists())
+
+
 def _check_source(art, artifact: str, data: str) -> None:
     """GPTQ reads the original weights again: a local source that is gone is said before anything."""
     prov = art.meta["provenance"]
-    src = prov.get("source")
-    if "source_quantization" in prov or not src or not Path(src).is_absolute() or Path(src).exists():
-        return  # (an imported checkpoint: calibrate says why it cannot; a hub id: fetched or refused there)
-    raise PactError(f"--calibrate needs the model {artifact} was converted from, recorded as {src}, which is not "
-                    f"there: put it back, or calibrate with pact-calibrate {artifact} --source MODEL --prompts {data} "
-                    "--out CALIBRATED/ and train on CALIBRATED/ without --calibrate")
+    if not _source_gone(prov):
+        return
+    raise PactError(f"--calibrate needs the model {artifact} was converted from, recorded as {prov['source']}, "
+                    f"which is not there: put it back, or calibrate with pact-calibrate {artifact} --source MODEL "
+                    f"--prompts {data} --out CALIBRATED/ and train on CALIBRATED/ without --calibrate")
 
 
 def _check_resume(run: Path, out: Path, same: bool) -> None:

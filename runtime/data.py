@@ -55,11 +55,12 @@ def _split_flag(flag: str) -> str:
 
 
 def read_records(path: str | Path, flag: str = "--data", split: str | None = None,
-                 default_splits: tuple[str, ...] | None = None) -> list[dict]:
+                 default_splits: tuple[str, ...] | None = None, limit: int | None = None) -> list[dict]:
     """Records from a .jsonl file, a .parquet / .csv / .json table (datasets' loaders; .json: an
     array of objects or JSON lines) or a `datasets.save_to_disk` folder (of a DatasetDict: ``split``,
     else the first of DEFAULT_SPLITS[flag] it has); errors name the line (and ``flag``, the option
-    the path came from). Each record gets "_where" (file:line or row)."""
+    the path came from). Each record gets "_where" (file:line or row). ``limit``: the first records
+    only (a .jsonl file is read no further; the lines after them are not checked)."""
     p = Path(path)
     split_flag = _split_flag(flag)
     if split is not None and p.exists() and not p.is_dir():
@@ -117,6 +118,9 @@ def read_records(path: str | Path, flag: str = "--data", split: str | None = Non
                     raise PactError(f"{p}:{n}: expected a JSON object, got {type(rec).__name__}")
                 records.append(rec)
                 where.append(f"{p}:{n}")
+                if len(records) == limit:
+                    break
+    records, where = records[:limit], where[:limit]
     if not records:
         raise PactError(f"{flag} {p}: no records (empty file)")
     for rec, w in zip(records, where):

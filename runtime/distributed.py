@@ -87,10 +87,15 @@ def env_rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
+def env_world() -> int:
+    """How many processes torchrun started (1 outside torchrun), read without joining anything."""
+    return int(os.environ.get("WORLD_SIZE", "1") or 1)
+
+
 def from_env(device: str | None) -> tuple[Dist, str | None]:
     """The process group torchrun describes (WORLD_SIZE > 1), joined here, and the device this rank
     uses: cuda:LOCAL_RANK when ``device`` is None or "cuda", else ``device`` (cpu: gloo)."""
-    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    world = env_world()
     if world <= 1:
         return Dist(), device
     rank, local = env_rank(), int(os.environ.get("LOCAL_RANK", "0"))

@@ -13,6 +13,7 @@ import torch
 from pact.formats import Artifact, PactError, default_cache, open_artifact
 from pact.formats.peft import LoraConfig
 
+from .distributed import env_world
 from .model import TRAINABLE_FAMILIES, PactModel
 from .ops import resolve_device
 
@@ -41,7 +42,7 @@ def open_session(artifact: str, *, device: str | None = None, tool: str = "pact-
                  flag: str | None = None) -> Session:
     """Device, verified artifact and tokenizer for ``tool``. ``flag``: the option that named the
     artifact, prefixed to a failed verification."""
-    if tool != "pact-train" and int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+    if tool != "pact-train" and env_world() > 1:
         raise PactError(f"{tool} runs in one process (WORLD_SIZE={os.environ['WORLD_SIZE']}): run it without "
                         "torchrun; only pact-train is data-parallel")
     dev = resolve_device(device)

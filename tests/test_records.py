@@ -158,3 +158,15 @@ def test_calibration_prompts_read_every_form(tok, tmp_path):
     with pytest.raises(PactError, match=r"prompts.jsonl:1: expected an object with 'text', 'prompt' and "
                                         r"'completion', or 'messages'; the record has 'nope'"):
         _texts(f, tok)
+
+
+def test_read_records_limit_stops_at_the_first_records(tmp_path):
+    """limit: the first records only; a .jsonl file is read no further (a bad line after them is not
+    reached), and without a limit that line is still refused, naming it."""
+    f = tmp_path / "d.jsonl"
+    f.write_text('{"prompt": "a", "completion": "b"}\n\n{"prompt": "c", "completion": "d"}\nnot json\n')
+    got = read_records(f, limit=2)
+    assert [r["prompt"] for r in got] == ["a", "c"] and got[1]["_where"] == f"{f}:3"
+    assert len(read_records(f, limit=1)) == 1
+    with pytest.raises(PactError, match=r"d.jsonl:4: not valid JSON"):
+        read_records(f)
