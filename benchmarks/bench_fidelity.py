@@ -588,8 +588,11 @@ def _peft_run(folder: Path, train_ex, test_ex, pad, seed, lr, device, steps: int
 @click.option("--eval-batch", default=64, show_default=True, help="Held-out scoring batch (any size scores the same).")
 @click.option("--shard", default="0/1", show_default=True,
               help="I/N: run every N-th (seed, lr, task, method) from the I-th, so N workers split one grid.")
+@click.option("--cells", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="A file of 'TASK METHOD LR SEED' lines (# comments): run these cells instead of the grid "
+                   "--tasks x --methods x --lrs x --seeds (the cells a table still lacks).")
 @click.option("--csv", "csv_path", required=True, type=click.Path(dir_okay=False, path_type=Path))
-def tasks(workdir, bigbench, tasks, methods, lrs, seeds, steps, eval_batch, shard, csv_path) -> None:
+def tasks(workdir, bigbench, tasks, methods, lrs, seeds, steps, eval_batch, shard, cells, csv_path) -> None:
     """Held-out accuracy of each method on each task, learning rate and seed; one CSV row each.
     Seeds outermost, so a grid cut by a deadline has every task for its first seeds."""
     import shutil
@@ -608,6 +611,12 @@ def tasks(workdir, bigbench, tasks, methods, lrs, seeds, steps, eval_batch, shar
         assert 0 <= index < count
     except (ValueError, AssertionError):
         raise click.BadParameter(f"{shard!r}: I/N with 0 <= I < N", param_hint="--shard") from None
+    if cells is not None:
+        jobs = _read_cells(cells)
+        methods = tuple(dict.fromkeys(m for _, _, _, m in jobs))
+    else:
+        jobs = [(int(seed), float(lr), task, method) for seed in seeds.split(",") for lr in lrs.split(",")
+                for task in tasks.split(",") for method in methods]
     _check_methods(methods)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     gguf = fetch(SMOLLM2_135M, workdir)
@@ -624,8 +633,7 @@ def tasks(workdir, bigbench, tasks, methods, lrs, seeds, steps, eval_batch, shar
             folders[m] = nvfp4_bf16_folder(variant_artifact(workdir, gguf, split_variant(split_method(m)[1])[0]))
     tok = AutoTokenizer.from_pretrained(open_artifact(variant_artifact(workdir, gguf, DEFAULT_VARIANT)).hf_dir)
     pad = pad_id(tok)
-    grid = [(int(seed), float(lr), task, method) for seed in seeds.split(",") for lr in lrs.split(",")
-            for task in tasks.split(",") for method in methods][index::count]
+    grid = jobs[index::count]
     data: dict[str, tuple] = {}
     rows = []
     for seed, lr, task, method in grid:
@@ -672,6 +680,25 @@ def tasks(workdir, bigbench, tasks, methods, lrs, seeds, steps, eval_batch, shar
             w.writeheader()
             w.writerows(rows)
         tmp.replace(csv_path)
+
+
+def _read_cells(path: Path) -> list[tuple[int, float, str, str]]:
+    """--cells: (seed, lr, task, method) per 'TASK METHOD LR SEED' line, lowest seeds first (a grid cut
+    by a deadline keeps the first seeds of every cell)."""
+    jobs = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        words = line.partition("#")[0].split()
+        if not words:
+            continue
+        try:
+            task, method, lr, seed = words
+            jobs.append((int(seed), float(lr), task, method))
+        except ValueError:
+            raise click.BadParameter(f"{path}:{n}: {line.strip()!r} is not 'TASK METHOD LR SEED'",
+                                     param_hint="--cells") from None
+    if not jobs:
+        raise click.BadParameter(f"{path} holds no cells", param_hint="--cells")
+    return sorted(jobs, key=lambda j: j[0])
 
 
 def _lora_layers(spec: str) -> str:

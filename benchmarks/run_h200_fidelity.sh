@@ -17,7 +17,9 @@
 #          (16: 14 workers scoring 64 rows at once ran the GPU out of memory)
 #   tasks2 (no carry):       the same at lr 2e-4; the table covers both calls' rows (PREPARE=1: make the
 #          artifacts its METHODS need first, as `tasks` does)
-#   either: TASKS_B, METHODS_B (SEEDS_B, LRS_B: default the first grid's) run a second grid beside the first on
+#   either: CELLS=FILE runs the cells a file lists ('TASK METHOD LR SEED' lines) instead of TASKS x METHODS x
+#          LRS x SEEDS (its tasks and methods are the ones prepared);
+#          TASKS_B, METHODS_B (SEEDS_B, LRS_B: default the first grid's) run a second grid beside the first on
 #          WORKERS_B processes per GPU (default 4); PREP_TASKS x PREP_METHODS: artifacts made now for a later call
 #   graphs (carry .whl .gg1): --cuda-graphs on the 1B shapes (bs 6 and 16, and under a 16 GiB cap), eager and
 #          graphed beside PEFT + Liger; the GPU tests of the graphs first
@@ -40,8 +42,10 @@ left() {  # seconds to DEADLINE, at least 1 (`timeout 0` would never stop the co
 }
 grid() {  # $1 lrs, $2 tasks, $3 seeds, $4 workers, $5 rows' name, $6.. methods: $4 processes per GPU split
   # the grid (--shard), seeds outermost, ending by DEADLINE
+  # (a file as $1, "cells": the cells it lists, 'TASK METHOD LR SEED' lines, instead of the grid)
   local lrs=$1 tasks=$2 seeds=$3 n=$(( $4 * NGPU )) name=$5 k args=(); shift 5
   for m in "$@"; do args+=(--methods "$m"); done
+  [ -f "$lrs" ] && args=(--cells "$lrs")
   for k in $(seq 0 $(( n - 1 ))); do
     CUDA_VISIBLE_DEVICES=$(( k % NGPU )) OMP_NUM_THREADS=1 timeout $(left) \
       python3 benchmarks/bench_fidelity.py tasks --workdir /tmp/wd --tasks $tasks --seeds ${seeds// /,} \
@@ -242,29 +246,32 @@ merge)  # (carry .gg2 .fid) what merged exports keep of the adapter's gain: one 
   # MERGE_PHASE=train: every (task, seed) trains at once (one process each) and stops; then (the default,
   # or MERGE_PHASE=merge in a later call on the warm machine) the runs are merged and scored,
   # MERGE_WORKERS at a time (a GPTQ merge is CPU-heavy: 20 at once took ~5 min each), skipping done ones
-  : > /tmp/rows/merge-jobs.txt
+  MG=/tmp/mg${TAG:+-$TAG}; MJ=merge${TAG:+-$TAG}  # TAG: another grid's runs and rows (MERGE_ARGS=--merge-aware-steps N)
+  : > /tmp/rows/$MJ-jobs.txt
   for t in ${MT//,/ }; do
     read -r tr te < <(cd benchmarks && python3 -c "from pathlib import Path; from bench_fidelity import task_files as f
 print(*f('$t', Path('/tmp/wd'), None))")
     for s in $SEEDS; do
-      args="--name $t --artifact $ART --train $tr --test $te --workdir /tmp/mg/$t --seeds $s --lr ${LR:-5e-4}"
-      if [ "${MERGE_PHASE:-all}" != merge ] && [ ! -f /tmp/mg/$t/seed$s/run/adapter_model.safetensors ]; then
+      args="--name $t --artifact $ART --train $tr --test $te --workdir $MG/$t --seeds $s --lr ${LR:-5e-4}"
+      if [ "${MERGE_PHASE:-all}" != merge ] && [ ! -f $MG/$t/seed$s/run/adapter_model.safetensors ]; then
         CUDA_VISIBLE_DEVICES=$(( s % NGPU )) OMP_NUM_THREADS=1 timeout $(left) python3 \
           benchmarks/bench_merge.py run $args --train-only ${MERGE_ARGS:-} > /tmp/rows/train-$t-$s.log 2>&1 &
       fi
-      [ -f /tmp/rows/merge-$t-$s.json ] || echo "OMP_NUM_THREADS=2 timeout \$(left) python3 \
-benchmarks/bench_merge.py run $args --reuse-runs --json-out /tmp/rows/merge-$t-$s.json ${MERGE_ARGS:-} \
-> /tmp/rows/merge-$t-$s.log 2>&1" >> /tmp/rows/merge-jobs.txt
+      [ -f /tmp/rows/$MJ-$t-$s.json ] || echo "OMP_NUM_THREADS=2 timeout \$(left) python3 \
+benchmarks/bench_merge.py run $args --reuse-runs --json-out /tmp/rows/$MJ-$t-$s.json ${MERGE_ARGS:-} \
+> /tmp/rows/$MJ-$t-$s.log 2>&1" >> /tmp/rows/$MJ-jobs.txt
     done
   done
   wait
-  echo "trained: $(ls /tmp/mg/*/seed*/run/adapter_model.safetensors 2>/dev/null | wc -l) runs at $(( $(date +%s) - START )) s"
+  echo "trained: $(ls $MG/*/seed*/run/adapter_model.safetensors 2>/dev/null | wc -l) runs at $(( $(date +%s) - START )) s"
   if [ "${MERGE_PHASE:-all}" != train ]; then
-    tr '\n' '\0' < /tmp/rows/merge-jobs.txt | xargs -0 -P ${MERGE_WORKERS:-8} -I{} bash -c {}
+    tr '\n' '\0' < /tmp/rows/$MJ-jobs.txt | xargs -0 -P ${MERGE_WORKERS:-8} -I{} bash -c {}
   fi
-  grep -h -i -B2 "error\|Traceback" /tmp/rows/merge-*.log | head -20
-  mkdir -p $OUT/merge && cp /tmp/rows/merge-*.json $OUT/merge/ 2>/dev/null
-  python3 benchmarks/bench_merge.py table /tmp/rows/merge-*.json | tee $OUT/merge_table.md
+  grep -h -i -B2 "error\|Traceback" /tmp/rows/$MJ-*.log | head -20
+  # one file of every row (a call returns at most a few files)
+  python3 -c "import json, sys; print(json.dumps([r for f in sys.argv[1:] for r in json.load(open(f))], indent=1))" \
+    /tmp/rows/$MJ-*.json > $OUT/$MJ.json
+  python3 benchmarks/bench_merge.py table $OUT/$MJ.json | tee $OUT/merge_table.md
   ;;
 packing)  # (after tasks or merge on the warm machine: the GGUF's artifact is there) --packing vs one example per
   # row: real tokens/s of one epoch, SmolLM2-135M, bs 8 rows of max-len 512, on a task's training texts
@@ -291,6 +298,10 @@ tasks|tasks2)  # tasks: lr LRS (5e-4); tasks2: LRS (2e-4) on the machine `tasks`
       tail -3 /tmp/rows/llmc-import.log; METHODS=$(echo $METHODS | tr ' ' '\n' | grep -v llmc | tr '\n' ' ')
       echo "llmcompressor NOT importable here: the grid runs without its methods: $METHODS" | tee $OUT/llmc_dropped.txt
     fi
+  fi
+  if [ -n "${CELLS:-}" ]; then  # the cells' tasks and methods, for the artifacts made first
+    TASKS=$(awk '!/^#/ && NF == 4 {print $1}' $CELLS | sort -u | paste -sd,)
+    METHODS=$(awk '!/^#/ && NF == 4 {print $2}' $CELLS | sort -u | paste -sd' ')
   fi
   if [ $stage = tasks ] || [ "${PREPARE:-0}" = 1 ]; then
     t=$(date +%s)  # the bf16 folders, converted and calibrated artifacts, before the workers read them
@@ -323,6 +334,7 @@ tasks|tasks2)  # tasks: lr LRS (5e-4); tasks2: LRS (2e-4) on the machine `tasks`
   if [ -n "${TASKS_B:-}" ]; then  # a second grid beside the first, on WORKERS_B of the processes (rows: RUN-b-*)
     grid ${LRS_B:-$lrs} $TASKS_B "${SEEDS_B:-$SEEDS}" ${WORKERS_B:-4} $RUN-b $METHODS_B &
   fi
+  [ -n "${CELLS:-}" ] && lrs=$CELLS
   grid $lrs $TASKS "$SEEDS" ${WORKERS:-8} $RUN ${METHODS:-peft peft@nvfp4 pact=nvfp4-saved pact@bf16-decode=nvfp4-saved}
   wait
   echo "$stage: $(( $(date +%s) - t )) s, $(cat /tmp/rows/$RUN-*.csv | grep -vc ^task) runs"
