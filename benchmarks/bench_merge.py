@@ -85,10 +85,8 @@ def cli() -> None:
 @click.option("--merge-samples", default=128, show_default=True, help="The GPTQ merge's texts (gptq_merge).")
 @click.option("--merge-damp", default=0.01, show_default=True, help="The GPTQ merge's damping.")
 @click.option("--merge-act-order", is_flag=True, help="The GPTQ merge in act-order (scales fixed up front).")
-@click.option("--merge-aware-steps", default=0, show_default=True,
-              help="pact-train --merge-aware-steps: the last N steps train through the plain merge's rounding.")
 def run(name, artifact, train_f, test_f, workdir, seeds, steps, lr, max_len, limit, json_out, reuse_runs,
-        train_only, variants, merge_samples, merge_damp, merge_act_order, merge_aware_steps) -> None:
+        train_only, variants, merge_samples, merge_damp, merge_act_order) -> None:
     """Train each seed, then score zero-shot, unmerged and every merge of its adapter."""
     import importlib.util
 
@@ -118,13 +116,12 @@ def run(name, artifact, train_f, test_f, workdir, seeds, steps, lr, max_len, lim
         if not reuse:
             shutil.rmtree(run, ignore_errors=True)
             train(TrainConfig(artifact=str(artifact), data=str(train_f), out=str(run), steps=steps, batch_size=8,
-                              max_len=max_len, lr=lr, lora_r=16, lora_alpha=32, warmup_ratio=0.1, seed=seed,
-                              merge_aware_steps=merge_aware_steps),
+                              max_len=max_len, lr=lr, lora_r=16, lora_alpha=32, warmup_ratio=0.1, seed=seed),
                   progress=False)
         if train_only:
             click.echo(f"{name} seed {seed}: trained in {time.perf_counter() - t:.0f} s")
             continue
-        row = {"task": name, "lr": lr, "seed": seed, "merge_aware_steps": merge_aware_steps, "zero_shot": zero,
+        row = {"task": name, "lr": lr, "seed": seed, "zero_shot": zero,
                "train_s": None if reuse else round(time.perf_counter() - t, 1), "unmerged": acc(artifact, str(run))}
         solved = {}
 
@@ -177,22 +174,13 @@ def _mse(xs: list[float]) -> str:
 
 @cli.command()
 @click.argument("files", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
-@click.option("--against", "against", multiple=True, type=click.Path(exists=True, dir_okay=False),
-              help="Rows of runs trained without --merge-aware-steps: the merge-aware rows' gain is measured "
-                   "against their unmerged accuracy (same task, lr and seed), what a user had before.")
-def table(files, against) -> None:
+def table(files) -> None:
     """A markdown table of `run` rows: per task, mean accuracy of each merge its rows hold, the gain
     kept (mean merged gain / mean unmerged gain) and the paired difference merged - unmerged."""
     rows = [r for f in files for r in json.loads(Path(f).read_text())]
-    ref = {(r["task"], r["lr"], r["seed"]): r["unmerged"] for f in against for r in json.loads(Path(f).read_text())
-           if not r.get("merge_aware_steps")}
-    if against:  # merge-aware rows against the plain runs' unmerged adapters (rows without one: left out)
-        rows = [r if not r.get("merge_aware_steps") else {**r, "unmerged": ref[r["task"], r["lr"], r["seed"]]}
-                for r in rows if not r.get("merge_aware_steps") or (r["task"], r["lr"], r["seed"]) in ref]
     by: dict[str, list[dict]] = {}
     for r in rows:
-        n = r.get("merge_aware_steps")
-        by.setdefault(f"{r.get('task', '')} (lr {r.get('lr', '')}{f', merge-aware {n}' if n else ''})", []).append(r)
+        by.setdefault(f"{r.get('task', '')} (lr {r.get('lr', '')})", []).append(r)
     # gptq-seq: a removed method (BENCHMARKS.md re-tables its rows)
     names = {"rtn": "plain", "gptq": "GPTQ", "gptq-ai": "GPTQ adapted inputs", "gptq-mi": "GPTQ merged inputs",
              "gptq-seq": "GPTQ-seq", "bf16": "bf16"}

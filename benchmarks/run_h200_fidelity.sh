@@ -246,7 +246,7 @@ merge)  # (carry .gg2 .fid) what merged exports keep of the adapter's gain: one 
   # MERGE_PHASE=train: every (task, seed) trains at once (one process each) and stops; then (the default,
   # or MERGE_PHASE=merge in a later call on the warm machine) the runs are merged and scored,
   # MERGE_WORKERS at a time (a GPTQ merge is CPU-heavy: 20 at once took ~5 min each), skipping done ones
-  MG=/tmp/mg${TAG:+-$TAG}; MJ=merge${TAG:+-$TAG}  # TAG: another grid's runs and rows (MERGE_ARGS=--merge-aware-steps N)
+  MG=/tmp/mg${TAG:+-$TAG}; MJ=merge${TAG:+-$TAG}  # TAG: another grid's runs and rows
   : > /tmp/rows/$MJ-jobs.txt
   for t in ${MT//,/ }; do
     read -r tr te < <(cd benchmarks && python3 -c "from pathlib import Path; from bench_fidelity import task_files as f

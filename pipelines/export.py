@@ -25,12 +25,10 @@ from .common import cli_errors
                    "quantized bases), or merged (bf16, or --merge).")
 @click.option("--merge", is_flag=True, help="Fold the adapter into the weights and re-quantize them to NVFP4 "
                                             "(the added error per projection is printed).")
-@click.option("--merge-method", type=click.Choice(["auto", "gptq", "rtn"]), default="auto", show_default=True,
+@click.option("--merge-method", type=click.Choice(["gptq", "rtn"]), default="gptq", show_default=True,
               help="gptq: re-quantize W + BA by GPTQ on the layer inputs the trained model produces on "
                    "--merge-data, which keeps what the adapter learned; "
-                   "rtn: round to nearest (faster; a delta below half an NVFP4 step is lost, unless the run "
-                   "trained with --merge-aware-steps: it learned around exactly this rounding); "
-                   "auto: rtn for a run trained with --merge-aware-steps, else gptq.")
+                   "rtn: round to nearest (faster; a delta below half an NVFP4 step is lost).")
 @click.option("--merge-data", default=None, type=click.Path(dir_okay=True),
               help="Texts like the training data for --merge-method gptq (JSONL as pact-train reads it). "
                    "Default: the run's --data, as its train_config.json records it.")
@@ -56,8 +54,6 @@ def main(artifact, out, fmt, adapter, merge, merge_method, merge_data, merge_inp
 
         artifact = own_weights(artifact, adapter)  # a run's own calibrated/, given the artifact it was made from
         warn_other_weights(adapter, open_artifact(artifact), "pact-export")
-    if merge_method == "auto":
-        merge_method = "rtn" if merge and adapter and _merge_aware(adapter) else "gptq"
     solver = None
     if merge_method == "gptq":
         def solver(art_path, run):  # called by export once every input is checked
@@ -77,13 +73,6 @@ def main(artifact, out, fmt, adapter, merge, merge_method, merge_data, merge_inp
     if "requantization_error" in r:
         r["requantization_error"] = {k: v for k, v in r["requantization_error"].items() if k != "per_projection"}
     click.echo(json.dumps(r, indent=2))
-
-
-def _merge_aware(adapter: str) -> bool:
-    """Whether a pact-train run trained its last steps through the plain merge's rounding."""
-    from pact.runtime.evaluate import run_folder, run_record
-
-    return bool(run_record(str(run_folder(adapter))).get("merge_aware_steps"))  # ({}: a PEFT adapter from elsewhere)
 
 
 def _run_data(adapter: str) -> str:

@@ -93,10 +93,6 @@ class TrainConfig:
                                     f"{GRAPH_WORK:.0e}: SmolLM2-135M always, 1B shapes up to ~6K tokens, 3B "
                                     "~4K, 8B ~1.8K); larger ones gain little and the captures hold more memory.",
                             choices=("auto", "on", "off"))
-    merge_aware_steps: int = _opt(0, "Train the last N steps through the rounding a merged NVFP4 export applies "
-                                     "(forward: Q(W + s B A), straight-through gradients): the adapter learns "
-                                     "around it, and pact-export --merge then writes exactly those weights "
-                                     "(its plain merge, the default for such a run). 0: off.")
     device: str | None = _opt(None, "cuda, cuda:1, cpu (default: cuda if available).")
 
     def __post_init__(self) -> None:
@@ -126,8 +122,6 @@ class TrainConfig:
             ("early-stopping-patience", self.early_stopping_patience, self.early_stopping_patience >= 0,
              ">= 0 (0: never stop early)"),
             ("max-len", self.max_len, self.max_len >= 2, ">= 2 (a prompt token and a completion token)"),
-            ("merge-aware-steps", self.merge_aware_steps, self.merge_aware_steps >= 0,
-             ">= 0 (0: off; N: the last N steps train through the merge's rounding)"),
         )
         for flag, value, ok, want in checks:
             if not ok:

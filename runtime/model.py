@@ -25,7 +25,6 @@ from .bind import Layer, bind
 from .functions import Lora, MlpFn, NormProjectionFn, ProjectionFn, RopeFn
 from .graphs import GraphBuffers, GraphedLayersFn, LayerGraphs, graphable
 from .loss import target_cross_entropy
-from .mergeaware import merge_errors
 from .ops import get_ops, resolve_compute, resolve_kernels
 from .recipe import Recipe, parse_recipe
 
@@ -150,17 +149,6 @@ class PactModel(nn.Module):
             yield
         finally:
             self.ops = plain
-
-    @contextlib.contextmanager
-    def as_merged(self, rule: str):
-        """Within: the forward GEMMs of the adapted groups see the weights a plain NVFP4 merge of the
-        current adapter writes (runtime/mergeaware.py; ``rule``: the artifact's block scales), eagerly."""
-        plain, on = self.ops, self.cuda_graphs
-        self.ops, self.cuda_graphs = plain.corrected(merge_errors(self.layers, rule)), False
-        try:
-            yield
-        finally:
-            self.ops, self.cuda_graphs = plain, on
 
     @contextlib.contextmanager
     def recipe_as(self, recipe: Recipe):

@@ -295,13 +295,11 @@ def _step(r: _Run, cfg: TrainConfig, micro: list) -> dict:
         raise PactError(f"step {state['step'] + 1}: the batch has no completion tokens within --max-len "
                         f"{cfg.max_len}: raise --max-len")
     loss_sum, error = 0.0, None
-    merging = cfg.merge_aware_steps and state["step"] >= r.total - cfg.merge_aware_steps
     try:
-        with r.model.as_merged(r.model.artifact.block_scale_rule) if merging else contextlib.nullcontext():
-            for batch in loaded:
-                loss, _ = r.model(*batch)
-                (loss / n_targets).backward()
-                loss_sum += float(loss.detach())
+        for batch in loaded:
+            loss, _ = r.model(*batch)
+            (loss / n_targets).backward()
+            loss_sum += float(loss.detach())
     except Exception as e:  # every rank stops with it (a failed rank never leaves the others waiting)
         error = e
     dist.check(error, device)

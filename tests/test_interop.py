@@ -3,7 +3,6 @@ artifacts: written here by compressed-tensors itself, read back by pact, checked
 library's own decompression."""
 
 import json
-import math
 import shutil
 
 import pytest
@@ -330,49 +329,6 @@ def test_gptq_merge_keeps_more_of_the_adapter(trained, tmp_path):
     r = CliRunner().invoke(export_cli, args + ["--merge-data", str(trained / "train.jsonl"), "--merge-samples", "4",
                                                "--merge-inputs", "adapted", "--overwrite"])
     assert r.exit_code == 0 and json.loads(r.output)["merge"]["inputs"] == "adapted", r.output
-
-
-def test_merge_aware_steps_train_through_what_the_plain_merge_writes(trained, tmp_path):
-    """--merge-aware-steps N: during the last N steps the adapted groups' forward is the plain merge's
-    Q(W + s B A) (the model's as_merged: its logits are the merged export's, read back, where the
-    unmerged model's are not), the run records it, and pact-export --merge then picks the plain merge
-    (auto), which writes the weights those steps trained through; the adapter still trains
-    (straight-through gradients). A negative N is refused before anything loads."""
-    from click.testing import CliRunner
-
-    from pact.formats.peft import load_peft_adapter
-    from pact.pipelines.export import main as export_cli
-    from pact.pipelines.train import main as train_cli
-    from pact.runtime.model import PactModel
-    from pact.runtime.trainer import TrainConfig
-
-    art, run = str(trained / "art"), str(trained / "run")
-    ids = torch.randint(0, 200, (2, 24))
-    cfg, weights = load_peft_adapter(run)
-    model = PactModel(open_artifact(art), cfg, activations="bf16")
-    model.load_adapter_state(weights)
-    r = CliRunner().invoke(export_cli, [art, "--out", str(tmp_path / "rtn"), "--adapter", run, "--merge",
-                                        "--merge-method", "rtn", "--quiet"])
-    assert r.exit_code == 0, r.output
-    merged = _pact_logits(convert(str(tmp_path / "rtn"), tmp_path / "rtn-art", progress=False), ids)
-    with model.as_merged(open_artifact(art).block_scale_rule):
-        as_merged = model.logits(ids)
-    unmerged = model.logits(ids)
-    assert _rel(as_merged, merged) < 0.01 < _rel(unmerged, merged), (_rel(as_merged, merged), _rel(unmerged, merged))
-
-    out = tmp_path / "ma"
-    r = CliRunner().invoke(train_cli, [art, "--data", str(trained / "train.jsonl"), "--out", str(out), "--steps", "4",
-                                       "--batch-size", "4", "--max-len", "64", "--lr", "5e-3", "--warmup-ratio", "0",
-                                       "--merge-aware-steps", "2", "--no-calibrate", "--quiet"])
-    assert r.exit_code == 0, r.output
-    assert json.loads((out / "train_config.json").read_text())["merge_aware_steps"] == 2
-    losses = [json.loads(x)["loss"] for x in (out / "metrics.jsonl").read_text().splitlines()]
-    assert len(losses) == 4 and all(math.isfinite(v) for v in losses)
-    r = CliRunner().invoke(export_cli, [art, "--out", str(tmp_path / "auto"), "--adapter", str(out), "--merge",
-                                        "--quiet"])
-    assert r.exit_code == 0 and json.loads(r.output)["merge"] == {"method": "rtn"}, r.output
-    with pytest.raises(PactError, match="--merge-aware-steps must be >= 0"):
-        TrainConfig(artifact=art, data=str(trained / "train.jsonl"), out=str(out), merge_aware_steps=-1)
 
 
 def test_merge_keeping_the_worst_groups_in_bf16(trained, tmp_path):

@@ -163,23 +163,6 @@ class Ops:
 
         return dataclasses.replace(self, nvfp4_gemm=nvfp4_gemm)
 
-    def corrected(self, errors: dict[int, torch.Tensor]) -> "Ops":
-        """These ops with each forward GEMM whose weight has an entry in ``errors`` (keyed by id() of
-        the weight) adding x E^T to its product, x its input rows in bf16: the weight W + E seen in
-        forward (--merge-aware-steps: E the rounding a plain merge adds). Input-gradient GEMMs are
-        not corrected."""
-        gemm, dequant = self.nvfp4_gemm, self.dequant_rows
-
-        def nvfp4_gemm(a, w, a_hat=None):
-            y = gemm(a, w, a_hat)
-            e = errors.get(id(w))
-            if e is None:
-                return y
-            x = a_hat if a_hat is not None else a if isinstance(a, torch.Tensor) else dequant(a)
-            return y + (x.to(e.dtype) @ e.t()).to(y.dtype)
-
-        return dataclasses.replace(self, nvfp4_gemm=nvfp4_gemm)
-
 
 def resolve_fp8_weights(name: str, compute: str) -> str:
     """`--fp8-weights`, checked against the compute backend it serves."""
