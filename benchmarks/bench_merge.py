@@ -78,8 +78,7 @@ def cli() -> None:
 @click.option("--train-only", is_flag=True, help="Train each seed's run (kept in --workdir) and stop: no scores.")
 @click.option("--variants", default="rtn,gptq,bf16,hf", show_default=True,
               help="Merges scored: rtn (plain), gptq (pact-export --merge's default: GPTQ on the merged "
-                   "model's inputs), gptq-base (that on the artifact's own scales: --merge-grid base), "
-                   "gptq-keepNN (that with NN% of the adapted projections kept bf16: "
+                   "model's inputs), gptq-keepNN (that with NN% of the adapted projections kept bf16: "
                    "--merge-keep-bf16), gptq-ai (GPTQ on the adapted model's inputs: --merge-inputs adapted), "
                    "bf16, hf (the GPTQ export read by transformers). Rows made before commit 'merged inputs by "
                    "default' name the adapted-inputs merge gptq and the merged-inputs one gptq-mi.")
@@ -126,21 +125,19 @@ def run(name, artifact, train_f, test_f, workdir, seeds, steps, lr, max_len, lim
                "train_s": None if reuse else round(time.perf_counter() - t, 1), "unmerged": acc(artifact, str(run))}
         solved = {}
 
-        def solver_on(inputs, grid="new"):  # the GPTQ merge once per seed, inputs and grid: -keepNN reuse it
+        def solver_on(inputs):  # the GPTQ merge once per seed and inputs: the -keepNN variants reuse it
             def solver(a, r):
-                if (inputs, grid) not in solved:
-                    solved[inputs, grid] = gptq_merge(a, r, train_f, max_samples=merge_samples, damp=merge_damp,
-                                                      actorder=merge_act_order, inputs=inputs, grid=grid)
-                return solved[inputs, grid][0], dict(solved[inputs, grid][1])
+                if inputs not in solved:
+                    solved[inputs] = gptq_merge(a, r, train_f, max_samples=merge_samples, damp=merge_damp,
+                                                actorder=merge_act_order, inputs=inputs)
+                return solved[inputs][0], dict(solved[inputs][1])
             return solver
 
-        hows = [h for h in variants.split(",")
-                if h in ("rtn", "gptq", "gptq-ai", "gptq-base") or h.startswith("gptq-keep")]
+        hows = [h for h in variants.split(",") if h in ("rtn", "gptq", "gptq-ai") or h.startswith("gptq-keep")]
         for how in hows:
             t = time.perf_counter()
             keep = int(how.removeprefix("gptq-keep")) / 100 if how.startswith("gptq-keep") else 0.0
-            solver = (None if how == "rtn" else solver_on("adapted") if how == "gptq-ai"
-                      else solver_on("merged", "base") if how == "gptq-base" else solver_on("merged"))
+            solver = None if how == "rtn" else solver_on("adapted" if how == "gptq-ai" else "merged")
             summary = export(str(artifact), d / f"ct-{how}", adapter=str(run), merge=True, overwrite=True,
                              merge_solver=solver, merge_keep_bf16=keep)["merge"]
             row[f"{how}_merge_s"] = round(time.perf_counter() - t, 1)
@@ -185,8 +182,7 @@ def table(files) -> None:
     for r in rows:
         by.setdefault(f"{r.get('task', '')} (lr {r.get('lr', '')})", []).append(r)
     # gptq-seq: a removed method (BENCHMARKS.md re-tables its rows)
-    names = {"rtn": "plain", "gptq": "GPTQ", "gptq-base": "GPTQ base grid", "gptq-ai": "GPTQ adapted inputs",
-             "gptq-mi": "GPTQ merged inputs",
+    names = {"rtn": "plain", "gptq": "GPTQ", "gptq-ai": "GPTQ adapted inputs", "gptq-mi": "GPTQ merged inputs",
              "gptq-seq": "GPTQ-seq", "bf16": "bf16"}
     for k in sorted({k for r in rows for k in r if k.startswith("merged_gptq-keep")}):  # GPTQ, NN% kept bf16
         names[k.removeprefix("merged_")] = f"GPTQ + {k.removeprefix('merged_gptq-keep')}% bf16"

@@ -33,7 +33,7 @@ from .quantizer import NVFP4Quantizer
 
 def gptq_merge(artifact: str | os.PathLike, adapter: str | os.PathLike, data: str | os.PathLike, *,
                max_samples: int = 128, max_len: int = 512, damp: float = 0.01, blocksize: int = 128,
-               actorder: bool = False, inputs: str = "merged", grid: str = "new", device: str | None = None,
+               actorder: bool = False, inputs: str = "merged", device: str | None = None,
                progress: bool = False) -> tuple[dict[str, NVFP4Tensor], dict]:
     """The merged NVFP4 forward-layout tensor of every projection the adapter adapts (1x16 blocks;
     a fused group's members share one global scale, as vLLM fuses q|k|v and gate|up), and a
@@ -44,16 +44,9 @@ def gptq_merge(artifact: str | os.PathLike, adapter: str | os.PathLike, data: st
     ``inputs``: whose activations each layer's Hessian is taken on: "merged" (the default: the merged
     model's so far, as GPTQ calibration does: each layer solved for the inputs the layers merged below
     it will give it at serving time) or "adapted" (the adapted model's: every layer solved for the
-    inputs the unmerged model gives it).
-
-    ``grid``: the NVFP4 grid the merged weights are put on: "new" (global and block scales chosen
-    again for W + s B A, with the artifact's block-scale rule, as the plain merge does) or "base"
-    (the artifact's own global and block scales kept: W itself lies on that grid, so only the codes
-    the adapter's delta calls for move, and where it is zero the merge is the base exactly)."""
+    inputs the unmerged model gives it)."""
     if inputs not in ("adapted", "merged"):
         raise ValueError(f"gptq_merge: inputs must be 'adapted' or 'merged', got {inputs!r}")
-    if grid not in ("new", "base"):
-        raise ValueError(f"gptq_merge: grid must be 'new' or 'base', got {grid!r}")
     clock = _Clock("cpu")  # as calibration's: the device is known once the session is open
     if max_samples < 1:
         raise PactError(f"--merge-samples must be >= 1, got {max_samples}")
@@ -93,17 +86,13 @@ def gptq_merge(artifact: str | os.PathLike, adapter: str | os.PathLike, data: st
         clock.lap("activations")
         for g in todo.values():
             H = hess[id(g.weight)]
-            Ws, bases = [], []
+            Ws = []
             for name in g.names:  # export's own W + s * B A (and its refusal of non-finite values), on the device
                 base = art.nvfp4(name, "fwd")
-                bases.append(NVFP4Tensor(base.packed.to(dev), base.scales.to(dev), base.global_scale.to(dev)))
-                Ws.append(merged_weight(dequantize(bases[-1]).float(), name, lora_on_dev, scale))
-            gs_plain = global_scale_from_amax(max(float(W.abs().amax()) for W in Ws))  # the plain merge's
-            if grid == "base":  # (a fused group's members share one global scale: runtime/bind.py checks it)
-                q = NVFP4Quantizer(bases[0].global_scale, scaling="1d", scale_rule=rule,
-                                   scales=torch.cat([b.scales for b in bases]))
-            else:
-                q = NVFP4Quantizer(gs_plain, scaling="1d", scale_rule=rule)
+                W = dequantize(NVFP4Tensor(base.packed.to(dev), base.scales.to(dev), base.global_scale.to(dev)))
+                Ws.append(merged_weight(W.float(), name, lora_on_dev, scale))
+            gs = global_scale_from_amax(max(float(W.abs().amax()) for W in Ws))
+            q = NVFP4Quantizer(gs, scaling="1d", scale_rule=rule)
             Q, _ = H.quantize(torch.cat(Ws), q, blocksize=blocksize, percdamp=damp, actorder=actorder)
             packed = q.pack(Q)
             if inputs == "merged":  # the layer runs merged from now on: its members' codes, no adapter
@@ -117,7 +106,7 @@ def gptq_merge(artifact: str | os.PathLike, adapter: str | os.PathLike, data: st
                 out[name] = NVFP4Tensor(packed.packed[r0:r1].cpu(), packed.scales[r0:r1].cpu(),
                                         packed.global_scale.cpu())
                 if name in weights:
-                    plain = _rtn(W, gs_plain, rule)
+                    plain = _rtn(W, gs, rule)
                     errors[name] = {"plain": _output_error(W, plain, H.H), "gptq": _output_error(W, Q[r0:r1], H.H)}
                 r0 = r1
         clock.lap("solve")
@@ -129,7 +118,7 @@ def gptq_merge(artifact: str | os.PathLike, adapter: str | os.PathLike, data: st
     errors = {k: {m: round(float(v), 6) for m, v in e.items()} for k, e in errors.items()}  # one sync, at the end
     clock.lap("solve")
     stages = clock.report()
-    summary = {"method": "gptq", "inputs": inputs, "grid": grid, "samples": len(samples),
+    summary = {"method": "gptq", "inputs": inputs, "samples": len(samples),
                "tokens": int(sum(s.numel() for s in samples)),
                "damp": damp, "seconds": round(stages["total"], 1), "stages": stages, "output_error": errors}
     return out, summary

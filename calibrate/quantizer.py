@@ -32,14 +32,11 @@ from pact.runtime.graphs import side_stream
 
 class NVFP4Quantizer:
     def __init__(self, global_scale: torch.Tensor, *, scaling: str = "2d", static: bool = False,
-                 scale_rule: str = "amax", scales: torch.Tensor | None = None):
-        """``scales``: e4m3 [N, K/16] block scales to keep (an existing NVFP4 tensor's, whose global
-        scale is ``global_scale``): the sweep then only picks codes on that grid (static)."""
+                 scale_rule: str = "amax"):
         if scale_rule not in SCALE_RULES:
             raise ValueError(f"scale_rule must be one of {SCALE_RULES}, got {scale_rule!r}")
         self.g = torch.as_tensor(global_scale, dtype=torch.float32)
-        self.given = scales
-        self.scaling, self.static, self.scale_rule = scaling, static or scales is not None, scale_rule
+        self.scaling, self.static, self.scale_rule = scaling, static, scale_rule
         self.scales: torch.Tensor | None = None  # e4m3 [N, K/16], groups in the original column order
         self.dynamic = not static  # scales fixed during the sweep (not with act-order: begin() says)
         self._grp: torch.Tensor | None = None  # [K/16, 16]: the group of each sweep column, per 16 of them
@@ -76,11 +73,7 @@ class NVFP4Quantizer:
         self._rs = torch.empty_like(self._s)
         cols = perm if perm is not None else torch.arange(k, device=W.device)
         self._grp = (cols // BLOCK).reshape(k // BLOCK, BLOCK)  # each sweep column's group
-        if self.given is not None:  # the grid of the weights being replaced: kept as it is
-            if tuple(self.given.shape) != (n, k // BLOCK):
-                raise ValueError(f"scales {tuple(self.given.shape)} do not fit W {n} x {k} (want {n} x {k // BLOCK})")
-            self._fix(slice(None), self.given.to(W.device))
-        elif not self.dynamic:  # act-order sweeps out of order: groups fixed up front
+        if not self.dynamic:  # act-order sweeps out of order: groups fixed up front
             orig = W[:, torch.argsort(perm)] if perm is not None else W
             self._fix(slice(None), self._block_scales(orig))
 

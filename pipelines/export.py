@@ -36,10 +36,6 @@ from .common import cli_errors
               help="--merge-method gptq: each layer solved on the inputs the layers merged below it give it "
                    "(merged, as served), or on the trained model's own (adapted; kept less of the gain, "
                    "BENCHMARKS.md).")
-@click.option("--merge-grid", type=click.Choice(["new", "base"]), default="new", show_default=True,
-              help="--merge-method gptq: the NVFP4 grid of the merged weights: new (global and block scales chosen "
-                   "again for W + BA, as the plain merge does) or base (the artifact's own scales kept: only the "
-                   "codes the adapter's delta calls for move).")
 @click.option("--merge-samples", default=128, show_default=True, help="Examples of --merge-data used (max-len 512).")
 @click.option("--merge-keep-bf16", default=0.0, show_default=True, type=float,
               help="With the GPTQ merge: this share of the adapted projections (whole q|k|v and gate|up groups, "
@@ -49,8 +45,8 @@ from .common import cli_errors
                    "it); any other folder is refused. Replaced by rename: the old export is removed last.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @cli_errors
-def main(artifact, out, fmt, adapter, merge, merge_method, merge_data, merge_inputs, merge_grid, merge_samples,
-         merge_keep_bf16, overwrite, quiet) -> None:
+def main(artifact, out, fmt, adapter, merge, merge_method, merge_data, merge_inputs, merge_samples, merge_keep_bf16,
+         overwrite, quiet) -> None:
     """Export ARTIFACT (with --adapter) for inference."""
     if adapter and Path(adapter).is_dir() and Path(artifact).is_dir():
         from pact.formats import open_artifact
@@ -64,7 +60,7 @@ def main(artifact, out, fmt, adapter, merge, merge_method, merge_data, merge_inp
             from pact.calibrate.merge import gptq_merge
 
             return gptq_merge(art_path, run, merge_data or _run_data(run), max_samples=merge_samples,
-                              inputs=merge_inputs, grid=merge_grid, progress=not quiet)
+                              inputs=merge_inputs, progress=not quiet)
 
     r = export(artifact, out, fmt=fmt, adapter=adapter, merge=merge, overwrite=overwrite, progress=not quiet,
                merge_solver=solver, merge_keep_bf16=merge_keep_bf16)

@@ -331,46 +331,6 @@ def test_gptq_merge_keeps_more_of_the_adapter(trained, tmp_path):
     assert r.exit_code == 0 and json.loads(r.output)["merge"]["inputs"] == "adapted", r.output
 
 
-def test_gptq_merge_on_the_base_grid(trained, tmp_path):
-    """--merge-grid base: the merge keeps the artifact's global and block scales and only moves codes,
-    so an adapter whose delta is zero merges into the base exactly (the default grid chooses scales
-    again and re-rounds every weight); with the trained adapter it still reproduces the adapted
-    model's logits on its texts more closely than the plain merge, and transformers loads it."""
-    from click.testing import CliRunner
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from pact.calibrate.merge import gptq_merge
-    from pact.formats.peft import load_peft_adapter, save_peft_adapter
-    from pact.pipelines.export import main as export_cli
-    from pact.runtime.data import read_records, tokenize
-
-    art, run, data = str(trained / "art"), str(trained / "run"), str(trained / "train.jsonl")
-    a = open_artifact(art)
-    cfg, adapters = load_peft_adapter(run)
-    save_peft_adapter(tmp_path / "zero", {k: (A, torch.zeros_like(B)) for k, (A, B) in adapters.items()}, cfg, art)
-    same, _ = gptq_merge(art, tmp_path / "zero", data, max_samples=4, grid="base")
-    new, _ = gptq_merge(art, tmp_path / "zero", data, max_samples=4)
-    assert set(same) == set(a.names("nvfp4"))
-    for name, t in same.items():  # the same values (a zero's code may differ in its sign bit)
-        base = a.nvfp4(name)
-        assert torch.equal(F.dequantize(t), F.dequantize(base))
-        assert torch.equal(t.scales.view(torch.uint8), base.scales.view(torch.uint8))
-        assert float(t.global_scale) == float(base.global_scale)
-    assert not all(torch.equal(F.dequantize(new[n]), a.dequantize(n)) for n in new)  # scales chosen again
-    tok = AutoTokenizer.from_pretrained(a.hf_dir)
-    texts = [torch.tensor([e.ids]) for e in tokenize(read_records(data), tok, max_len=64)[:8]]
-    ref = torch.cat([_pact_logits(art, ids, run)[0] for ids in texts])
-    got = {}
-    for how, extra in (("base", ["--merge-grid", "base"]), ("rtn", ["--merge-method", "rtn"])):
-        r = CliRunner().invoke(export_cli, [art, "--out", str(tmp_path / how), "--adapter", run, "--merge",
-                                            "--quiet", *extra])
-        assert r.exit_code == 0, r.output
-        hf = AutoModelForCausalLM.from_pretrained(tmp_path / how, dtype=torch.bfloat16)
-        got[how] = _rel(torch.cat([hf(input_ids=ids).logits.detach()[0] for ids in texts]), ref)
-    assert json.loads(r.output)["merge"] == {"method": "rtn"}
-    assert got["base"] < got["rtn"], got
-
-
 def test_merge_keeping_the_worst_groups_in_bf16(trained, tmp_path):
     """--merge-keep-bf16: whole fused groups, the largest GPTQ merge error first, are written in bf16
     with the adapter folded in exactly and listed in compressed-tensors' ignore list; the rest is the
