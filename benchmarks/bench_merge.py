@@ -133,13 +133,11 @@ def run(name, artifact, train_f, test_f, workdir, seeds, steps, lr, max_len, lim
                 return solved[inputs][0], dict(solved[inputs][1])
             return solver
 
-        hows = [h for h in variants.split(",")
-                if h in ("rtn", "gptq", "gptq-ai", "gptq-both") or h.startswith("gptq-keep")]
+        hows = [h for h in variants.split(",") if h in ("rtn", "gptq", "gptq-ai") or h.startswith("gptq-keep")]
         for how in hows:
             t = time.perf_counter()
             keep = int(how.removeprefix("gptq-keep")) / 100 if how.startswith("gptq-keep") else 0.0
-            solver = (None if how == "rtn"
-                      else solver_on({"gptq-ai": "adapted", "gptq-both": "both"}.get(how, "merged")))
+            solver = None if how == "rtn" else solver_on("adapted" if how == "gptq-ai" else "merged")
             summary = export(str(artifact), d / f"ct-{how}", adapter=str(run), merge=True, overwrite=True,
                              merge_solver=solver, merge_keep_bf16=keep)["merge"]
             row[f"{how}_merge_s"] = round(time.perf_counter() - t, 1)

@@ -45,8 +45,8 @@ def gptq_merge(artifact: str | os.PathLike, adapter: str | os.PathLike, data: st
     model's so far, as GPTQ calibration does: each layer solved for the inputs the layers merged below
     it will give it at serving time) or "adapted" (the adapted model's: every layer solved for the
     inputs the unmerged model gives it)."""
-    if inputs not in ("adapted", "merged", "both"):
-        raise ValueError(f"gptq_merge: inputs must be 'adapted', 'merged' or 'both', got {inputs!r}")
+    if inputs not in ("adapted", "merged"):
+        raise ValueError(f"gptq_merge: inputs must be 'adapted' or 'merged', got {inputs!r}")
     clock = _Clock("cpu")  # as calibration's: the device is known once the session is open
     if max_samples < 1:
         raise PactError(f"--merge-samples must be >= 1, got {max_samples}")
@@ -66,38 +66,23 @@ def gptq_merge(artifact: str | os.PathLike, adapter: str | os.PathLike, data: st
     clock.device = torch.device(dev)
     clock.lap("load")  # opening the artifact, the adapter and the texts
     lora_on_dev = {k: tuple(t.to(dev) for t in ab) for k, ab in weights.items()}
-    adapted_x = [u.x.clone() for u in units] if inputs == "both" else None  # the adapted model's stream
     out: dict[str, NVFP4Tensor] = {}
     errors: dict[str, dict[str, float]] = {}
     for L in tqdm(model.layers, desc="merge", unit="layer", disable=not progress):
         groups = {n: getattr(L, n) for n in GROUPS}
         todo = {n: g for n, g in groups.items() if g.weight is not None and any(m in weights for m in g.names)}
         hess = {id(g.weight): GPTQ(g.weight.shape[1], dev) for g in todo.values()}
-        cross = {k: torch.zeros_like(h.H) for k, h in hess.items()} if adapted_x is not None else {}
         with torch.no_grad():
-            for i, u in enumerate(units):
-                rows: dict[int, list[torch.Tensor]] = {}
+            for u in units:
 
                 def add(w, x, u=u):  # the base GEMM's input rows (the LoRA's A reads the same rows)
                     if id(w) in hess:
-                        x = x if u.real is None else x[u.real]
-                        hess[id(w)].add_batch(x)
-                        rows.setdefault(id(w), []).append(x.clone() if u.real is None else x)
+                        hess[id(w)].add_batch(x if u.real is None else x[u.real])
 
                 with model.observing(add):
                     y = model.layer(L, u.x, u.cos, u.sin, u.B, u.S)
                 if inputs == "adapted":
                     u.x = y
-                if adapted_x is not None:  # the same rows as the adapted model sees them (this layer still adapted)
-                    seen = {k: iter(v) for k, v in rows.items()}
-
-                    def pair(w, x, u=u):
-                        if id(w) in cross:
-                            xa = (x if u.real is None else x[u.real]).float()
-                            cross[id(w)].addmm_(next(seen[id(w)]).float().t(), xa)  # sum of x_m^T x_a
-
-                    with model.observing(pair):
-                        adapted_x[i] = model.layer(L, adapted_x[i], u.cos, u.sin, u.B, u.S)
         clock.lap("activations")
         for g in todo.values():
             H = hess[id(g.weight)]
@@ -106,37 +91,26 @@ def gptq_merge(artifact: str | os.PathLike, adapter: str | os.PathLike, data: st
                 base = art.nvfp4(name, "fwd")
                 W = dequantize(NVFP4Tensor(base.packed.to(dev), base.scales.to(dev), base.global_scale.to(dev)))
                 Ws.append(merged_weight(W.float(), name, lora_on_dev, scale))
-            targets = Ws
-            if cross:  # the target on the merged inputs that gives the adapted outputs
-                Hd = H.H + damp * torch.mean(torch.diag(H.H)) * torch.eye(H.H.shape[0], device=H.H.device)
-                Hd.diagonal()[torch.diag(H.H) == 0] = 1  # dead columns, as GPTQ treats them
-                # W_eff = W + W (C - H)^T H^-1, C - H = X_m^T (X_a - X_m) on H's scale (the mean of 2 x_m^T x):
-                # the damping shrinks only the correction, and where the streams agree W_eff is W
-                D = cross[id(g.weight)] * (2.0 / H.nsamples) - H.H
-                W_all = torch.cat(Ws)
-                W_all = W_all + torch.linalg.solve(Hd, D @ W_all.t()).t()
-                Ws = list(W_all.split([W.shape[0] for W in Ws]))
             gs = global_scale_from_amax(max(float(W.abs().amax()) for W in Ws))
-            gs_plain = global_scale_from_amax(max(float(W.abs().amax()) for W in targets))  # the plain merge's
             q = NVFP4Quantizer(gs, scaling="1d", scale_rule=rule)
             Q, _ = H.quantize(torch.cat(Ws), q, blocksize=blocksize, percdamp=damp, actorder=actorder)
             packed = q.pack(Q)
-            if inputs != "adapted":  # the layer runs merged from now on: its members' codes, no adapter
+            if inputs == "merged":  # the layer runs merged from now on: its members' codes, no adapter
                 g.weight = type(g.weight)(packed.packed, packed.scales, packed.global_scale)
                 for lo in g.loras:
                     if lo is not None:
                         lo.B.data.zero_()
             r0 = 0
-            for name, W in zip(g.names, targets):  # (errors against W + s B A on the merged inputs)
+            for name, W in zip(g.names, Ws):
                 r1 = r0 + W.shape[0]
                 out[name] = NVFP4Tensor(packed.packed[r0:r1].cpu(), packed.scales[r0:r1].cpu(),
                                         packed.global_scale.cpu())
                 if name in weights:
-                    plain = _rtn(W, gs_plain, rule)
+                    plain = _rtn(W, gs, rule)
                     errors[name] = {"plain": _output_error(W, plain, H.H), "gptq": _output_error(W, Q[r0:r1], H.H)}
                 r0 = r1
         clock.lap("solve")
-        if inputs != "adapted":  # the next layer's inputs, from this layer as merged
+        if inputs == "merged":  # the next layer's inputs, from this layer as merged
             with torch.no_grad():
                 for u in units:
                     u.x = model.layer(L, u.x, u.cos, u.sin, u.B, u.S)
