@@ -299,9 +299,10 @@ tasks|tasks2)  # tasks: lr LRS (5e-4); tasks2: LRS (2e-4) on the machine `tasks`
       echo "llmcompressor NOT importable here: the grid runs without its methods: $METHODS" | tee $OUT/llmc_dropped.txt
     fi
   fi
-  if [ -n "${CELLS:-}" ]; then  # the cells' tasks and methods, for the artifacts made first
-    TASKS=$(awk '!/^#/ && NF == 4 {print $1}' $CELLS | sort -u | paste -sd,)
-    METHODS=$(awk '!/^#/ && NF == 4 {print $2}' $CELLS | sort -u | paste -sd' ')
+  if [ -n "${CELLS:-}" ]; then  # the cells' tasks and methods (read as --cells reads them), for the artifacts made first
+    { read -r TASKS; read -r METHODS; } < <(cd benchmarks && python3 -c "from pathlib import Path
+from bench_fidelity import _read_cells; j = _read_cells(Path('../$CELLS'))
+print(','.join(dict.fromkeys(t for _, _, t, _ in j))); print(' '.join(dict.fromkeys(m for *_, m in j)))")
   fi
   if [ $stage = tasks ] || [ "${PREPARE:-0}" = 1 ]; then
     t=$(date +%s)  # the bf16 folders, converted and calibrated artifacts, before the workers read them

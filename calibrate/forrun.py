@@ -38,6 +38,12 @@ def texts_sha256(body: str) -> str:
     return hashlib.sha256(body.encode()).hexdigest()
 
 
+def check_samples(samples: int) -> None:
+    """--calibrate-samples: at least one record (pact-train checks it before deciding to calibrate)."""
+    if samples < 1:
+        raise PactError(f"--calibrate-samples must be >= 1, got {samples}")
+
+
 def calibration_texts(data: str, split: str | None, samples: int) -> tuple[str, int]:
     """The first ``samples`` records of the training data as JSON lines (and how many), in the forms
     pact-train reads (pact-calibrate joins prompt and completion, renders messages), so any --data
@@ -57,8 +63,7 @@ def calibrate_for_run(artifact: str, data: str, run: str | os.PathLike, *, split
     """RUN/calibrated/: ``artifact`` calibrated with GPTQ on the first ``samples`` records of ``data``
     (reused as it is when it was made from the same artifact's weights, texts and settings and is
     intact). With ``resume``, a run that has trained keeps its calibrated/ or is refused."""
-    if samples < 1:
-        raise PactError(f"--calibrate-samples must be >= 1, got {samples}")
+    check_samples(samples)
     if env_world() > 1:
         raise PactError("--calibrate under torchrun: calibrate once first (pact-calibrate ARTIFACT --prompts "
                         "TRAIN.jsonl --out CALIBRATED/), then torchrun pact-train CALIBRATED/ without --calibrate")

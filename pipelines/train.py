@@ -39,8 +39,10 @@ def main(config: str | None, **params) -> None:
     resume, quiet = params.pop("resume"), params.pop("quiet")
     with_gptq, samples = params.pop("calibrate"), params.pop("calibrate_samples")
     cfg = config_from(TrainConfig, params)  # every setting checked before a minute of calibration
-    if with_gptq is not False and samples < 1:
-        raise PactError(f"--calibrate-samples must be >= 1, got {samples}")
+    if with_gptq is not False:
+        from pact.calibrate.forrun import check_samples
+
+        check_samples(samples)
     auto = with_gptq is None
     if auto:  # the default: calibrate when it can, or say why not
         from pact.calibrate.forrun import auto_calibrate
