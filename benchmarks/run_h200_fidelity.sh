@@ -56,13 +56,16 @@ grid() {  # $1 lrs, $2 tasks, $3 seeds, $4 workers, $5 rows' name, $6.. methods:
 converted() {  # $1 tasks, $2.. methods: the bf16 folders and converted variants the grid reads (once, first)
   local tasks=$1 margs=(); shift
   for m in "$@"; do margs+=(--methods "$m"); done
+  [ "$tasks" = cells ] && margs=(--cells "$CELLS")  # (the CELLS file's cells)
   python3 benchmarks/bench_fidelity.py prepare --workdir /tmp/wd --tasks $tasks "${margs[@]}" --convert-only \
     2>&1 | grep -v Warn | tail -2
 }
 calibrated() {  # $1 tasks, $2.. methods: the calibrated artifacts (one per task and calibration), CALIB_WORKERS
   # processes per GPU in the background (the caller waits)
+  # (tasks "cells": what the CELLS file's cells read, no more)
   local tasks=$1 n=$(( ${CALIB_WORKERS:-4} * NGPU )) k margs=(); shift
   for m in "$@"; do margs+=(--methods "$m"); done
+  [ "$tasks" = cells ] && margs=(--cells "$CELLS") && tasks=$(basename $CELLS .txt)
   for k in $(seq 0 $(( n - 1 ))); do
     CUDA_VISIBLE_DEVICES=$(( k % NGPU )) OMP_NUM_THREADS=2 python3 benchmarks/bench_fidelity.py prepare \
       --workdir /tmp/wd --tasks $tasks "${margs[@]}" --shard $k/$n > /tmp/rows/prepare-$tasks-$k.log 2>&1 &
@@ -307,6 +310,7 @@ print(','.join(dict.fromkeys(t for _, _, t, _ in j))); print(' '.join(dict.fromk
   if [ $stage = tasks ] || [ "${PREPARE:-0}" = 1 ]; then
     t=$(date +%s)  # the bf16 folders, converted and calibrated artifacts, before the workers read them
     sets=("$TASKS|${METHODS:-peft@nvfp4}")  # (tasks|methods): this call's grids, and PREP_TASKS for a later call's
+    [ -n "${CELLS:-}" ] && sets=("cells|")  # (what the cells read, not their tasks x methods)
     [ -n "${TASKS_B:-}" ] && sets+=("$TASKS_B|$METHODS_B")
     [ -n "${PREP_TASKS:-}" ] && sets+=("$PREP_TASKS|$PREP_METHODS")
     for s in "${sets[@]}"; do converted ${s%%|*} ${s#*|}; done
