@@ -10,8 +10,9 @@
 #   tasks (carry .gg2 .fid; .whl3 for +llmc-gptq): second half, task files; bench_fidelity at lr 5e-4 on TASKS x
 #          SEEDS for METHODS (PEFT on the GGUF's and on the artifact's weights, pact fp8 and bf16-decode; a method's
 #          :WEIGHTS suffix converts that weight variant first, a +gptq.. suffix calibrates it per task, +llmc-gptq
-#          is llm-compressor's GPTQ per task (.whl3: llmcompressor 0.14.0.1, compressed-tensors 0.19.0 over .whl2's
-#          0.20.1, datasets, their deps; 4.4 MB), CALIB_WORKERS processes per GPU), WORKERS processes per GPU
+#          is llm-compressor's GPTQ per task (.whl3: llmcompressor 0.14.0.1, compressed-tensors 0.19.0, datasets
+#          5.2.0, auto-round, their deps the device lacks, loguru and pydantic included (`stash` installs no .whl2);
+#          6.2 MB), CALIB_WORKERS processes per GPU), WORKERS processes per GPU
 #          splitting the grid, seeds first, until BUDGET seconds (which starts after the artifacts are made);
 #          scoring in batches of EVAL_BATCH
 #          (16: 14 workers scoring 64 rows at once ran the GPU out of memory)
