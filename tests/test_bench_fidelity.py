@@ -1,0 +1,47 @@
+"""The fidelity bench's grid description (benchmarks/bench_fidelity.py): cells files and method names.
+Its figures are the project's accuracy claims, so what a cells file or a method name means is tested
+here; the runs themselves need the GGUF and a GPU (benchmarks/run_h200_fidelity.sh)."""
+
+import sys
+from pathlib import Path
+
+import click
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import bench_fidelity as bf  # noqa: E402
+
+
+def test_cells_file_lowest_seeds_first(tmp_path):
+    f = tmp_path / "cells.txt"
+    f.write_text("# a comment line\n"
+                 "rt peft 5e-4 3\n"
+                 "\n"
+                 "navigate pact=mixed:1d-mse+gptq 2e-4 0  # a trailing comment\n"
+                 "rt peft@nvfp4:1d-mse+gptq 5e-4 1\n")
+    assert bf._read_cells(f) == [(0, 2e-4, "navigate", "pact=mixed:1d-mse+gptq"),
+                                 (1, 5e-4, "rt", "peft@nvfp4:1d-mse+gptq"),
+                                 (3, 5e-4, "rt", "peft")]
+
+
+@pytest.mark.parametrize("text", ["rt peft 5e-4\n", "rt peft fast 0\n", "rt peft 5e-4 0 extra\n", "# nothing\n"])
+def test_cells_file_bad_line_names_the_file_and_line(tmp_path, text):
+    f = tmp_path / "cells.txt"
+    f.write_text(text)
+    with pytest.raises(click.BadParameter, match="cells.txt"):
+        bf._read_cells(f)
+
+
+def test_method_names():
+    assert bf.split_method("pact=mixed:1d-mse+gptq") == ("pact=mixed", "1d-mse+gptq")
+    assert bf.split_method("pact=auto:1.5:1d-mse") == ("pact=auto:1.5", "1d-mse")
+    assert bf.split_method("peft@nvfp4:1d-mse+gptq") == ("peft@nvfp4", "1d-mse+gptq")
+    assert bf.split_variant("") == (bf.DEFAULT_VARIANT, None)
+    assert bf.split_variant("1d-mse+gptq") == ("1d-mse", "gptq")
+    with pytest.raises(ValueError):
+        bf.split_variant("1d-mse+nope")
+    # PEFT on a calibrated artifact's weights is a method; PEFT on the source weights takes no variant
+    bf._check_methods(["peft", "peft@nvfp4", "peft@nvfp4:1d-mse+gptq", "pact=mixed:1d-mse+gptq", "pact%top8=mixed"])
+    for bad in ("peft:1d-mse", "pact=mixed:3d", "peft@nvfp4:1d-mse+nope", "lora=mixed"):
+        with pytest.raises(click.BadParameter):
+            bf._check_methods([bad])
