@@ -300,6 +300,50 @@ def grads(artifact, data, recipes, computes, warm_steps, batches, lr, seed, toke
 
 
 @cli.command()
+@click.option("--data", required=True, type=click.Path(exists=True, dir_okay=False),
+              help="A task's held-out .jsonl (prompt / completion).")
+@click.option("--folder", "folders", multiple=True, required=True, type=click.Path(exists=True, file_okay=False),
+              help="An HF folder (the GGUF's bf16 folder, an artifact's -bf16-hf folder); repeat.")
+@click.option("--samples", default=400, show_default=True, help="The first N held-out examples.")
+@click.option("--json-out", type=click.Path(dir_okay=False, path_type=Path), default=None)
+def prior(data, folders, samples, json_out) -> None:
+    """Zero-shot label preference of each model on a task's held-out prompts, scored as pact-eval scores
+    (summed log-probability of each label): accuracy, the share of examples given the majority label, and
+    the mean log-probability margin of the majority label over the best other one."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pact.runtime.data import IGNORE, pad_id, read_records, tokenize
+    from pact.runtime.evaluate import candidate_batches, label_candidates
+
+    tok = AutoTokenizer.from_pretrained(folders[0])
+    pad = pad_id(tok)
+    ex = tokenize(read_records(data), tok, max_len=MAX_LEN)[:samples]
+    names = list(label_candidates(ex))
+    maj = max(names, key=[e.completion for e in ex].count)
+    rows = {}
+    for f in folders:
+        model = AutoModelForCausalLM.from_pretrained(f, dtype=torch.float32).eval()
+        right = to_maj = 0
+        margin = 0.0
+        with torch.no_grad():
+            for chunk, ids, labels in candidate_batches(ex, label_candidates(ex), 16, pad, torch.device("cpu")):
+                logp = F.log_softmax(model(input_ids=ids).logits[:, :-1].float(), dim=-1)
+                tgt = labels[:, 1:]
+                tokp = logp.gather(2, tgt.clamp(min=0).unsqueeze(-1)).squeeze(-1) * (tgt != IGNORE)
+                for e, sc in zip(chunk, tokp.sum(1).view(len(chunk), len(names))):
+                    best = names[int(sc.argmax())]
+                    right, to_maj = right + (best == e.completion), to_maj + (best == maj)
+                    others = torch.cat([sc[: names.index(maj)], sc[names.index(maj) + 1:]])
+                    margin += float(sc[names.index(maj)] - others.max())
+        rows[f] = {"accuracy": round(right / len(ex), 4), "predicts_majority": round(to_maj / len(ex), 4),
+                   "mean_margin_majority": round(margin / len(ex), 4)}
+        click.echo(f"{f}: {rows[f]}")
+    if json_out:
+        json_out.write_text(json.dumps({"data": str(data), "majority_label": maj, "samples": len(ex),
+                                        "rows": rows}, indent=1))
+
+
+@cli.command()
 @click.option("--ref", required=True, type=click.Path(exists=True, file_okay=False),
               help="The reference artifact (e.g. pact-convert --keep-bf16 0.999: every projection bf16).")
 @click.option("--artifact", "artifacts", multiple=True, required=True, metavar="NAME=PATH")
