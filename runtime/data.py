@@ -69,10 +69,11 @@ def read_records(path: str | Path, flag: str = "--data", split: str | None = Non
     if not p.exists():
         if not looks_like_hub_id(str(path)):
             raise PactError(f"{flag} {p}: no such file or folder")
-        records = _hub_records(str(path), flag, split, default_splits or DEFAULT_SPLITS.get(flag, ("train",)))
+        records = _hub_records(str(path), flag, split, default_splits or DEFAULT_SPLITS.get(flag, ("train",)),
+                               limit)
         where = [f"{path} row {i}" for i in range(len(records))]
     elif p.is_file() and p.suffix.lower() in TABLE_FORMATS:
-        records = _table_records(p, flag)
+        records = _table_records(p, flag, limit)
         where = [f"{p} row {i}" for i in range(len(records))]
     elif p.is_dir():
         import datasets  # a declared dependency: imported outside the try so a broken install is not "not a folder"
@@ -91,7 +92,7 @@ def read_records(path: str | Path, flag: str = "--data", split: str | None = Non
         elif split is not None:
             raise PactError(f"{split_flag} {split}: {p} holds one dataset, not a DatasetDict with splits: "
                             f"drop {split_flag}")
-        records = [dict(r) for r in ds]
+        records = _rows(ds, limit)
         where = [f"{p} row {i}" for i in range(len(records))]
     else:
         records, where = [], []
@@ -156,7 +157,8 @@ def _hub_unreachable() -> str | None:
     return None
 
 
-def _hub_records(repo: str, flag: str, split: str | None, defaults: tuple[str, ...]) -> list[dict]:
+def _hub_records(repo: str, flag: str, split: str | None, defaults: tuple[str, ...],
+                 limit: int | None = None) -> list[dict]:
     """A hub dataset id through datasets.load_dataset (``split``, else the first of ``defaults`` it has);
     without a network, or for an id the hub does not have, one line saying how to use it locally."""
     import datasets
@@ -179,10 +181,16 @@ def _hub_records(repo: str, flag: str, split: str | None, defaults: tuple[str, .
             raise PactError(f"{flag} {repo}: the hub dataset has splits {', '.join(map(repr, ds))}, none of "
                             f"{', '.join(map(repr, defaults))}: pass {_split_flag(flag)} NAME")
         ds = ds[found]
-    return [dict(r) for r in ds]
+    return _rows(ds, limit)
 
 
-def _table_records(p: Path, flag: str) -> list[dict]:
+def _rows(ds, limit: int | None) -> list[dict]:
+    """A datasets table's rows as dicts, the first ``limit`` only when given (the rest never converted:
+    pact-train's calibration decision reads the head of --data, not the whole table)."""
+    return [dict(r) for r in (ds if limit is None else ds.select(range(min(limit, len(ds)))))]
+
+
+def _table_records(p: Path, flag: str, limit: int | None = None) -> list[dict]:
     """The rows of a .parquet / .csv / .json file as dicts, through datasets' loaders (their Arrow
     cache in a temporary folder, removed after: nothing is left in the user's datasets cache)."""
     import shutil
@@ -194,7 +202,7 @@ def _table_records(p: Path, flag: str) -> list[dict]:
     try:
         ds = datasets.load_dataset(TABLE_FORMATS[p.suffix.lower()], data_files=str(p), split="train",
                                    cache_dir=cache)
-        return [dict(r) for r in ds]
+        return _rows(ds, limit)
     except Exception as e:  # the loaders raise their own (pyarrow, pandas) error types
         kind = p.suffix.lower()[1:]
         why = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__

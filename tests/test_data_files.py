@@ -29,6 +29,9 @@ def test_tables_read_as_jsonl(tmp_path):
         got = read_records(tmp_path / f"d.{suffix}")
         assert _plain(got) == want, suffix
         assert got[2]["_where"].endswith(f"d.{suffix} row 2")
+        head = read_records(tmp_path / f"d.{suffix}", limit=2)  # the head only (calibration's decision)
+        assert _plain(head) == want[:2] and head[1]["_where"].endswith(f"d.{suffix} row 1"), suffix
+        assert _plain(read_records(tmp_path / f"d.{suffix}", limit=50)) == want, suffix
     (tmp_path / "bad.parquet").write_bytes(b"not parquet at all")
     with pytest.raises(PactError, match=r"--data .*bad.parquet: not a readable parquet table .*give JSONL"):
         read_records(tmp_path / "bad.parquet")
@@ -91,6 +94,7 @@ def test_dataset_dict_splits(tmp_path):
     datasets.DatasetDict({"train": rows("tr", 3), "validation": rows("va", 2), "test": rows("te", 1)}
                          ).save_to_disk(str(folder))
     assert [r["prompt"] for r in read_records(folder)] == ["tr 0", "tr 1", "tr 2"]  # --data: train
+    assert [r["prompt"] for r in read_records(folder, limit=2)] == ["tr 0", "tr 1"]
     assert [r["prompt"] for r in read_records(folder, "--eval-data")] == ["te 0"]  # held out: test first
     assert [r["prompt"] for r in read_records(folder, "--data", "validation")] == ["va 0", "va 1"]
     with pytest.raises(PactError, match=r"--data .*dd: a DatasetDict without a 'dev' split \(it has 'train', "
