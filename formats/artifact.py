@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 import json
 import logging
 import math
@@ -623,6 +624,22 @@ def check_config_shapes(config: Any, shapes: dict[str, list[int]], source: str) 
                             "weights; restore the model's own config.json")
 
 
+def _not_an_artifact(path: Path) -> str:
+    """Why ``path`` is not an artifact, and the fix: it does not exist (convert into it), it is a folder
+    that holds artifacts one level down (name one of them), or something else (convert into a new one)."""
+    if not path.exists():
+        return f"{path}: no such artifact folder: create one with `pact-convert MODEL {path}`"
+    entries = list(itertools.islice(path.iterdir(), 1000)) if path.is_dir() else []
+    inside = sorted(str(c) for c in entries if (c / "zarr.json").is_file())[:5]
+    if inside:
+        return (f"{path} is not a pact artifact (no zarr.json) but holds {'some' if len(inside) > 1 else 'one'}: "
+                f"give {' or '.join(inside)}")
+    if (path / "config.json").is_file():
+        return (f"{path} is not a pact artifact (no zarr.json); it looks like a Hugging Face model folder: "
+                f"convert it first, `pact-convert {path} ARTIFACT`, and give ARTIFACT")
+    return f"{path} is not a pact artifact (no zarr.json): create one with `pact-convert MODEL NEW_FOLDER`"
+
+
 class Artifact:
     """A read-only view of an artifact; every tensor is a zero-copy memory map of its file."""
 
@@ -631,10 +648,7 @@ class Artifact:
         self.url: str | None = None  # where it was fetched from (open_artifact of a URL)
         root_json = self.path / "zarr.json"
         if not root_json.is_file():
-            raise ArtifactError(
-                f"{self.path} is not a pact artifact (no zarr.json): create one with "
-                f"`pact-convert MODEL {self.path}`"
-            )
+            raise ArtifactError(_not_an_artifact(self.path))
         root = read_json(root_json, "the artifact is damaged; re-copy it or re-run pact-convert")
         meta = root.get("attributes") if isinstance(root, dict) else None
         meta = meta.get("pact") if isinstance(meta, dict) else None

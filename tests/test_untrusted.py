@@ -102,6 +102,28 @@ def test_cli_refuses_in_one_line(base, tmp_path):
     assert "symbolic link inside the artifact" in r.output and "Traceback" not in r.output, r.output
 
 
+def test_not_an_artifact_says_what_it_is(base, tmp_path):
+    """pact-train given the wrong folder: one line naming what it is and the fix."""
+    from click.testing import CliRunner
+
+    from pact.pipelines.train import main as train_cli
+
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"prompt": "a", "completion": " b"}) + "\n")
+    cache = tmp_path / "cache"  # a work folder with an artifact one level down (pact demo's cache)
+    cache.mkdir()
+    shutil.copytree(base / "art", cache / "model-nvfp4", symlinks=True)
+    cases = {tmp_path / "missing": "missing: no such artifact folder: create one with `pact-convert MODEL",
+             cache: f"holds one: give {cache / 'model-nvfp4'}",
+             base / "src": "looks like a Hugging Face model folder: convert it first, `pact-convert"}
+    for folder, want in cases.items():
+        r = CliRunner().invoke(train_cli, [str(folder), "--data", str(data), "--out", str(tmp_path / "run"),
+                                           "--steps", "1"])
+        assert r.exit_code != 0 and want in r.output and "Traceback" not in r.output, r.output
+        assert len(r.output.strip().splitlines()) == 1, r.output
+        assert not (tmp_path / "run").exists()
+
+
 def test_overwrite_never_deletes_what_is_not_an_artifact(base, tmp_path):
     from pact.formats import PactError
 
