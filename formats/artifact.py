@@ -629,12 +629,21 @@ def _not_an_artifact(path: Path) -> str:
     that holds artifacts one level down (name one of them), or something else (convert into a new one)."""
     if not path.exists():
         return f"{path}: no such artifact folder: create one with `pact-convert MODEL {path}`"
-    entries = list(itertools.islice(path.iterdir(), 1000)) if path.is_dir() else []
-    inside = sorted(str(c) for c in entries if (c / "zarr.json").is_file())[:5]
+    def is_file(p: Path) -> bool:
+        try:
+            return p.is_file()
+        except OSError:  # unreadable: not counted
+            return False
+
+    try:
+        entries = list(itertools.islice(path.iterdir(), 1000)) if path.is_dir() else []
+    except OSError:
+        entries = []
+    inside = sorted(str(c) for c in entries if is_file(c / "zarr.json"))[:5]
     if inside:
         return (f"{path} is not a pact artifact (no zarr.json) but holds {'some' if len(inside) > 1 else 'one'}: "
                 f"give {' or '.join(inside)}")
-    if (path / "config.json").is_file():
+    if is_file(path / "config.json"):
         return (f"{path} is not a pact artifact (no zarr.json); it looks like a Hugging Face model folder: "
                 f"convert it first, `pact-convert {path} ARTIFACT`, and give ARTIFACT")
     return f"{path} is not a pact artifact (no zarr.json): create one with `pact-convert MODEL NEW_FOLDER`"
