@@ -134,8 +134,8 @@ class PactModel(nn.Module):
         why = graphable(self) if cuda_graphs else None
         if why and cuda_graphs is True:
             raise PactError(f"--cuda-graphs on: {why}; use --cuda-graphs auto (eager where graphs cannot run) or off")
-        if why:
-            log.info("--cuda-graphs auto: eager steps (%s)", why)
+        if why:  # (on the CPU the run has said so already: no GPU, eager is all there is)
+            (log.debug if self.device.type != "cuda" else log.info)("--cuda-graphs auto: eager steps (%s)", why)
         self.cuda_graphs = bool(cuda_graphs) and not why  # train_config.json records it ("graphed")
         self._graphs_asked = cuda_graphs is True  # on: a failed capture is an error; auto: eager from then on
 
