@@ -80,6 +80,7 @@ def cli() -> None:
               help="Merges scored: rtn (plain), gptq (pact-export --merge's default: GPTQ on the merged "
                    "model's inputs), gptq-keepNN (that with NN% of the adapted projections kept bf16: "
                    "--merge-keep-bf16), gptq-ai (GPTQ on the adapted model's inputs: --merge-inputs adapted), "
+                   "gptq-ampNNN (the GPTQ merge of the adapter's delta times NNN/100), "
                    "bf16, hf (the GPTQ export read by transformers). Rows made before commit 'merged inputs by "
                    "default' name the adapted-inputs merge gptq and the merged-inputs one gptq-mi.")
 @click.option("--merge-samples", default=128, show_default=True, help="The GPTQ merge's texts (gptq_merge).")
@@ -125,20 +126,26 @@ def run(name, artifact, train_f, test_f, workdir, seeds, steps, lr, max_len, lim
                "train_s": None if reuse else round(time.perf_counter() - t, 1), "unmerged": acc(artifact, str(run))}
         solved = {}
 
-        def solver_on(inputs):  # the GPTQ merge once per seed and inputs: the -keepNN variants reuse it
+        def solver_on(inputs, key=None):  # the GPTQ merge once per seed and inputs: the -keepNN variants reuse it
             def solver(a, r):
-                if inputs not in solved:
-                    solved[inputs] = gptq_merge(a, r, train_f, max_samples=merge_samples, damp=merge_damp,
-                                                actorder=merge_act_order, inputs=inputs)
-                return solved[inputs][0], dict(solved[inputs][1])
+                k = key or inputs
+                if k not in solved:
+                    solved[k] = gptq_merge(a, r, train_f, max_samples=merge_samples, damp=merge_damp,
+                                           actorder=merge_act_order, inputs=inputs)
+                return solved[k][0], dict(solved[k][1])
             return solver
 
-        hows = [h for h in variants.split(",") if h in ("rtn", "gptq", "gptq-ai") or h.startswith("gptq-keep")]
+        hows = [h for h in variants.split(",") if h in ("rtn", "gptq", "gptq-ai")
+                or h.startswith(("gptq-keep", "gptq-amp"))]
         for how in hows:
             t = time.perf_counter()
             keep = int(how.removeprefix("gptq-keep")) / 100 if how.startswith("gptq-keep") else 0.0
-            solver = None if how == "rtn" else solver_on("adapted" if how == "gptq-ai" else "merged")
-            summary = export(str(artifact), d / f"ct-{how}", adapter=str(run), merge=True, overwrite=True,
+            adapter = run
+            if how.startswith("gptq-amp"):  # the adapter's delta times NNN/100 (its lora_alpha), then the GPTQ merge
+                adapter = _amplified(run, d / f"run-{how}", int(how.removeprefix("gptq-amp")) / 100)
+            solver = None if how == "rtn" else solver_on("adapted" if how == "gptq-ai" else "merged",
+                                                         how if how.startswith("gptq-amp") else None)
+            summary = export(str(artifact), d / f"ct-{how}", adapter=str(adapter), merge=True, overwrite=True,
                              merge_solver=solver, merge_keep_bf16=keep)["merge"]
             row[f"{how}_merge_s"] = round(time.perf_counter() - t, 1)
             back = convert(str(d / f"ct-{how}"), d / f"art-{how}", overwrite=True, progress=False)
@@ -164,6 +171,20 @@ def run(name, artifact, train_f, test_f, workdir, seeds, steps, lr, max_len, lim
             json_out.write_text(json.dumps(rows, indent=1))
 
 
+def _amplified(run: Path, out: Path, gain: float) -> Path:
+    """A copy of ``run``'s adapter whose delta is ``gain`` times the trained one (lora_alpha scaled): a
+    merge of it re-quantizes W + gain * s B A, against the shrinkage rounding to the base's grid causes."""
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    for f in ("adapter_model.safetensors", "train_config.json"):
+        if (run / f).is_file():
+            shutil.copy2(run / f, out / f)
+    cfg = json.loads((run / "adapter_config.json").read_text())
+    cfg["lora_alpha"] = cfg["lora_alpha"] * gain
+    (out / "adapter_config.json").write_text(json.dumps(cfg, indent=2))
+    return out
+
+
 def _mse(xs: list[float]) -> str:
     if not xs:
         return ""
@@ -186,6 +207,8 @@ def table(files) -> None:
              "gptq-seq": "GPTQ-seq", "bf16": "bf16"}
     for k in sorted({k for r in rows for k in r if k.startswith("merged_gptq-keep")}):  # GPTQ, NN% kept bf16
         names[k.removeprefix("merged_")] = f"GPTQ + {k.removeprefix('merged_gptq-keep')}% bf16"
+    for k in sorted({k for r in rows for k in r if k.startswith("merged_gptq-amp")}):  # GPTQ of gain x delta
+        names[k.removeprefix("merged_")] = f"GPTQ of {int(k.removeprefix('merged_gptq-amp')) / 100:g} x delta"
     shown = [v for v in names if any(f"merged_{v}" in r for r in rows)]
     paired = [v for v in shown if v != "bf16"]
     hf = any("merged_gptq_hf" in r for r in rows)
