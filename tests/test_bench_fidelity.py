@@ -45,3 +45,19 @@ def test_method_names():
     for bad in ("peft:1d-mse", "pact=mixed:3d", "peft@nvfp4:1d-mse+nope", "lora=mixed"):
         with pytest.raises(click.BadParameter):
             bf._check_methods([bad])
+
+
+def test_merge_bench_amplified_adapter(tmp_path):
+    """bench_merge's gptq-ampNNN: a copy of the adapter whose lora_alpha (so its delta) is NNN/100 times."""
+    import json
+
+    import bench_merge
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "adapter_config.json").write_text(json.dumps({"r": 16, "lora_alpha": 32, "peft_type": "LORA"}))
+    (run / "adapter_model.safetensors").write_bytes(b"weights")
+    out = bench_merge._amplified(run, tmp_path / "run-amp150", 1.5)
+    assert json.loads((out / "adapter_config.json").read_text())["lora_alpha"] == 48
+    assert (out / "adapter_model.safetensors").read_bytes() == b"weights"
+    assert json.loads((run / "adapter_config.json").read_text())["lora_alpha"] == 32  # the trained run untouched
