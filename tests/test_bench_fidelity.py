@@ -1,6 +1,7 @@
-"""The fidelity bench's grid description (benchmarks/bench_fidelity.py): cells files and method names.
-Its figures are the project's accuracy claims, so what a cells file or a method name means is tested
-here; the runs themselves need the GGUF and a GPU (benchmarks/run_h200_fidelity.sh)."""
+"""The accuracy benches' descriptions (benchmarks/bench_fidelity.py: cells files and method names;
+benchmarks/bench_merge.py: its amplified-adapter variant). Their figures are the project's accuracy
+claims, so what a cells file or a method name means is tested here; the runs themselves need the GGUF
+and a GPU (benchmarks/run_h200_fidelity.sh)."""
 
 import sys
 from pathlib import Path
