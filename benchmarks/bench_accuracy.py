@@ -122,22 +122,30 @@ def _train_hf(model, examples, pad: int, seed: int, device: torch.device, steps:
     return losses
 
 
-@torch.no_grad()
-def _hf_accuracy(model, examples, pad: int, device: torch.device, batch_size: int = BATCH) -> float:
-    """Label likelihood, as pact-eval scores it: the candidate completion with the highest
-    summed log-probability wins."""
+def _hf_label_scores(model, examples, pad: int, device: torch.device, batch_size: int = BATCH):
+    """Label likelihood, as pact-eval scores it: the candidate labels (names) and, per example, its
+    scores (each candidate completion's summed log-probability), in order."""
     from pact.runtime.data import IGNORE
     from pact.runtime.evaluate import candidate_batches, label_candidates
 
     cands = label_candidates(examples)
-    names, correct = list(cands), 0
-    for chunk, ids, labels in candidate_batches(examples, cands, batch_size, pad, device):
-        logp = F.log_softmax(model(input_ids=ids).logits[:, :-1].float(), dim=-1)
-        tgt = labels[:, 1:]
-        tok = logp.gather(2, tgt.clamp(min=0).unsqueeze(-1)).squeeze(-1) * (tgt != IGNORE)
-        scores = tok.sum(1).view(len(chunk), len(names))
-        correct += sum(names[int(r.argmax())] == e.completion for e, r in zip(chunk, scores))
-    return correct / len(examples)
+    names = list(cands)
+
+    @torch.no_grad()  # (torch enters it around each step of the generator, where the caller iterates)
+    def scored():
+        for chunk, ids, labels in candidate_batches(examples, cands, batch_size, pad, device):
+            logp = F.log_softmax(model(input_ids=ids).logits[:, :-1].float(), dim=-1)
+            tgt = labels[:, 1:]
+            tok = logp.gather(2, tgt.clamp(min=0).unsqueeze(-1)).squeeze(-1) * (tgt != IGNORE)
+            yield from zip(chunk, tok.sum(1).view(len(chunk), len(names)))
+    return names, scored()
+
+
+@torch.no_grad()
+def _hf_accuracy(model, examples, pad: int, device: torch.device, batch_size: int = BATCH) -> float:
+    """The share of examples whose best-scored candidate completion is theirs (_hf_label_scores)."""
+    names, scored = _hf_label_scores(model, examples, pad, device, batch_size)
+    return sum(names[int(r.argmax())] == e.completion for e, r in scored) / len(examples)
 
 
 @click.command()

@@ -312,29 +312,25 @@ def prior(data, folders, samples, json_out) -> None:
     the mean log-probability margin of the majority label over the best other one."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from pact.runtime.data import IGNORE, pad_id, read_records, tokenize
-    from pact.runtime.evaluate import candidate_batches, label_candidates
+    from bench_accuracy import _hf_label_scores
+    from pact.runtime.data import pad_id, read_records, tokenize
+    from pact.runtime.evaluate import label_candidates
 
     tok = AutoTokenizer.from_pretrained(folders[0])
     pad = pad_id(tok)
     ex = tokenize(read_records(data), tok, max_len=MAX_LEN)[:samples]
-    names = list(label_candidates(ex))
-    maj = max(names, key=[e.completion for e in ex].count)
+    maj = max(label_candidates(ex), key=[e.completion for e in ex].count)
     rows = {}
     for f in folders:
         model = AutoModelForCausalLM.from_pretrained(f, dtype=torch.float32).eval()
+        names, scored = _hf_label_scores(model, ex, pad, torch.device("cpu"), 16)
+        m = names.index(maj)
         right = to_maj = 0
         margin = 0.0
-        with torch.no_grad():
-            for chunk, ids, labels in candidate_batches(ex, label_candidates(ex), 16, pad, torch.device("cpu")):
-                logp = F.log_softmax(model(input_ids=ids).logits[:, :-1].float(), dim=-1)
-                tgt = labels[:, 1:]
-                tokp = logp.gather(2, tgt.clamp(min=0).unsqueeze(-1)).squeeze(-1) * (tgt != IGNORE)
-                for e, sc in zip(chunk, tokp.sum(1).view(len(chunk), len(names))):
-                    best = names[int(sc.argmax())]
-                    right, to_maj = right + (best == e.completion), to_maj + (best == maj)
-                    others = torch.cat([sc[: names.index(maj)], sc[names.index(maj) + 1:]])
-                    margin += float(sc[names.index(maj)] - others.max())
+        for e, sc in scored:
+            best = names[int(sc.argmax())]
+            right, to_maj = right + (best == e.completion), to_maj + (best == maj)
+            margin += float(sc[m] - torch.cat([sc[:m], sc[m + 1:]]).max())
         rows[f] = {"accuracy": round(right / len(ex), 4), "predicts_majority": round(to_maj / len(ex), 4),
                    "mean_margin_majority": round(margin / len(ex), 4)}
         click.echo(f"{f}: {rows[f]}")
@@ -673,8 +669,9 @@ def tasks(workdir, bigbench, tasks, methods, lrs, seeds, steps, eval_batch, shar
 
     folders = {"peft": _bf16_folder(gguf)}
     for m in methods:
-        if m.startswith("peft@nvfp4") and split_variant(split_method(m)[1])[1] is None:
-            folders[m] = nvfp4_bf16_folder(variant_artifact(workdir, gguf, split_variant(split_method(m)[1])[0]))
+        conv, calib = split_variant(split_method(m)[1])
+        if m.startswith("peft@nvfp4") and calib is None:  # (calibrated: per task, below)
+            folders[m] = nvfp4_bf16_folder(variant_artifact(workdir, gguf, conv))
     tok = AutoTokenizer.from_pretrained(open_artifact(variant_artifact(workdir, gguf, DEFAULT_VARIANT)).hf_dir)
     pad = pad_id(tok)
     grid = jobs[index::count]
@@ -812,11 +809,11 @@ def prepare(workdir, bigbench, tasks, methods, shard, convert_only, cells) -> No
     _check_methods(methods)
     index, count = (int(x) for x in shard.split("/"))
     gguf = fetch(SMOLLM2_135M, workdir)
-    variants = ({split_variant(split_method(m)[1]) for m in methods if m != "peft"} | {(DEFAULT_VARIANT, None)})
+    variants = {split_variant(w) for w, _ in pairs} | {(DEFAULT_VARIANT, None)}
     dequantized = {split_method(m)[1] for m in methods if m.startswith("peft@nvfp4")}  # their bf16 folders too
     if convert_only:
         _bf16_folder(gguf)
-        for conv in {c for c, _ in variants} | {split_variant(split_method(m)[1])[0] for m in methods}:
+        for conv in {c for c, _ in variants}:
             variant_artifact(workdir, gguf, conv)
         for weights in dequantized:
             if split_variant(weights)[1] is None:

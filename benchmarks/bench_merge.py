@@ -126,9 +126,9 @@ def run(name, artifact, train_f, test_f, workdir, seeds, steps, lr, max_len, lim
                "train_s": None if reuse else round(time.perf_counter() - t, 1), "unmerged": acc(artifact, str(run))}
         solved = {}
 
-        def solver_on(inputs, key=None):  # the GPTQ merge once per seed and inputs: the -keepNN variants reuse it
+        def solver_on(inputs):  # the GPTQ merge once per seed, inputs and adapter: the -keepNN variants reuse it
             def solver(a, r):
-                k = key or inputs
+                k = inputs, str(r)
                 if k not in solved:
                     solved[k] = gptq_merge(a, r, train_f, max_samples=merge_samples, damp=merge_damp,
                                            actorder=merge_act_order, inputs=inputs)
@@ -143,8 +143,7 @@ def run(name, artifact, train_f, test_f, workdir, seeds, steps, lr, max_len, lim
             adapter = run
             if how.startswith("gptq-amp"):  # the adapter's delta times NNN/100 (its lora_alpha), then the GPTQ merge
                 adapter = _amplified(run, d / f"run-{how}", int(how.removeprefix("gptq-amp")) / 100)
-            solver = None if how == "rtn" else solver_on("adapted" if how == "gptq-ai" else "merged",
-                                                         how if how.startswith("gptq-amp") else None)
+            solver = None if how == "rtn" else solver_on("adapted" if how == "gptq-ai" else "merged")
             summary = export(str(artifact), d / f"ct-{how}", adapter=str(adapter), merge=True, overwrite=True,
                              merge_solver=solver, merge_keep_bf16=keep)["merge"]
             row[f"{how}_merge_s"] = round(time.perf_counter() - t, 1)

@@ -629,6 +629,7 @@ def _not_an_artifact(path: Path) -> str:
     that holds artifacts one level down (name one of them), or something else (convert into a new one)."""
     if not path.exists():
         return f"{path}: no such artifact folder: create one with `pact-convert MODEL {path}`"
+
     def is_file(p: Path) -> bool:
         try:
             return p.is_file()
