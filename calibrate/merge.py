@@ -33,8 +33,8 @@ from .quantizer import NVFP4Quantizer
 
 def gptq_merge(artifact: str | os.PathLike, adapter: str | os.PathLike, data: str | os.PathLike, *,
                max_samples: int = 128, max_len: int = 512, damp: float = 0.01, blocksize: int = 128,
-               actorder: bool = False, inputs: str = "merged", device: str | None = None,
-               progress: bool = False) -> tuple[dict[str, NVFP4Tensor], dict]:
+               actorder: bool = False, inputs: str = "merged", gain: float | str = 1.0,
+               device: str | None = None, progress: bool = False) -> tuple[dict[str, NVFP4Tensor], dict]:
     """The merged NVFP4 forward-layout tensor of every projection the adapter adapts (1x16 blocks;
     a fused group's members share one global scale, as vLLM fuses q|k|v and gate|up), and a
     summary: samples, tokens, seconds (``stages``: load, activations, solve) and per projection the
@@ -44,7 +44,16 @@ def gptq_merge(artifact: str | os.PathLike, adapter: str | os.PathLike, data: st
     ``inputs``: whose activations each layer's Hessian is taken on: "merged" (the default: the merged
     model's so far, as GPTQ calibration does: each layer solved for the inputs the layers merged below
     it will give it at serving time) or "adapted" (the adapted model's: every layer solved for the
-    inputs the unmerged model gives it)."""
+    inputs the unmerged model gives it).
+
+    ``gain``: the merge solves for W + gain * s * B A. Rounding to a grid the base's codes already
+    sit on pulls the merged weights back toward the base, so the realized change carries only part of
+    the adapter's delta; a gain above 1 makes up for it. "auto" chooses it per fused group: GPTQ on
+    every eighth row at each gain of AUTO_GAINS, and the one whose realized change projects closest to
+    the whole delta (``delta_kept`` nearest 1) is solved on every row. ``delta_kept`` (reported per
+    projection) is that projection in the metric of the layer's inputs: <Q - W, s B A>_H / <s B A, s B A>_H."""
+    if not (gain == "auto" or (isinstance(gain, (int, float)) and 0 < gain <= 4)):
+        raise PactError(f"--merge-gain must be 'auto' or a number in (0, 4], got {gain!r}")
     if inputs not in ("adapted", "merged"):
         raise ValueError(f"gptq_merge: inputs must be 'adapted' or 'merged', got {inputs!r}")
     clock = _Clock("cpu")  # as calibration's: the device is known once the session is open
@@ -68,6 +77,7 @@ def gptq_merge(artifact: str | os.PathLike, adapter: str | os.PathLike, data: st
     lora_on_dev = {k: tuple(t.to(dev) for t in ab) for k, ab in weights.items()}
     out: dict[str, NVFP4Tensor] = {}
     errors: dict[str, dict[str, float]] = {}
+    gains: dict[str, dict] = {}
     for L in tqdm(model.layers, desc="merge", unit="layer", disable=not progress):
         groups = {n: getattr(L, n) for n in GROUPS}
         todo = {n: g for n, g in groups.items() if g.weight is not None and any(m in weights for m in g.names)}
@@ -86,14 +96,24 @@ def gptq_merge(artifact: str | os.PathLike, adapter: str | os.PathLike, data: st
         clock.lap("activations")
         for g in todo.values():
             H = hess[id(g.weight)]
-            Ws = []
+            Ws, Ts = [], []
             for name in g.names:  # export's own W + s * B A (and its refusal of non-finite values), on the device
                 base = art.nvfp4(name, "fwd")
-                W = dequantize(NVFP4Tensor(base.packed.to(dev), base.scales.to(dev), base.global_scale.to(dev)))
-                Ws.append(merged_weight(W.float(), name, lora_on_dev, scale))
-            gs = global_scale_from_amax(max(float(W.abs().amax()) for W in Ws))
-            q = NVFP4Quantizer(gs, scaling="1d", scale_rule=rule)
-            Q, _ = H.quantize(torch.cat(Ws), q, blocksize=blocksize, percdamp=damp, actorder=actorder)
+                W = dequantize(NVFP4Tensor(base.packed.to(dev), base.scales.to(dev), base.global_scale.to(dev))).float()
+                Ws.append(W)
+                Ts.append(merged_weight(W, name, lora_on_dev, scale))
+            W0, T = torch.cat(Ws), torch.cat(Ts)
+            k = gain
+            if gain == "auto":
+                rows = torch.arange(0, W0.shape[0], AUTO_STRIDE, device=W0.device)
+                Wr, dr = W0[rows], T[rows] - W0[rows]
+                probe = {c: float(_delta_kept(_solve(H, Wr + c * dr, rule, blocksize, damp, actorder,
+                                                     amax=float((W0 + c * (T - W0)).abs().amax()))[0], Wr, dr, H.H))
+                         for c in AUTO_GAINS}  # (a host sync per gain: the choice needs them)
+                k = min(AUTO_GAINS, key=lambda c: abs(probe[c] - 1))
+                gains[g.names[0]] = {"gain": k, "probe": {str(c): round(v, 4) for c, v in probe.items()}}
+            Q, q = _solve(H, T if k == 1 else W0 + k * (T - W0), rule, blocksize, damp, actorder)
+            gs = global_scale_from_amax(float(T.abs().amax()))  # the plain merge's, for its error
             packed = q.pack(Q)
             if inputs == "merged":  # the layer runs merged from now on: its members' codes, no adapter
                 g.weight = type(g.weight)(packed.packed, packed.scales, packed.global_scale)
@@ -101,13 +121,14 @@ def gptq_merge(artifact: str | os.PathLike, adapter: str | os.PathLike, data: st
                     if lo is not None:
                         lo.B.data.zero_()
             r0 = 0
-            for name, W in zip(g.names, Ws):
+            for name, W, Tn in zip(g.names, Ws, Ts):
                 r1 = r0 + W.shape[0]
                 out[name] = NVFP4Tensor(packed.packed[r0:r1].cpu(), packed.scales[r0:r1].cpu(),
                                         packed.global_scale.cpu())
-                if name in weights:
-                    plain = _rtn(W, gs, rule)
-                    errors[name] = {"plain": _output_error(W, plain, H.H), "gptq": _output_error(W, Q[r0:r1], H.H)}
+                if name in weights:  # against the adapted layer W + s B A
+                    plain = _rtn(Tn, gs, rule)
+                    errors[name] = {"plain": _output_error(Tn, plain, H.H), "gptq": _output_error(Tn, Q[r0:r1], H.H),
+                                    "delta_kept": _delta_kept(Q[r0:r1], W, Tn - W, H.H)}
                 r0 = r1
         clock.lap("solve")
         if inputs == "merged":  # the next layer's inputs, from this layer as merged
@@ -119,9 +140,33 @@ def gptq_merge(artifact: str | os.PathLike, adapter: str | os.PathLike, data: st
     clock.lap("solve")
     stages = clock.report()
     summary = {"method": "gptq", "inputs": inputs, "samples": len(samples),
-               "tokens": int(sum(s.numel() for s in samples)),
-               "damp": damp, "seconds": round(stages["total"], 1), "stages": stages, "output_error": errors}
+               "tokens": int(sum(s.numel() for s in samples)), "damp": damp, "gain": gain,
+               "seconds": round(stages["total"], 1), "stages": stages, "output_error": errors}
+    if gains:
+        summary["gains"] = gains
     return out, summary
+
+
+AUTO_GAINS = (1.0, 1.25, 1.5, 1.75, 2.0)  # gain="auto": the gains each fused group's probe tries
+AUTO_STRIDE = 8  # ... on every AUTO_STRIDE-th row
+
+
+def _solve(H: GPTQ, T: torch.Tensor, rule: str, blocksize: int, damp: float, actorder: bool,
+           amax: float | None = None) -> tuple[torch.Tensor, NVFP4Quantizer]:
+    """GPTQ of T to NVFP4: fake-quantized weights, quantizer. One global scale, from ``amax`` (T's own
+    by default; a probe on some of the rows passes the whole group's, so its grid is the merge's)."""
+    amax = float(T.abs().amax()) if amax is None else amax
+    q = NVFP4Quantizer(global_scale_from_amax(amax), scaling="1d", scale_rule=rule)
+    return H.quantize(T, q, blocksize=blocksize, percdamp=damp, actorder=actorder)[0], q
+
+
+def _delta_kept(Q: torch.Tensor, W: torch.Tensor, delta: torch.Tensor, H: torch.Tensor) -> torch.Tensor:
+    """How much of ``delta`` the merged weights' change Q - W carries, in the metric of the layer's
+    inputs: <Q - W, delta>_H / <delta, delta>_H (1: all of it, along the delta; 0 for no delta).
+    A 0-dim tensor, as _output_error's."""
+    dH = delta.float() @ H
+    den = (dH * delta).sum()
+    return torch.where(den > 0, ((Q - W).float() * dH).sum() / den, torch.zeros_like(den))
 
 
 def _rtn(W: torch.Tensor, gs: torch.Tensor, rule: str) -> torch.Tensor:

@@ -36,6 +36,11 @@ from .common import cli_errors
               help="--merge-method gptq: each layer solved on the inputs the layers merged below it give it "
                    "(merged, as served), or on the trained model's own (adapted; kept less of the gain, "
                    "BENCHMARKS.md).")
+@click.option("--merge-gain", default="1", show_default=True, callback=lambda c, p, v: _gain(v),
+              help="--merge-method gptq: solve for W + GAIN x B A. Rounding to the grid the base's codes sit on "
+                   "pulls a small delta back to the base; a gain above 1 makes up for it. auto: chosen per "
+                   "q|k|v, o, gate|up, down group (a GPTQ probe on every eighth row at 1 to 2), so that the "
+                   "merged change carries the whole delta (BENCHMARKS.md).")
 @click.option("--merge-samples", default=128, show_default=True, help="Examples of --merge-data used (max-len 512).")
 @click.option("--merge-keep-bf16", default=0.0, show_default=True, type=float,
               help="With the GPTQ merge: this share of the adapted projections (whole q|k|v and gate|up groups, "
@@ -45,8 +50,8 @@ from .common import cli_errors
                    "it); any other folder is refused. Replaced by rename: the old export is removed last.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @cli_errors
-def main(artifact, out, fmt, adapter, merge, merge_method, merge_data, merge_inputs, merge_samples, merge_keep_bf16,
-         overwrite, quiet) -> None:
+def main(artifact, out, fmt, adapter, merge, merge_method, merge_data, merge_inputs, merge_gain, merge_samples,
+         merge_keep_bf16, overwrite, quiet) -> None:
     """Export ARTIFACT (with --adapter) for inference."""
     if adapter and Path(adapter).is_dir() and Path(artifact).is_dir():
         from pact.formats import open_artifact
@@ -60,7 +65,10 @@ def main(artifact, out, fmt, adapter, merge, merge_method, merge_data, merge_inp
             from pact.calibrate.merge import gptq_merge
 
             return gptq_merge(art_path, run, merge_data or _run_data(run), max_samples=merge_samples,
-                              inputs=merge_inputs, progress=not quiet)
+                              inputs=merge_inputs, gain=merge_gain, progress=not quiet)
+    elif merge_gain != 1:
+        raise click.BadParameter("a gain is for the GPTQ merge: drop it, or --merge-method gptq",
+                                 param_hint="--merge-gain")
 
     r = export(artifact, out, fmt=fmt, adapter=adapter, merge=merge, overwrite=overwrite, progress=not quiet,
                merge_solver=solver, merge_keep_bf16=merge_keep_bf16)
@@ -70,9 +78,27 @@ def main(artifact, out, fmt, adapter, merge, merge_method, merge_data, merge_inp
         if errs:
             r["merge"]["layer_output_error_median"] = {
                 k: sorted(e[k] for e in errs)[len(errs) // 2] for k in ("plain", "gptq")}
+            r["merge"]["delta_kept_median"] = sorted(e["delta_kept"] for e in errs)[len(errs) // 2]
+    if "gains" in r.get("merge", {}):  # --merge-gain auto: how many groups took each gain
+        gains = [g["gain"] for g in r["merge"].pop("gains").values()]
+        r["merge"]["gains_chosen"] = {str(g): gains.count(g) for g in sorted(set(gains))}
     if "requantization_error" in r:
         r["requantization_error"] = {k: v for k, v in r["requantization_error"].items() if k != "per_projection"}
     click.echo(json.dumps(r, indent=2))
+
+
+def _gain(value: str) -> float | str:
+    """--merge-gain: "auto" or a number in (0, 4]."""
+    if value == "auto":
+        return value
+    try:
+        g = float(value)
+    except ValueError:
+        g = float("nan")
+    if not 0 < g <= 4:
+        raise click.BadParameter(f"{value!r}: give auto or a number in (0, 4] (1: the delta as trained)",
+                                 param_hint="--merge-gain")
+    return g
 
 
 def _run_data(adapter: str) -> str:

@@ -48,17 +48,13 @@ def test_method_names():
             bf._check_methods([bad])
 
 
-def test_merge_bench_amplified_adapter(tmp_path):
-    """bench_merge's gptq-ampNNN: a copy of the adapter whose lora_alpha (so its delta) is NNN/100 times."""
-    import json
-
+def test_merge_bench_gain_kept():
+    """bench_merge's rows: kept_X = (merged_X - zero-shot) / (unmerged - zero-shot) for every merge scored
+    so far (a row is saved after each merge), none for the transformers score or a run that gained nothing."""
     import bench_merge
 
-    run = tmp_path / "run"
-    run.mkdir()
-    (run / "adapter_config.json").write_text(json.dumps({"r": 16, "lora_alpha": 32, "peft_type": "LORA"}))
-    (run / "adapter_model.safetensors").write_bytes(b"weights")
-    out = bench_merge._amplified(run, tmp_path / "run-amp150", 1.5)
-    assert json.loads((out / "adapter_config.json").read_text())["lora_alpha"] == 48
-    assert (out / "adapter_model.safetensors").read_bytes() == b"weights"
-    assert json.loads((run / "adapter_config.json").read_text())["lora_alpha"] == 32  # the trained run untouched
+    row = {"zero_shot": 0.5, "unmerged": 0.9, "merged_gptq": 0.8, "merged_gptq-amp150": 0.9, "merged_gptq_hf": 0.8}
+    got = bench_merge._with_kept(row)
+    assert got["kept_gptq"] == 0.75 and got["kept_gptq-amp150"] == 1.0 and "kept_gptq_hf" not in got
+    assert "kept_gptq" not in row  # the row itself is left as scored
+    assert bench_merge._with_kept({**row, "unmerged": 0.5})["kept_gptq"] is None

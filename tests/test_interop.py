@@ -434,6 +434,46 @@ def test_gptq_merge_on_the_merged_models_inputs(trained):
         gptq_merge(*args, inputs="source")
 
 
+def test_gptq_merge_gain(trained, tmp_path):
+    """gain: the merge solves for W + gain x s B A; every adapted projection reports delta_kept, the share of
+    s B A its merged change carries in the metric of its inputs (exact on a known change). A gain above 1
+    carries more of it; gain="auto" picks per fused group the probe's gain nearest a whole delta. Bad gains,
+    or a gain with the plain merge, are refused naming the flag."""
+    from click.testing import CliRunner
+
+    from pact.calibrate.merge import AUTO_GAINS, _delta_kept, gptq_merge
+    from pact.pipelines.export import main as export_cli
+
+    W, d = torch.randn(8, 32), torch.randn(8, 32)
+    X = torch.randn(64, 32)
+    H = X.T @ X
+    assert float(_delta_kept(W + 0.5 * d, W, d, H)) == pytest.approx(0.5, rel=1e-5)
+    assert float(_delta_kept(W, W, torch.zeros_like(d), H)) == 0.0
+    args = (str(trained / "art"), str(trained / "run"), str(trained / "train.jsonl"))
+    kept = {}
+    for gain in (1.0, 1.5):
+        _, summary = gptq_merge(*args, max_samples=4, gain=gain)
+        assert summary["gain"] == gain and "gains" not in summary
+        kept[gain] = sorted(e["delta_kept"] for e in summary["output_error"].values())
+    assert kept[1.5][len(kept[1.5]) // 2] > kept[1.0][len(kept[1.0]) // 2], kept
+    out, summary = gptq_merge(*args, max_samples=4, gain="auto")
+    assert summary["gain"] == "auto" and summary["gains"] and set(out) >= set(summary["output_error"])
+    for g in summary["gains"].values():  # the probed gain whose realized change is nearest the whole delta
+        probe = {float(k): v for k, v in g["probe"].items()}
+        assert set(probe) == set(AUTO_GAINS) and g["gain"] == min(probe, key=lambda c: abs(probe[c] - 1))
+    with pytest.raises(PactError, match="--merge-gain"):
+        gptq_merge(*args, gain=0.0)
+    base = [args[0], "--out", str(tmp_path / "g"), "--adapter", args[1], "--merge", "--quiet"]
+    r = CliRunner().invoke(export_cli, base + ["--merge-samples", "4", "--merge-gain", "auto"])
+    assert r.exit_code == 0, r.output
+    m = json.loads(r.output)["merge"]
+    assert sum(m["gains_chosen"].values()) == len(summary["gains"]) and 0 < m["delta_kept_median"] < 3
+    for bad, why in ((["--merge-gain", "big"], "give auto or a number"), (["--merge-gain", "0"], "give auto"),
+                     (["--merge-gain", "1.5", "--merge-method", "rtn"], "a gain is for the GPTQ merge")):
+        r = CliRunner().invoke(export_cli, base + ["--overwrite"] + bad)
+        assert r.exit_code != 0 and "--merge-gain" in r.output and why in r.output, r.output
+
+
 def test_export_refusals(trained, tmp_path):
     from pact.convert.export import export
 
