@@ -12,8 +12,9 @@ Gain kept = (merged - zero-shot) / (unmerged - zero-shot). The merged NVFP4 expo
 back with pact-convert (compressed-tensors, as stored) and scored by the same pact-eval code as the
 unmerged run; the bf16 export is scored the same way after pact-convert (RTN of the merged bf16
 weights would be one more rounding, so it is scored as bf16 with transformers instead). Where
-compressed-tensors is installed, the GPTQ-merged export is also scored as a server's client loads
-it (transformers + compressed-tensors, `merged_gptq_hf`): the serving check.
+compressed-tensors is installed, the default export (gptq-auto's where scored, else gptq's) is also
+scored as a server's client loads it (transformers + compressed-tensors, `merged_gptq_hf`; `hf_scored`
+names which): the serving check.
 """
 
 from __future__ import annotations
@@ -77,13 +78,15 @@ def cli() -> None:
 @click.option("--json-out", type=click.Path(dir_okay=False, path_type=Path), default=None)
 @click.option("--reuse-runs", is_flag=True, help="A seed whose run folder holds an adapter is not trained again.")
 @click.option("--train-only", is_flag=True, help="Train each seed's run (kept in --workdir) and stop: no scores.")
-@click.option("--variants", default="rtn,gptq,bf16,hf", show_default=True,
-              help="Merges scored: rtn (plain), gptq (pact-export --merge's default: GPTQ on the merged "
-                   "model's inputs), gptq-keepNN (that with NN% of the adapted projections kept bf16: "
+@click.option("--variants", default="rtn,gptq,gptq-auto,bf16,hf", show_default=True,
+              help="Merges scored: rtn (plain), gptq (GPTQ on the merged model's inputs, the delta as "
+                   "trained: --merge-gain 1), gptq-keepNN (that with NN% of the adapted projections kept bf16: "
                    "--merge-keep-bf16), gptq-ai (GPTQ on the adapted model's inputs: --merge-inputs adapted), "
                    "gptq-ampNNN (the GPTQ merge of W + NNN/100 x the adapter's delta: --merge-gain), "
-                   "gptq-auto (the gain chosen per fused group: --merge-gain auto), "
-                   "bf16, hf (the GPTQ export read by transformers). Rows made before commit 'merged inputs by "
+                   "gptq-auto (pact-export --merge's default: the gain chosen per fused group, "
+                   "--merge-gain auto), "
+                   "bf16, hf (the default export, gptq-auto's or else gptq's, read by transformers). "
+                   "Rows made before commit 'merged inputs by "
                    "default' name the adapted-inputs merge gptq and the merged-inputs one gptq-mi.")
 @click.option("--merge-samples", default=128, show_default=True, help="The GPTQ merge's texts (gptq_merge).")
 @click.option("--merge-damp", default=0.01, show_default=True, help="The GPTQ merge's damping.")
@@ -157,8 +160,10 @@ def run(name, artifact, train_f, test_f, workdir, seeds, steps, lr, max_len, lim
             row[f"merged_{how}"] = acc(back)
             row[f"{how}_total_s"] = round(time.perf_counter() - t, 1)
             save()
-            if how == "gptq" and "hf" in variants and importlib.util.find_spec("compressed_tensors"):  # as served
-                row["merged_gptq_hf"] = _score_hf(d / "ct-gptq", test, max_len, 0)
+            served = "gptq-auto" if "gptq-auto" in hows else "gptq"
+            if how == served and "hf" in variants and importlib.util.find_spec("compressed_tensors"):  # as served
+                row["merged_gptq_hf"] = _score_hf(d / f"ct-{how}", test, max_len, 0)
+                row["hf_scored"] = how
             if keep:
                 row[f"{how}_kept_bf16"] = len(summary.get("kept_bf16", []))
             if "output_error" in summary and not keep:
@@ -213,7 +218,7 @@ def table(files) -> None:
     head = (["task", "seeds", "zero-shot", "unmerged"] + [f"{names[v]} merge" for v in shown]
             + (["kept: " + " / ".join(names[v] for v in shown)] if shown else [])
             + [f"{names[v]} - unmerged (paired)" for v in paired]
-            + (["transformers - pact (GPTQ export)"] if hf else []))
+            + (["transformers - pact (default export)"] if hf else []))
     click.echo("| " + " | ".join(head) + " |")
     click.echo("|---" * len(head) + "|")
     kept_all: dict[str, list[float]] = {v: [] for v in shown}
@@ -233,7 +238,8 @@ def table(files) -> None:
         line += [" / ".join(kept)] if shown else []
         line += [_mse([r[f"merged_{v}"] - r["unmerged"] for r in rs if f"merged_{v}" in r]) for v in paired]
         if hf:
-            line.append(_mse([r["merged_gptq_hf"] - r["merged_gptq"] for r in rs if "merged_gptq_hf" in r]))
+            line.append(_mse([r["merged_gptq_hf"] - r[f"merged_{r.get('hf_scored', 'gptq')}"] for r in rs
+                              if "merged_gptq_hf" in r]))
         click.echo("| " + " | ".join(line) + " |")
     click.echo("\nmean gain kept: " + ", ".join(f"{names[v]} {100 * statistics.mean(k):.0f}% ({len(k)} tasks)"
                                               for v, k in kept_all.items() if k))

@@ -33,7 +33,7 @@ from .quantizer import NVFP4Quantizer
 
 def gptq_merge(artifact: str | os.PathLike, adapter: str | os.PathLike, data: str | os.PathLike, *,
                max_samples: int = 128, max_len: int = 512, damp: float = 0.01, blocksize: int = 128,
-               actorder: bool = False, inputs: str = "merged", gain: float | str = 1.0,
+               actorder: bool = False, inputs: str = "merged", gain: float | str = "auto",
                device: str | None = None, progress: bool = False) -> tuple[dict[str, NVFP4Tensor], dict]:
     """The merged NVFP4 forward-layout tensor of every projection the adapter adapts (1x16 blocks;
     a fused group's members share one global scale, as vLLM fuses q|k|v and gate|up), and a
@@ -48,7 +48,7 @@ def gptq_merge(artifact: str | os.PathLike, adapter: str | os.PathLike, data: st
 
     ``gain``: the merge solves for W + gain * s * B A. Rounding to a grid the base's codes already
     sit on pulls the merged weights back toward the base, so the realized change carries only part of
-    the adapter's delta; a gain above 1 makes up for it. "auto" chooses it per fused group: GPTQ on
+    the adapter's delta; a gain above 1 makes up for it. "auto" (the default) chooses it per fused group: GPTQ on
     every eighth row at each gain of AUTO_GAINS, and the one whose realized change projects closest to
     the whole delta (``delta_kept`` nearest 1) is solved on every row. ``delta_kept`` (reported per
     projection) is that projection in the metric of the layer's inputs: <Q - W, s B A>_H / <s B A, s B A>_H."""

@@ -36,11 +36,11 @@ from .common import cli_errors
               help="--merge-method gptq: each layer solved on the inputs the layers merged below it give it "
                    "(merged, as served), or on the trained model's own (adapted; kept less of the gain, "
                    "BENCHMARKS.md).")
-@click.option("--merge-gain", default="1", show_default=True, callback=lambda c, p, v: _gain(v),
+@click.option("--merge-gain", default="auto", show_default=True, callback=lambda c, p, v: _gain(v),
               help="--merge-method gptq: solve for W + GAIN x B A. Rounding to the grid the base's codes sit on "
                    "pulls a small delta back to the base; a gain above 1 makes up for it. auto: chosen per "
                    "q|k|v, o, gate|up, down group (a GPTQ probe on every eighth row at 1 to 2), so that the "
-                   "merged change carries the whole delta (BENCHMARKS.md).")
+                   "merged change carries the whole delta; 1: the delta as trained (BENCHMARKS.md).")
 @click.option("--merge-samples", default=128, show_default=True, help="Examples of --merge-data used (max-len 512).")
 @click.option("--merge-keep-bf16", default=0.0, show_default=True, type=float,
               help="With the GPTQ merge: this share of the adapted projections (whole q|k|v and gate|up groups, "
@@ -66,7 +66,7 @@ def main(artifact, out, fmt, adapter, merge, merge_method, merge_data, merge_inp
 
             return gptq_merge(art_path, run, merge_data or _run_data(run), max_samples=merge_samples,
                               inputs=merge_inputs, gain=merge_gain, progress=not quiet)
-    elif merge_gain != 1:
+    elif merge_gain not in (1, "auto"):
         raise click.BadParameter("a gain is for the GPTQ merge: drop it, or --merge-method gptq",
                                  param_hint="--merge-gain")
 

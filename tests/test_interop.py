@@ -407,7 +407,7 @@ def test_gptq_merge_in_act_order(trained):
     from pact.calibrate.merge import gptq_merge
 
     out, summary = gptq_merge(str(trained / "art"), str(trained / "run"), str(trained / "train.jsonl"),
-                              max_samples=8, actorder=True)
+                              max_samples=8, actorder=True, gain=1.0)
     errs = summary["output_error"]
     assert set(summary["stages"]) == {"load", "activations", "solve", "total"}
     assert summary["stages"]["total"] == pytest.approx(summary["seconds"], abs=0.2)
@@ -423,8 +423,8 @@ def test_gptq_merge_on_the_merged_models_inputs(trained):
     from pact.calibrate.merge import gptq_merge
 
     args = (str(trained / "art"), str(trained / "run"), str(trained / "train.jsonl"))
-    ref, adapted = gptq_merge(*args, max_samples=8, inputs="adapted")
-    out, summary = gptq_merge(*args, max_samples=8)
+    ref, adapted = gptq_merge(*args, max_samples=8, inputs="adapted", gain=1.0)
+    out, summary = gptq_merge(*args, max_samples=8, gain=1.0)
     assert summary["inputs"] == "merged" and adapted["inputs"] == "adapted" and set(out) == set(ref)
     first = [n for n in out if ".layers.0." in n]
     assert first and all(torch.equal(out[n].packed, ref[n].packed) for n in first)
