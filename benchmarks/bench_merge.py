@@ -113,7 +113,10 @@ def run(name, artifact, train_f, test_f, workdir, seeds, steps, lr, max_len, lim
         return evaluate_artifact(str(art), str(test), adapter=adapter, max_len=max_len, batch_size=16)["eval_accuracy"]
 
     rows = []
-    zero = None if train_only else acc(artifact)
+    # --reuse-runs with the --json-out of an earlier call cut short: its rows go on from the merges they hold
+    scored = {(r["task"], r["seed"], r["lr"]): r for r in json.loads(json_out.read_text())} \
+        if reuse_runs and json_out and json_out.is_file() else {}
+    zero = None
     for seed in (int(s) for s in seeds.split(",")):
         d = workdir / f"seed{seed}"
         run = d / "run"
@@ -127,8 +130,13 @@ def run(name, artifact, train_f, test_f, workdir, seeds, steps, lr, max_len, lim
         if train_only:
             click.echo(f"{name} seed {seed}: trained in {time.perf_counter() - t:.0f} s")
             continue
-        row = {"task": name, "lr": lr, "seed": seed, "zero_shot": zero,
-               "train_s": None if reuse else round(time.perf_counter() - t, 1), "unmerged": acc(artifact, str(run))}
+        if reuse and (name, seed, lr) in scored:
+            row = {k: v for k, v in scored[name, seed, lr].items() if not k.startswith("kept_")}
+        else:
+            zero = acc(artifact) if zero is None else zero
+            row = {"task": name, "lr": lr, "seed": seed, "zero_shot": zero,
+                   "train_s": None if reuse else round(time.perf_counter() - t, 1),
+                   "unmerged": acc(artifact, str(run))}
         rows.append(row)
 
         def save():  # after every merge: a grid cut short keeps the merges it scored
@@ -147,7 +155,7 @@ def run(name, artifact, train_f, test_f, workdir, seeds, steps, lr, max_len, lim
 
         hows = [h for h in variants.split(",") if h in ("rtn", "gptq", "gptq-ai", "gptq-auto")
                 or h.startswith(("gptq-keep", "gptq-amp"))]
-        for how in hows:
+        for how in [h for h in hows if f"merged_{h}" not in row]:
             t = time.perf_counter()
             keep = int(how.removeprefix("gptq-keep")) / 100 if how.startswith("gptq-keep") else 0.0
             gain = ("auto" if how == "gptq-auto" else
@@ -173,7 +181,7 @@ def run(name, artifact, train_f, test_f, workdir, seeds, steps, lr, max_len, lim
                 row[f"{how}_delta_kept"] = round(statistics.median(e["delta_kept"] for e in errs), 4)
             if summary.get("gains"):  # gain="auto": how many groups took each gain
                 row[f"{how}_gains"] = dict(collections.Counter(str(v["gain"]) for v in summary["gains"].values()))
-        if "bf16" in variants.split(","):
+        if "bf16" in variants.split(",") and "merged_bf16" not in row:
             export(str(artifact), d / "bf16", fmt="bf16", adapter=str(run), overwrite=True)
             row["merged_bf16"] = _score_hf(d / "bf16", test, max_len, 0)
         save()

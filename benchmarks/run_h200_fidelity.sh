@@ -258,7 +258,8 @@ merge)  # (carry .gg2 .fid) what merged exports keep of the adapter's gain: one 
   export DEADLINE; export -f left  # (the merge jobs run in their own shells: xargs bash -c)
   # MERGE_PHASE=train: every (task, seed) trains at once (one process each) and stops; then (the default,
   # or MERGE_PHASE=merge in a later call on the warm machine) the runs are merged and scored,
-  # MERGE_WORKERS at a time (a GPTQ merge is CPU-heavy: 20 at once took ~5 min each), skipping done ones
+  # MERGE_WORKERS at a time (a GPTQ merge is CPU-heavy: 20 at once took ~5 min each; 12 jobs of three merges,
+  # one of them --merge-gain auto, did not finish in 350 s), each job going on from the merges its rows hold
   MG=/tmp/mg${TAG:+-$TAG}; MJ=merge${TAG:+-$TAG}  # TAG: another grid's runs and rows
   : > /tmp/rows/$MJ-jobs.txt
   for t in ${MT//,/ }; do
@@ -270,9 +271,9 @@ print(*f('$t', Path('/tmp/wd'), None))")
         CUDA_VISIBLE_DEVICES=$(( s % NGPU )) OMP_NUM_THREADS=1 timeout $(left) python3 \
           benchmarks/bench_merge.py run $args --train-only ${MERGE_ARGS:-} > /tmp/rows/train-$t-$s.log 2>&1 &
       fi
-      [ -f /tmp/rows/$MJ-$t-$s.json ] || echo "OMP_NUM_THREADS=2 timeout \$(left) python3 \
+      echo "OMP_NUM_THREADS=2 timeout \$(left) python3 \
 benchmarks/bench_merge.py run $args --reuse-runs --json-out /tmp/rows/$MJ-$t-$s.json ${MERGE_ARGS:-} \
-> /tmp/rows/$MJ-$t-$s.log 2>&1" >> /tmp/rows/$MJ-jobs.txt
+>> /tmp/rows/$MJ-$t-$s.log 2>&1" >> /tmp/rows/$MJ-jobs.txt
     done
   done
   wait
