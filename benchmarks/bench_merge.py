@@ -155,6 +155,7 @@ def run(name, artifact, train_f, test_f, workdir, seeds, steps, lr, max_len, lim
 
         hows = [h for h in variants.split(",") if h in ("rtn", "gptq", "gptq-ai", "gptq-auto")
                 or h.startswith(("gptq-keep", "gptq-amp"))]
+        served = "gptq-auto" if "gptq-auto" in hows else "gptq"  # the export the serving check scores
         for how in [h for h in hows if f"merged_{h}" not in row]:
             t = time.perf_counter()
             keep = int(how.removeprefix("gptq-keep")) / 100 if how.startswith("gptq-keep") else 0.0
@@ -168,7 +169,6 @@ def run(name, artifact, train_f, test_f, workdir, seeds, steps, lr, max_len, lim
             row[f"merged_{how}"] = acc(back)
             row[f"{how}_total_s"] = round(time.perf_counter() - t, 1)
             save()
-            served = "gptq-auto" if "gptq-auto" in hows else "gptq"
             if how == served and "hf" in variants and importlib.util.find_spec("compressed_tensors"):  # as served
                 row["merged_gptq_hf"] = _score_hf(d / f"ct-{how}", test, max_len, 0)
                 row["hf_scored"] = how

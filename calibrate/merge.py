@@ -52,8 +52,7 @@ def gptq_merge(artifact: str | os.PathLike, adapter: str | os.PathLike, data: st
     every eighth row at each gain of AUTO_GAINS, and the one whose realized change projects closest to
     the whole delta (``delta_kept`` nearest 1) is solved on every row. ``delta_kept`` (reported per
     projection) is that projection in the metric of the layer's inputs: <Q - W, s B A>_H / <s B A, s B A>_H."""
-    if not (gain == "auto" or (isinstance(gain, (int, float)) and 0 < gain <= 4)):
-        raise PactError(f"--merge-gain must be 'auto' or a number in (0, 4], got {gain!r}")
+    gain = merge_gain(gain)
     if inputs not in ("adapted", "merged"):
         raise ValueError(f"gptq_merge: inputs must be 'adapted' or 'merged', got {inputs!r}")
     clock = _Clock("cpu")  # as calibration's: the device is known once the session is open
@@ -103,16 +102,17 @@ def gptq_merge(artifact: str | os.PathLike, adapter: str | os.PathLike, data: st
                 Ws.append(W)
                 Ts.append(merged_weight(W, name, lora_on_dev, scale))
             W0, T = torch.cat(Ws), torch.cat(Ts)
+            D = T - W0  # the group's s B A
             k = gain
             if gain == "auto":
                 rows = torch.arange(0, W0.shape[0], AUTO_STRIDE, device=W0.device)
-                Wr, dr = W0[rows], T[rows] - W0[rows]
+                Wr, dr = W0[rows], D[rows]
                 probe = {c: float(_delta_kept(_solve(H, Wr + c * dr, rule, blocksize, damp, actorder,
-                                                     amax=float((W0 + c * (T - W0)).abs().amax()))[0], Wr, dr, H.H))
+                                                     amax=float((W0 + c * D).abs().amax()))[0], Wr, dr, H.H))
                          for c in AUTO_GAINS}  # (a host sync per gain: the choice needs them)
                 k = min(AUTO_GAINS, key=lambda c: abs(probe[c] - 1))
                 gains[g.names[0]] = {"gain": k, "probe": {str(c): round(v, 4) for c, v in probe.items()}}
-            Q, q = _solve(H, T if k == 1 else W0 + k * (T - W0), rule, blocksize, damp, actorder)
+            Q, q = _solve(H, T if k == 1 else W0 + k * D, rule, blocksize, damp, actorder)
             gs = global_scale_from_amax(float(T.abs().amax()))  # the plain merge's, for its error
             packed = q.pack(Q)
             if inputs == "merged":  # the layer runs merged from now on: its members' codes, no adapter
@@ -145,6 +145,19 @@ def gptq_merge(artifact: str | os.PathLike, adapter: str | os.PathLike, data: st
     if gains:
         summary["gains"] = gains
     return out, summary
+
+
+def merge_gain(value: float | str) -> float | str:
+    """--merge-gain: "auto", or a number in (0, 4] (given as a number or its text), else a PactError."""
+    if value == "auto":
+        return value
+    try:
+        g = float(value)
+    except (TypeError, ValueError):
+        g = float("nan")
+    if not 0 < g <= 4:
+        raise PactError(f"--merge-gain {value!r}: give auto or a number in (0, 4] (1: the delta as trained)")
+    return g
 
 
 AUTO_GAINS = (1.0, 1.25, 1.5, 1.75, 2.0)  # gain="auto": the gains each fused group's probe tries

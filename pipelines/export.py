@@ -76,9 +76,9 @@ def main(artifact, out, fmt, adapter, merge, merge_method, merge_data, merge_inp
         kept = set(r["merge"].get("kept_bf16", []))
         errs = [e for k, e in r["merge"].pop("output_error").items() if k not in kept]
         if errs:
-            r["merge"]["layer_output_error_median"] = {
-                k: sorted(e[k] for e in errs)[len(errs) // 2] for k in ("plain", "gptq")}
-            r["merge"]["delta_kept_median"] = sorted(e["delta_kept"] for e in errs)[len(errs) // 2]
+            median = {k: sorted(e[k] for e in errs)[len(errs) // 2] for k in ("plain", "gptq", "delta_kept")}
+            r["merge"]["delta_kept_median"] = median.pop("delta_kept")
+            r["merge"]["layer_output_error_median"] = median
     if "gains" in r.get("merge", {}):  # --merge-gain auto: how many groups took each gain
         gains = [g["gain"] for g in r["merge"].pop("gains").values()]
         r["merge"]["gains_chosen"] = {str(g): gains.count(g) for g in sorted(set(gains))}
@@ -88,17 +88,14 @@ def main(artifact, out, fmt, adapter, merge, merge_method, merge_data, merge_inp
 
 
 def _gain(value: str) -> float | str:
-    """--merge-gain: "auto" or a number in (0, 4]."""
-    if value == "auto":
-        return value
+    """--merge-gain, checked as gptq_merge checks it, before any work."""
+    from pact.calibrate.merge import merge_gain
+    from pact.formats import PactError
+
     try:
-        g = float(value)
-    except ValueError:
-        g = float("nan")
-    if not 0 < g <= 4:
-        raise click.BadParameter(f"{value!r}: give auto or a number in (0, 4] (1: the delta as trained)",
-                                 param_hint="--merge-gain")
-    return g
+        return merge_gain(value)
+    except PactError as e:
+        raise click.BadParameter(str(e).removeprefix(f"--merge-gain {value!r}: "), param_hint="--merge-gain") from None
 
 
 def _run_data(adapter: str) -> str:
