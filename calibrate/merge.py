@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 
 from pact.convert.export import merged_weight
 from pact.formats import PactError
-from pact.formats.nvfp4 import NVFP4Tensor, dequantize, global_scale_from_amax
+from pact.formats.nvfp4 import NVFP4Tensor, dequantize, encode_with_scales, global_scale_from_amax
 from pact.formats.peft import load_peft_adapter
 from pact.runtime.data import read_records, tokenize
 from pact.runtime.session import open_session
@@ -102,19 +102,14 @@ def gptq_merge(artifact: str | os.PathLike, adapter: str | os.PathLike, data: st
                 Ws.append(W)
                 Ts.append(merged_weight(W, name, lora_on_dev, scale))
             W0, T = torch.cat(Ws), torch.cat(Ts)
-            D = T - W0  # the group's s B A
-            k = gain
             if gain == "auto":
-                rows = torch.arange(0, W0.shape[0], AUTO_STRIDE, device=W0.device)
-                Wr, dr = W0[rows], D[rows]
-                probe = {c: float(_delta_kept(_solve(H, Wr + c * dr, rule, blocksize, damp, actorder,
-                                                     amax=float((W0 + c * D).abs().amax()))[0], Wr, dr, H.H))
-                         for c in AUTO_GAINS}  # (a host sync per gain: the choice needs them)
-                k = min(AUTO_GAINS, key=lambda c: abs(probe[c] - 1))
+                k, Q, sc, gk, probe = _auto_gain(H, W0, T, rule, blocksize, damp, actorder)
                 gains[g.names[0]] = {"gain": k, "probe": {str(c): round(v, 4) for c, v in probe.items()}}
-            Q, q = _solve(H, T if k == 1 else W0 + k * D, rule, blocksize, damp, actorder)
+            else:
+                Q, sc, gks = _solve_gains(H, W0, T, (gain,), None, rule, blocksize, damp, actorder)
+                gk = gks[0]
+            packed = NVFP4Tensor(encode_with_scales(Q, sc, gk), sc, gk)  # codes re-derived exactly
             gs = global_scale_from_amax(float(T.abs().amax()))  # the plain merge's, for its error
-            packed = q.pack(Q)
             if inputs == "merged":  # the layer runs merged from now on: its members' codes, no adapter
                 g.weight = type(g.weight)(packed.packed, packed.scales, packed.global_scale)
                 for lo in g.loras:
@@ -164,13 +159,63 @@ AUTO_GAINS = (1.0, 1.25, 1.5, 1.75, 2.0)  # gain="auto": the gains each fused gr
 AUTO_STRIDE = 8  # ... on every AUTO_STRIDE-th row
 
 
-def _solve(H: GPTQ, T: torch.Tensor, rule: str, blocksize: int, damp: float, actorder: bool,
-           amax: float | None = None) -> tuple[torch.Tensor, NVFP4Quantizer]:
-    """GPTQ of T to NVFP4: fake-quantized weights, quantizer. One global scale, from ``amax`` (T's own
-    by default; a probe on some of the rows passes the whole group's, so its grid is the merge's)."""
-    amax = float(T.abs().amax()) if amax is None else amax
-    q = NVFP4Quantizer(global_scale_from_amax(amax), scaling="1d", scale_rule=rule)
-    return H.quantize(T, q, blocksize=blocksize, percdamp=damp, actorder=actorder)[0], q
+def _solve_gains(H: GPTQ, W0: torch.Tensor, T: torch.Tensor, gains: tuple[float, ...], rows: torch.Tensor | None,
+                 rule: str, blocksize: int, damp: float, actorder: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GPTQ of rows ``rows`` (None: all) of W0 + c D (D = T - W0; T itself at c = 1) to NVFP4, for every
+    gain c in one sweep: rows are independent, so the gains' rows stack, each gain with the global
+    scale of the whole group's W0 + c D (the grid the merge rounds to). One sweep's launches for all
+    of them: on a GPU the sweep is launch-bound. Returns the fake-quantized rows [len(gains) * r, K],
+    gain after gain, their e4m3 block scales and the gains' global scales [len(gains)]."""
+    D = T - W0
+    amax = [(T if c == 1 else W0 + c * D).abs().amax() for c in gains]  # one gain's temporary at a time
+    g = global_scale_from_amax(torch.stack(amax))
+    Tr, Wr, Dr = (T, W0, D) if rows is None else (T[rows], W0[rows], D[rows])
+    X = torch.cat([Tr if c == 1 else Wr + c * Dr for c in gains])
+    q = NVFP4Quantizer(g.repeat_interleave(Tr.shape[0]), scaling="1d", scale_rule=rule)
+    Q = H.quantize(X, q, blocksize=blocksize, percdamp=damp, actorder=actorder)[0]
+    return Q, q.scales, g
+
+
+def _auto_gain(H: GPTQ, W0: torch.Tensor, T: torch.Tensor, rule: str, blocksize: int, damp: float, actorder: bool
+               ) -> tuple[float, torch.Tensor, torch.Tensor, torch.Tensor, dict[float, float]]:
+    """gain="auto" for one fused group: the gain of AUTO_GAINS whose solve on every AUTO_STRIDE-th row
+    keeps ``delta_kept`` nearest 1, and the group solved at it (fake-quantized weights, e4m3 scales,
+    global scale), with each gain's probe. Where every gain's rows of the whole group fit in a
+    quarter of the GPU's free memory (``_stack_all``) they are all solved in one sweep and the chosen
+    gain's rows are the result; else the probe rows are swept for every gain, then the other rows at the
+    chosen gain. The choice reads the same rows either way."""
+    n = W0.shape[0]
+    every = torch.arange(0, n, AUTO_STRIDE, device=W0.device)
+    stack_all = _stack_all(W0, len(AUTO_GAINS))
+    Q, sc, g = _solve_gains(H, W0, T, AUTO_GAINS, None if stack_all else every, rule, blocksize, damp, actorder)
+    r = n if stack_all else every.numel()
+    seg = [slice(i * r, (i + 1) * r) for i in range(len(AUTO_GAINS))]
+    D = T - W0
+    kept = torch.stack([_delta_kept(Q[s][every] if stack_all else Q[s], W0[every], D[every], H.H) for s in seg])
+    probe = dict(zip(AUTO_GAINS, kept.tolist()))  # one host sync: the choice needs them
+    i = min(range(len(AUTO_GAINS)), key=lambda j: abs(probe[AUTO_GAINS[j]] - 1))
+    k = AUTO_GAINS[i]
+    if stack_all:
+        return k, Q[seg[i]], sc[seg[i]], g[i], probe
+    rest = torch.ones(n, dtype=torch.bool, device=W0.device)
+    rest[every] = False
+    rest = rest.nonzero().squeeze(1)
+    Qr, scr, _ = _solve_gains(H, W0, T, (k,), rest, rule, blocksize, damp, actorder)
+    Qk, sck = torch.empty_like(W0), torch.empty(n, sc.shape[1], dtype=sc.dtype, device=sc.device)
+    Qk[every], sck[every] = Q[seg[i]], sc[seg[i]]
+    Qk[rest], sck[rest] = Qr, scr
+    return k, Qk, sck, g[i], probe
+
+
+def _stack_all(W0: torch.Tensor, gains: int) -> bool:
+    """Whether auto's gains sweep all the group's rows at once: on a GPU, where the sweep's time is
+    its launches, when about six fp32 copies of them (the sweep's own and the stacked inputs) fit in
+    a quarter of the free memory; on a CPU never (there the time is arithmetic, as many rows as it sweeps)."""
+    if not W0.is_cuda:
+        return False
+    free, _ = torch.cuda.mem_get_info(W0.device)
+    return 6 * gains * W0.numel() * 4 <= free // 4
 
 
 def _delta_kept(Q: torch.Tensor, W: torch.Tensor, delta: torch.Tensor, H: torch.Tensor) -> torch.Tensor:

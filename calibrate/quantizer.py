@@ -31,11 +31,17 @@ from pact.runtime.graphs import side_stream
 
 
 class NVFP4Quantizer:
+    """``global_scale``: 0-dim, or one per row ([N], 1d only): rows that will be stored as different
+    tensors, swept together (calibrate.merge solves several gains' rows in one sweep)."""
+
     def __init__(self, global_scale: torch.Tensor, *, scaling: str = "2d", static: bool = False,
                  scale_rule: str = "amax"):
         if scale_rule not in SCALE_RULES:
             raise ValueError(f"scale_rule must be one of {SCALE_RULES}, got {scale_rule!r}")
         self.g = torch.as_tensor(global_scale, dtype=torch.float32)
+        if self.g.dim() > 1 or (self.g.dim() == 1 and scaling != "1d"):
+            raise ValueError(f"global_scale: 0-dim, or one per row with scaling='1d'; got shape {tuple(self.g.shape)}"
+                             f" with scaling={scaling!r}")
         self.scaling, self.static, self.scale_rule = scaling, static, scale_rule
         self.scales: torch.Tensor | None = None  # e4m3 [N, K/16], groups in the original column order
         self.dynamic = not static  # scales fixed during the sweep (not with act-order: begin() says)
@@ -51,10 +57,11 @@ class NVFP4Quantizer:
             amax = W.reshape(n, k // BLOCK, BLOCK).abs().amax(-1)
         else:
             amax = W.reshape(n // BLOCK, BLOCK, k // BLOCK, BLOCK).abs().amax(dim=(1, 3))
+        g = self.g.reshape(n, 1) if self.g.dim() else self.g  # one per row: beside each row's blocks
         if self.scale_rule == "mse":
-            sc = search_block_scales(W, amax, self.g, self.scaling)
+            sc = search_block_scales(W, amax, g, self.scaling)
         else:
-            sc = block_scales(amax, self.g)
+            sc = block_scales(amax, g)
         return sc if self.scaling == "1d" else repeat_rows16(sc)
 
     def _fix(self, grp: slice | int, sc: torch.Tensor) -> None:
@@ -68,6 +75,8 @@ class NVFP4Quantizer:
         n, k = W.shape
         self.dynamic = not (self.static or perm is not None)
         self.g = self.g.to(W.device)
+        if self.g.dim() and self.g.numel() != n:
+            raise ValueError(f"global_scale: {self.g.numel()} per-row scales for {n} rows")
         self.scales = torch.empty(n, k // BLOCK, dtype=torch.float8_e4m3fn, device=W.device)
         self._s = torch.empty(k // BLOCK, n, dtype=torch.float32, device=W.device)
         self._rs = torch.empty_like(self._s)
@@ -98,7 +107,9 @@ class NVFP4Quantizer:
             _columns(Wt[cols].clone(), *args)
 
     def pack(self, Q: torch.Tensor) -> NVFP4Tensor:
-        """The fake-quantized sweep result as stored NVFP4 (codes re-derived exactly)."""
+        """The fake-quantized sweep result as stored NVFP4 (codes re-derived exactly; one global scale)."""
+        if self.g.dim():
+            raise ValueError("pack: one global scale per row is not one tensor; encode each one's rows")
         return NVFP4Tensor(encode_with_scales(Q, self.scales, self.g), self.scales, self.g)
 
 
@@ -129,7 +140,7 @@ class _ColumnsGraph:
     def _capture(self, device: torch.device, n: int) -> None:
         f32 = {"dtype": torch.float32, "device": device}
         self.ins = [torch.zeros(BLOCK, n, **f32), torch.ones(BLOCK, n, **f32), torch.ones(BLOCK, n, **f32),
-                    torch.ones((), **f32), torch.eye(BLOCK, **f32)]  # T, rs, s, g, Hb
+                    torch.ones(n, **f32), torch.eye(BLOCK, **f32)]  # T, rs, s, g (per row; a 0-dim g broadcasts), Hb
         self.outs = [torch.empty(BLOCK, n, **f32), torch.empty(BLOCK, n, **f32)]  # Q, E
         side = side_stream(device)  # one per device: cuBLAS keeps a workspace per stream it ran on
         side.wait_stream(torch.cuda.current_stream(device))

@@ -170,7 +170,9 @@ def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
 
 
 def block_scales(block_amax: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
-    """fp32 block amax -> e4m3 block scales relative to the global scale (torchao's order)."""
+    """fp32 block amax -> e4m3 block scales relative to the global scale (torchao's order). The
+    global scale is 0-dim, or one per row ([rows, 1], 1d blocks: rows solved together that will be
+    stored as different tensors, as calibrate.merge's gains)."""
     s = (block_amax.float() / _const(E2M1_MAX, block_amax)) / global_scale
     return s.clamp(E4M3_MIN_SCALE, E4M3_MAX).to(torch.float8_e4m3fn)
 
@@ -194,6 +196,8 @@ def _block_sq_error(x: torch.Tensor, scales: torch.Tensor, global_scale: torch.T
     nb = cols // BLOCK
     if scaling == "1d":
         xb, s = x.reshape(rows, nb, BLOCK), scales.float().unsqueeze(-1)  # s [..., rows, nb, 1]
+        if global_scale.dim():  # one per row: [rows, 1] -> [rows, 1, 1], beside s's blocks
+            global_scale = global_scale.reshape(rows, 1, 1)
     else:  # a 16x16 block's scale broadcast over its rows (no repeated copy)
         xb, s = x.reshape(rows // BLOCK, BLOCK, nb, BLOCK), scales.float()[..., :, None, :, None]
     # on magnitudes: |q s g - x| = |q| s g - |x| exactly, as q takes x's sign (and s, g > 0)
@@ -230,6 +234,7 @@ _SCALE_CODE_RANGE = (int(torch.tensor(E4M3_MIN_SCALE).to(torch.float8_e4m3fn).vi
 def search_block_scales(x: torch.Tensor, block_amax: torch.Tensor, global_scale: torch.Tensor,
                         scaling: str) -> torch.Tensor:
     """Per block, the e4m3 scale near the amax rule's with the least squared error (``mse``).
+    ``global_scale``: 0-dim, or [rows, 1] for 1d (one per row, as ``block_scales``).
     The candidates are scored together, as many at a time as keep temporaries near _CHUNK_ELEMENTS."""
     base = block_scales(block_amax, global_scale).view(torch.uint8).to(torch.int16)
     steps = torch.arange(-_SEARCH_BELOW, _SEARCH_ABOVE + 1, dtype=torch.int16, device=base.device)

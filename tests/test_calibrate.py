@@ -203,6 +203,14 @@ def test_gptq_on_the_gpu_matches_the_cpu():
         del os.environ["PACT_GPTQ_CUDA_GRAPH"]
     assert torch.equal(Q.cpu(), qb) and torch.equal(q.scales.view(torch.uint8).cpu(), sb)
     assert torch.equal(losses.sum().cpu(), lb)
+    # two tensors' rows in one sweep, one global scale per row (the merge's gains): each one's own codes
+    # (cuBLAS may sum a wider GEMM in another order: a rare midpoint may round the other way)
+    g2 = F.global_scale_from_amax(1.5 * W.abs().amax())
+    q = NVFP4Quantizer(torch.cat([g.expand(384), g2.expand(384)]), scaling="1d", scale_rule="mse")
+    Q2 = gp.quantize(torch.cat([W, 1.5 * W]).cuda(), q)[0].cpu()
+    q1 = NVFP4Quantizer(g2, scaling="1d", scale_rule="mse")
+    Q1 = gp.quantize((1.5 * W).cuda(), q1)[0].cpu()
+    assert (Q2[:384] == qb).float().mean() > 0.999 and (Q2[384:] == Q1).float().mean() > 0.999
 
 
 def test_gptq_refuses_columns_or_blocks_off_the_16_grid():

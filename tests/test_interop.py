@@ -474,6 +474,40 @@ def test_gptq_merge_gain(trained, tmp_path):
         assert r.exit_code != 0 and "--merge-gain" in r.output and why in r.output, r.output
 
 
+def test_merge_gains_stack(monkeypatch):
+    """Several gains' rows swept together (each gain with its own global scale, one per row in the
+    quantizer) give each gain's codes exactly as its own sweep does, and gain="auto" chooses the same gain
+    and writes the same codes whether it sweeps every gain's rows at once (the GPU's way, where the sweep
+    is launch-bound) or probes every AUTO_STRIDE-th row and then sweeps the rest at the chosen gain."""
+    from pact.calibrate import merge
+    from pact.calibrate.gptq import GPTQ
+    from pact.formats.nvfp4 import dequantize, quantize
+
+    torch.manual_seed(0)
+    W0 = dequantize(quantize(torch.randn(48, 64), scale_rule="mse"))  # a base on its NVFP4 grid
+    T = W0 + 0.04 * torch.randn(48, 16) @ torch.randn(16, 64) / 4  # a low-rank delta under half a step
+    H = GPTQ(64)
+    H.add_batch(torch.randn(256, 64) * torch.linspace(0.2, 3, 64))
+    args = ("mse", 32, 0.01, False)
+    Q, sc, g = merge._solve_gains(H, W0, T, (1.0, 1.5), None, *args)
+    for i, c in enumerate((1.0, 1.5)):
+        Qi, sci, gi = merge._solve_gains(H, W0, T, (c,), None, *args)
+        assert torch.equal(Q[48 * i : 48 * (i + 1)], Qi) and torch.equal(sc[48 * i : 48 * (i + 1)], sci)
+        assert torch.equal(g[i], gi[0])
+    assert not torch.equal(Q[:48], Q[48:])
+    ref = merge._solve_gains(H, W0, T, (1.0,), None, *args)[0]  # gain 1: T itself, on T's own global scale
+    assert torch.equal(ref, Q[:48])
+    res = {}
+    for stack_all in (False, True):
+        monkeypatch.setattr(merge, "_stack_all", lambda W0, gains, s=stack_all: s)
+        res[stack_all] = merge._auto_gain(H, W0, T, *args)
+    (k0, Q0, sc0, g0, p0), (k1, Q1, sc1, g1, p1) = res[False], res[True]
+    assert k0 == k1 and p0 == p1 and torch.equal(Q0, Q1) and torch.equal(sc0, sc1) and torch.equal(g0, g1)
+    assert k0 == min(merge.AUTO_GAINS, key=lambda c: abs(p0[c] - 1))
+    Qk = merge._solve_gains(H, W0, T, (k0,), None, *args)[0]
+    assert torch.equal(Q0, Qk)  # the probe's rows and the rest's, put together, are the chosen gain's sweep
+
+
 def test_export_refusals(trained, tmp_path):
     from pact.convert.export import export
 
