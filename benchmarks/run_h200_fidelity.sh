@@ -5,7 +5,7 @@
 #   speed (carry .whl .gg1 .fid): wheels (zarr + deps, gguf, liger-kernel), first half; bench_train 1B: bs 16
 #          memory and the 16 GiB capped tokens/s per recipe (RECIPES), vs PEFT + Liger (GPU_TESTS=1: GPU tests
 #          first; GRADS_1B=1: LoRA gradients per recipe on the 1B shapes; CALIB_1B=1 / MERGE_1B=1: GPTQ
-#          calibration / merge of the 1B shapes, their time; GRAPH=1: the calibration and merge again
+#          calibration / merge of the 1B shapes, their time (MERGE_GAIN1=1: the merge at --merge-gain 1 too); GRAPH=1: the calibration and merge again
 #          with the eager GPTQ sweep, PACT_GPTQ_CUDA_GRAPH=0, their time and codes against the CUDA-graph default)
 #   tasks (carry .gg2 .fid; .whl3 for +llmc-gptq): second half, task files; bench_fidelity at lr 5e-4 on TASKS x
 #          SEEDS for METHODS (PEFT on the GGUF's and on the artifact's weights, pact fp8 and bf16-decode; a method's
@@ -171,6 +171,11 @@ open('/tmp/merge-1b.jsonl', 'w').write(''.join(json.dumps({'prompt': d[:len(d) /
     ( time timeout 240 python3 -m pact.pipelines.export /tmp/pact-bench/art-llama-1b-2d --out /tmp/merged-1b --adapter /tmp/run-1b \
       --merge --merge-data /tmp/merge-1b.jsonl --merge-samples 128 --overwrite --quiet ) 2>&1 \
       | python3 -c "import sys; t = sys.stdin.read(); print(t[-600:])" | tee $OUT/merge_1b.txt
+    if [ "${MERGE_GAIN1:-0}" = 1 ]; then  # the same merge at --merge-gain 1 (the default's probes' cost beside it)
+      ( time timeout 240 python3 -m pact.pipelines.export /tmp/pact-bench/art-llama-1b-2d --out /tmp/merged-1b-gain1 \
+        --adapter /tmp/run-1b --merge --merge-data /tmp/merge-1b.jsonl --merge-samples 128 --merge-gain 1 --overwrite --quiet ) 2>&1 \
+        | python3 -c "import sys; t = sys.stdin.read(); print(t[-600:])" | tee -a $OUT/merge_1b.txt
+    fi
     if [ "${GRAPH:-0}" = 1 ]; then  # the same merge with the eager GPTQ sweep
       ( time PACT_GPTQ_CUDA_GRAPH=0 timeout 240 python3 -m pact.pipelines.export /tmp/pact-bench/art-llama-1b-2d --out /tmp/merged-1b-eager \
         --adapter /tmp/run-1b --merge --merge-data /tmp/merge-1b.jsonl --merge-samples 128 --overwrite --quiet ) 2>&1 \
