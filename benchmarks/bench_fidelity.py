@@ -89,6 +89,9 @@ CALIBRATIONS = {  # -> (calibration texts, --block-scales, --act-order[, other c
     "gptq-xtask": ("xtask", "auto", False),
     "gptq-damp10": ("task", "auto", False, {"damp": 0.1}),  # 10x the damping: nearer round-to-nearest
     "gptq-s512": ("task", "auto", False, {"max_samples": 512}),  # 4x the texts: less fit to a few
+    # the calibrated forward, the converter's backward layout (W^T rounded from the source): GPTQ raises the
+    # backward GEMM's error on the gradients 1.65x (bench_layer_error.py --backward)
+    "gptq-bwdsrc": ("task", "auto", False, {"backward_layout": "source"}),
     # the peer: llm-compressor's NVFP4 GPTQ (llmc_nvfp4.py gptq) of the GGUF's bf16 folder on the task's
     # texts, imported as stored; the conversion options do not apply (it quantizes from the bf16 source)
     "llmc-gptq": ("task", None, None),

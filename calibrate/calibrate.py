@@ -25,7 +25,7 @@ from pact.convert.sources import open_source, remove_tree
 from pact.formats import ArtifactWriter, PactError, check_apart, check_output
 from pact.formats.errors import write_error
 from pact.formats.files import sha256_file, work_path
-from pact.formats.nvfp4 import SCALE_RULES, NVFP4Tensor, dequantize, quantize, transpose_2d
+from pact.formats.nvfp4 import SCALE_RULES, NVFP4Tensor, dequantize, quantize, quantize_weight, transpose_2d
 from pact.runtime.generate import sample_texts
 from pact.runtime.model import PactModel
 from pact.runtime.session import Session, open_session
@@ -37,6 +37,7 @@ from .quantizer import NVFP4Quantizer
 
 log = logging.getLogger(__name__)
 GROUPS = ("qkv", "o", "gate_up", "down")
+BACKWARD_LAYOUTS = ("forward", "source")  # calibrate(backward_layout=...): what the backward GEMM reads
 BATCH_TOKENS = 4096  # text prompts go through a layer in right-padded batches of about this many tokens
 
 
@@ -107,6 +108,7 @@ def calibrate(
     static_scales: bool = False,
     blocksize: int = 128,
     block_scales: str = "auto",
+    backward_layout: str = "forward",
     device: str | None = None,
     overwrite: bool = False,
     progress: bool = True,
@@ -116,7 +118,13 @@ def calibrate(
     """GPTQ of ``artifact``'s projections on ``prompts`` (or, ``model_texts``, on max_samples texts
     of seq_len tokens that the artifact's own model samples from its BOS token, seeded by ``seed``:
     no data needed); the calibrated artifact is written to ``out``. ``prompts_label``: what the
-    provenance records as the prompts (default: their path); ``record``: more keys for it."""
+    provenance records as the prompts (default: their path); ``record``: more keys for it.
+
+    ``backward_layout``: what the backward GEMM (dX = dY W, through the stored W^T) reads. "forward":
+    the calibrated weights, transposed and rounded again along the other dimension. "source": W^T
+    rounded to nearest from the source weights, as pact-convert makes it: GPTQ lowers the forward
+    GEMM's error on inputs like the prompts by moving the weights away from the source, which raises
+    the backward GEMM's error on the gradients (BENCHMARKS.md "Calibration downstream")."""
     if prompts is not None and model_texts:
         raise PactError("--prompts and --model-texts: give one of them (--model-texts samples the texts instead)")
     if prompts is None and not model_texts:
@@ -135,6 +143,8 @@ def calibrate(
         raise PactError(f"--seq-len must be >= 2 (tokens a sampled text), got {seq_len}")
     if blocksize % 16 or blocksize < 16:
         raise PactError(f"--blocksize must be a multiple of 16, got {blocksize}")
+    if backward_layout not in BACKWARD_LAYOUTS:
+        raise PactError(f"--backward-layout must be {' or '.join(BACKWARD_LAYOUTS)}, got {backward_layout!r}")
     if block_scales not in ("auto", *SCALE_RULES):
         raise PactError(f"--block-scales must be auto, {' or '.join(SCALE_RULES)}, got {block_scales!r}")
     check_apart(out, {"artifact": Path(artifact)}, "pact-calibrate")
@@ -177,8 +187,8 @@ def calibrate(
         texts = (max_samples, seq_len, seed) if model_texts else None
         return _calibrate(ses, src, samples, out, clock, prompts=None if model_texts else Path(prompts), texts=texts,
                           damp=damp, actorder=actorder, static_scales=static_scales, blocksize=blocksize,
-                          scale_rule=rule, overwrite=overwrite, progress=progress, label=prompts_label,
-                          record=record or {})
+                          scale_rule=rule, backward_layout=backward_layout, overwrite=overwrite, progress=progress,
+                          label=prompts_label, record=record or {})
     except OSError as e:  # the writer has removed its temp folder; OUT is untouched
         raise write_error(e, getattr(e, "filename", None) or out, f"nothing was written to {out}") from None
     finally:
@@ -186,7 +196,7 @@ def calibrate(
 
 
 def _calibrate(ses: Session, src, samples, out: Path, clock: _Clock, *, prompts: Path | None, texts, damp, actorder,
-               static_scales, blocksize, scale_rule, overwrite, progress, label, record) -> Path:
+               static_scales, blocksize, scale_rule, backward_layout, overwrite, progress, label, record) -> Path:
     art, dev = ses.artifact, ses.device
     scaling = art.meta["provenance"]["scaling"]
     model = ses.model(None)
@@ -227,8 +237,12 @@ def _calibrate(ses: Session, src, samples, out: Path, clock: _Clock, *, prompts:
                 r1 = r0 + W.shape[0]
                 Qn = Q[r0:r1]
                 fwd = NVFP4Tensor(fwd_all.packed[r0:r1], fwd_all.scales[r0:r1], fwd_all.global_scale)
-                bwd = (transpose_2d(fwd) if scaling == "2d" else
-                       quantize(Qn.t().contiguous(), global_scale=fwd.global_scale, scale_rule=scale_rule))
+                if backward_layout == "source":  # the converter's W^T, from the source (its rule and global scale)
+                    bwd = quantize_weight(W, global_scale=fwd.global_scale, scaling=scaling,
+                                          scale_rule=art.block_scale_rule)[1]
+                else:
+                    bwd = (transpose_2d(fwd) if scaling == "2d" else
+                           quantize(Qn.t().contiguous(), global_scale=fwd.global_scale, scale_rule=scale_rule))
                 rtn = dequantize(art.nvfp4(name, "fwd")).to(dev)
                 errors[name] = {"rtn": _output_error(W, rtn, H.H), "gptq": _output_error(W, Qn, H.H)}
                 new[name] = (fwd, bwd, (W - Qn).norm() / W.norm())  # a tensor: read after the sweep, no sync here
@@ -249,7 +263,7 @@ def _calibrate(ses: Session, src, samples, out: Path, clock: _Clock, *, prompts:
     clock.lap("solve")
     return _write(art, out, new, errors, clock, overwrite=overwrite, prompts=prompts, label=label, record=record,
                   samples=samples, damp=damp, actorder=actorder, static_scales=static_scales, blocksize=blocksize,
-                  block_scales=scale_rule,
+                  block_scales=scale_rule, backward_layout=backward_layout,
                   **({"model_texts": {"seed": texts[2], "temperature": 1.0}} if texts is not None else {}))
 
 

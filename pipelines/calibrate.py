@@ -34,18 +34,23 @@ from .common import cli_errors
               help="How GPTQ picks each E4M3 block scale: auto = the rule the artifact was converted with "
                    "(pact-convert --block-scales); amax maps the block's largest value to 6; mse searches the "
                    "nearby scales for the least squared error.")
+@click.option("--backward-layout", type=click.Choice(["forward", "source"]), default="forward", show_default=True,
+              help="The backward layout (W^T, what training's input gradients go through): forward = the "
+                   "calibrated weights transposed and rounded again; source = W^T rounded to nearest from the "
+                   "source, as pact-convert makes it (GPTQ's weights lower the forward error on texts like the "
+                   "prompts and raise the backward error on gradients).")
 @click.option("--device", default=None, help="cuda or cpu (default: cuda if available).")
 @click.option("--overwrite", is_flag=True)
 @click.option("--quiet", is_flag=True)
 @cli_errors
 def main(artifact, prompts, model_texts, seed, out, source, max_samples, seq_len, damp, act_order, static_scales,
-         blocksize, block_scales, device, overwrite, quiet) -> None:
+         blocksize, block_scales, backward_layout, device, overwrite, quiet) -> None:
     """Calibrate ARTIFACT's NVFP4 weights with GPTQ on PROMPTS (or on texts the model writes
     itself: --model-texts); writes a new artifact."""
     path = calibrate(artifact, prompts, out, model_texts=model_texts, seed=seed, source=source,
                      max_samples=max_samples, seq_len=seq_len, damp=damp,
                      actorder=act_order, static_scales=static_scales, blocksize=blocksize, block_scales=block_scales,
-                     device=device,
+                     backward_layout=backward_layout, device=device,
                      overwrite=overwrite, progress=not quiet)
     errs = open_artifact(path).meta["provenance"]["calibration"]["layer_output_error"]
     ratios = sorted(e["gptq"] / e["rtn"] for e in errs.values() if e["rtn"] > 0)

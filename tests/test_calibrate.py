@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
+from safetensors.torch import load_file
 
 from conftest import TINY_TEXT, make_model, make_realistic, make_sentiment_jsonl
 from pact.calibrate import GPTQ, NVFP4Quantizer, calibrate
@@ -379,6 +380,36 @@ def test_calibration_follows_the_artifacts_block_scales(setup, tmp_path):
     assert sum(e["gptq"] for e in errs.values()) < sum(e["gptq"] for e in e_amax.values())
     with pytest.raises(PactError, match="--block-scales must be"):
         calibrate(str(tmp_path / "mse"), setup / "prompts.jsonl", tmp_path / "c", block_scales="max")
+
+
+def test_backward_layout_from_the_source(setup, tmp_path):
+    """--backward-layout source: the calibrated forward codes, and the backward layout pact-convert made
+    from the source (bit for bit), recorded in the provenance; the default rounds the calibrated weights
+    again along the other dimension, which moves the backward GEMM off the source's W^T by more than
+    round-to-nearest does. A bad value is one error naming the flag."""
+    convert(str(setup / "src"), tmp_path / "mse", progress=False, scaling="1d", block_scales="mse")
+    rtn = open_artifact(tmp_path / "mse")
+    cal = {b: open_artifact(calibrate(str(tmp_path / "mse"), setup / "prompts.jsonl", tmp_path / b,
+                                      backward_layout=b, progress=False)) for b in ("forward", "source")}
+    assert [cal[b].meta["provenance"]["calibration"]["backward_layout"] for b in cal] == ["forward", "source"]
+    names = list(cal["source"].meta["provenance"]["calibration"]["layer_output_error"])
+    assert len(names) == 14
+    src = {n: t.float() for n, t in load_file(setup / "src" / "model.safetensors").items()}
+    far = 0
+    for n in names:
+        f, s = cal["forward"].nvfp4(n, "bwd"), cal["source"].nvfp4(n, "bwd")
+        assert torch.equal(cal["source"].nvfp4(n).packed, cal["forward"].nvfp4(n).packed)  # the forward: GPTQ's
+        conv = rtn.nvfp4(n, "bwd")
+        assert torch.equal(s.packed, conv.packed)
+        assert torch.equal(s.scales.view(torch.uint8), conv.scales.view(torch.uint8))
+        W = src[n].t()
+        far += float((F.dequantize(f) - W).norm()) > float((F.dequantize(s) - W).norm())
+    assert far >= 12, far  # the calibrated weights rounded again are farther from W^T (on all 14 here)
+    r = CliRunner().invoke(calibrate_cli, [str(tmp_path / "mse"), "--prompts", str(setup / "prompts.jsonl"),
+                                           "--out", str(tmp_path / "c"), "--backward-layout", "calibrated"])
+    assert r.exit_code != 0 and "--backward-layout" in r.output, r.output
+    with pytest.raises(PactError, match="--backward-layout must be forward or source"):
+        calibrate(str(tmp_path / "mse"), setup / "prompts.jsonl", tmp_path / "c", backward_layout="bf16")
 
 
 def test_cli_and_bad_input(setup, tmp_path):
