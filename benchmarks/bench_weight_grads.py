@@ -9,13 +9,16 @@ apart). This runs transformers + PEFT (LoRA r 16 / alpha 32 on the 7 projections
 quantized) with each projection's two GEMMs swapped for an artifact's two layouts, dequantized, and
 compares the LoRA gradient to the one on the source's weights, at the same adapter (trained for
 --warm-steps on the source first) and the same batches (those after the warm-up). For each artifact
-four weight sets: both layouts as stored, the forward alone (backward exact W^T), the backward alone
-(forward exact W), and its forward with the converter's backward (W^T rounded to nearest from the
-source, as pact-convert makes it: what `pact-calibrate --backward-layout source` writes).
+five weight sets: the forward layout with its own exact transpose as the backward (the exact gradient
+of the model as it is evaluated), both layouts as stored, the forward alone (backward exact W^T), the
+backward alone (forward exact W), and its forward with the converter's backward (W^T rounded to nearest
+from the source, as pact-convert makes it: what `pact-calibrate --backward-layout source` writes).
 
 Printed per weight set: the median over adapter tensors of the gradient's cosine to the source's (per
 batch, then the median over batches), the same for the lower, middle and upper third of the layers (the
-backward error accumulates on the way down), and the median norm ratio.
+backward error accumulates on the way down), and the median norm ratio; for the stored and the
+converter's backward also the cosine to the artifact's own exact gradient (first set): how well the
+backward layout serves training the model whose forward is evaluated.
 """
 
 from __future__ import annotations
@@ -127,7 +130,7 @@ def main(artifacts, source, data, warm_steps, batches, lr, seed, json_out) -> No
     ref = grads()
     nlayers = model.config.num_hidden_layers
 
-    def compare(got) -> dict:
+    def compare(got, ref=ref) -> dict:
         cos, norm, third = [], [], {0: [], 1: [], 2: []}
         for n in ref[0]:
             c = statistics.median(float(torch.nn.functional.cosine_similarity(g[n], r[n], dim=0))
@@ -141,7 +144,7 @@ def main(artifacts, source, data, warm_steps, batches, lr, seed, json_out) -> No
                 "norm": statistics.median(norm)}
 
     rows = {}
-    click.echo(f"{'weights':<64} {'cos':>6} {'lower':>6} {'middle':>6} {'upper':>6} {'norm':>6}")
+    click.echo(f"{'weights':<64} {'cos':>6} {'lower':>6} {'middle':>6} {'upper':>6} {'norm':>6}  cos to own")
     for a in artifacts:
         art = open_artifact(a)
         lay, scaling = {}, art.meta["provenance"]["scaling"]
@@ -150,16 +153,22 @@ def main(artifacts, source, data, warm_steps, batches, lr, seed, json_out) -> No
                                    scale_rule=art.block_scale_rule)[1]  # the converter's W^T, from the source
             lay[n] = (dequantize(art.nvfp4(n, "fwd")).float(), dequantize(art.nvfp4(n, "bwd")).float(),
                       dequantize(conv).float())
-        sets = {"stored": lambda n: (lay[n][0], lay[n][1]), "forward only": lambda n: (lay[n][0], exact[n][1]),
+        sets = {"own gradient": lambda n: (lay[n][0], lay[n][0].t()),
+                "stored": lambda n: (lay[n][0], lay[n][1]), "forward only": lambda n: (lay[n][0], exact[n][1]),
                 "backward only": lambda n: (exact[n][0], lay[n][1]), "forward + converter's backward":
                 lambda n: (lay[n][0], lay[n][2])}
+        got = {}
         for what, pick in sets.items():
             for n, m in mods.items():
                 m.layouts = pick(n)
-            row = compare(grads())
+            got[what] = grads()
+            row = compare(got[what])
+            if what in ("stored", "forward + converter's backward"):  # against the forward's own exact gradient
+                row["cos_to_own"] = compare(got[what], got["own gradient"])["cos"]
             rows[f"{Path(a).name}: {what}"] = row
             click.echo(f"{Path(a).name[-34:] + ': ' + what:<64} {row['cos']:>6.4f} {row['cos_lower']:>6.4f} "
-                       f"{row['cos_middle']:>6.4f} {row['cos_upper']:>6.4f} {row['norm']:>6.3f}")
+                       f"{row['cos_middle']:>6.4f} {row['cos_upper']:>6.4f} {row['norm']:>6.3f}"
+                       + (f"  {row['cos_to_own']:.4f}" if "cos_to_own" in row else ""))
         for n, m in mods.items():
             m.layouts = exact[n]
     click.echo(f"(medians over {len(ref[0])} adapter tensors and {batches} batches, after {warm_steps} steps on "
