@@ -14,6 +14,7 @@ kept more of the gain than the adapted model's inputs on every one of four tasks
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
@@ -29,6 +30,8 @@ from pact.runtime.session import open_session
 from .calibrate import GROUPS, _Clock, _output_error, _units
 from .gptq import GPTQ
 from .quantizer import NVFP4Quantizer
+
+log = logging.getLogger(__name__)
 
 
 def gptq_merge(artifact: str | os.PathLike, adapter: str | os.PathLike, data: str | os.PathLike, *,
@@ -104,7 +107,8 @@ def gptq_merge(artifact: str | os.PathLike, adapter: str | os.PathLike, data: st
             W0, T = torch.cat(Ws), torch.cat(Ts)
             if gain == "auto":
                 k, Q, sc, gk, probe = _auto_gain(H, W0, T, rule, blocksize, damp, actorder)
-                gains[g.names[0]] = {"gain": k, "probe": {str(c): round(v, 4) for c, v in probe.items()}}
+                gains[g.names[0]] = {"gain": k, "probe": {str(c): round(v, 4) for c, v in probe.items()},
+                                     "short": probe[k] < AUTO_SHORT}
             else:
                 Q, sc, gks = _solve_gains(H, W0, T, (gain,), None, rule, blocksize, damp, actorder)
                 gk = gks[0]
@@ -139,6 +143,12 @@ def gptq_merge(artifact: str | os.PathLike, adapter: str | os.PathLike, data: st
                "seconds": round(stages["total"], 1), "stages": stages, "output_error": errors}
     if gains:
         summary["gains"] = gains
+        short = [n for n, g in gains.items() if g["short"]]
+        if short:  # no gain tried carried most of the delta
+            log.warning("--merge-gain auto: on %d of %d groups no gain of %s carried %d%% of the adapter's delta "
+                        "(first: %s); there the merge keeps less of what the adapter learned (a fixed --merge-gain "
+                        "up to 4 may carry more; the unmerged export keeps all of it)", len(short), len(gains),
+                        "/".join(f"{c:g}" for c in AUTO_GAINS), round(100 * AUTO_SHORT), short[0])
     return out, summary
 
 
@@ -157,6 +167,7 @@ def merge_gain(value: float | str) -> float | str:
 
 AUTO_GAINS = (1.0, 1.25, 1.5, 1.75, 2.0)  # gain="auto": the gains each fused group's probe tries
 AUTO_STRIDE = 8  # ... on every AUTO_STRIDE-th row
+AUTO_SHORT = 0.9  # a group whose chosen gain's probe stays below this is reported (summary "gains": short)
 
 
 def _solve_gains(H: GPTQ, W0: torch.Tensor, T: torch.Tensor, gains: tuple[float, ...], rows: torch.Tensor | None,

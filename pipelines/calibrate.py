@@ -54,7 +54,7 @@ def main(artifact, prompts, model_texts, seed, out, source, max_samples, seq_len
                      overwrite=overwrite, progress=not quiet)
     errs = open_artifact(path).meta["provenance"]["calibration"]["layer_output_error"]
     ratios = sorted(e["gptq"] / e["rtn"] for e in errs.values() if e["rtn"] > 0)
-    click.echo(json.dumps({"out": str(path), "projections": len(errs),
+    click.echo(json.dumps({"out": str(path), "projections": len(errs), "backward_layout": backward_layout,
                            "output_error_ratio_gptq_over_rtn": {"median": ratios[len(ratios) // 2], "max": ratios[-1]}},
                           indent=2))
 

@@ -40,7 +40,8 @@ from .common import cli_errors
               help="--merge-method gptq: solve for W + GAIN x B A. Rounding to the grid the base's codes sit on "
                    "pulls a small delta back to the base; a gain above 1 makes up for it. auto: chosen per "
                    "q|k|v, o, gate|up, down group (a GPTQ probe on every eighth row at 1 to 2), so that the "
-                   "merged change carries the whole delta; 1: the delta as trained (BENCHMARKS.md).")
+                   "merged change carries the whole delta (a warning names groups where none does); a number "
+                   "in (0, 4]; 1: the delta as trained (BENCHMARKS.md).")
 @click.option("--merge-samples", default=128, show_default=True, help="Examples of --merge-data used (max-len 512).")
 @click.option("--merge-keep-bf16", default=0.0, show_default=True, type=float,
               help="With the GPTQ merge: this share of the adapted projections (whole q|k|v and gate|up groups, "
@@ -59,6 +60,10 @@ def main(artifact, out, fmt, adapter, merge, merge_method, merge_data, merge_inp
 
         artifact = own_weights(artifact, adapter)  # a run's own calibrated/, given the artifact it was made from
         warn_other_weights(adapter, open_artifact(artifact), "pact-export")
+    gain_given = click.get_current_context().get_parameter_source("merge_gain") != click.core.ParameterSource.DEFAULT
+    if gain_given and not (adapter and merge and merge_method == "gptq" and fmt != "bf16"):
+        raise click.BadParameter("a gain is for the GPTQ merge into NVFP4 (--adapter RUN --merge, --merge-method "
+                                 "gptq, not --format bf16): drop it, or merge", param_hint="--merge-gain")
     solver = None
     if merge_method == "gptq":
         def solver(art_path, run):  # called by export once every input is checked
@@ -66,9 +71,6 @@ def main(artifact, out, fmt, adapter, merge, merge_method, merge_data, merge_inp
 
             return gptq_merge(art_path, run, merge_data or _run_data(run), max_samples=merge_samples,
                               inputs=merge_inputs, gain=merge_gain, progress=not quiet)
-    elif merge_gain not in (1, "auto"):
-        raise click.BadParameter("a gain is for the GPTQ merge: drop it, or --merge-method gptq",
-                                 param_hint="--merge-gain")
 
     r = export(artifact, out, fmt=fmt, adapter=adapter, merge=merge, overwrite=overwrite, progress=not quiet,
                merge_solver=solver, merge_keep_bf16=merge_keep_bf16)
@@ -80,8 +82,11 @@ def main(artifact, out, fmt, adapter, merge, merge_method, merge_data, merge_inp
             r["merge"]["delta_kept_median"] = median.pop("delta_kept")
             r["merge"]["layer_output_error_median"] = median
     if "gains" in r.get("merge", {}):  # --merge-gain auto: how many groups took each gain
-        gains = [g["gain"] for g in r["merge"].pop("gains").values()]
+        groups = r["merge"].pop("gains").values()
+        gains = [g["gain"] for g in groups]
         r["merge"]["gains_chosen"] = {str(g): gains.count(g) for g in sorted(set(gains))}
+        # groups where no gain auto tries carried 90% of the delta (a warning says so)
+        r["merge"]["gains_short"] = sum(g["short"] for g in groups)
     if "requantization_error" in r:
         r["requantization_error"] = {k: v for k, v in r["requantization_error"].items() if k != "per_projection"}
     click.echo(json.dumps(r, indent=2))
@@ -95,7 +100,7 @@ def _gain(value: str) -> float | str:
     try:
         return merge_gain(value)
     except PactError as e:
-        raise click.BadParameter(str(e).removeprefix(f"--merge-gain {value!r}: "), param_hint="--merge-gain") from None
+        raise click.BadParameter(str(e).removeprefix("--merge-gain "), param_hint="--merge-gain") from None
 
 
 def _run_data(adapter: str) -> str:

@@ -468,10 +468,16 @@ def test_gptq_merge_gain(trained, tmp_path):
     assert r.exit_code == 0, r.output
     m = json.loads(r.output)["merge"]
     assert sum(m["gains_chosen"].values()) == len(summary["gains"]) and 0 < m["delta_kept_median"] < 3
-    for bad, why in ((["--merge-gain", "big"], "give auto or a number"), (["--merge-gain", "0"], "give auto"),
-                     (["--merge-gain", "1.5", "--merge-method", "rtn"], "a gain is for the GPTQ merge")):
+    assert m["gains_short"] == sum(g["short"] for g in summary["gains"].values())
+    for bad, why in ((["--merge-gain", "big"], "'big': give auto or a number"), (["--merge-gain", "0"], "give auto"),
+                     (["--merge-gain", "1.5", "--merge-method", "rtn"], "a gain is for the GPTQ merge"),
+                     (["--merge-gain", "auto", "--merge-method", "rtn"], "a gain is for the GPTQ merge"),
+                     (["--merge-gain", "1.5", "--format", "bf16"], "not --format bf16")):
         r = CliRunner().invoke(export_cli, base + ["--overwrite"] + bad)
         assert r.exit_code != 0 and "--merge-gain" in r.output and why in r.output, r.output
+    r = CliRunner().invoke(export_cli, [args[0], "--out", str(tmp_path / "u"), "--adapter", args[1], "--merge-gain",
+                                        "1.5", "--quiet"])  # without --merge the gain would do nothing
+    assert r.exit_code != 0 and "drop it, or merge" in r.output and not (tmp_path / "u").exists(), r.output
 
 
 def test_merge_gains_stack(monkeypatch):
@@ -506,6 +512,9 @@ def test_merge_gains_stack(monkeypatch):
     assert k0 == min(merge.AUTO_GAINS, key=lambda c: abs(p0[c] - 1))
     Qk = merge._solve_gains(H, W0, T, (k0,), None, *args)[0]
     assert torch.equal(Q0, Qk)  # the probe's rows and the rest's, put together, are the chosen gain's sweep
+    # a delta far under half a step: no gain tried carries most of it (the merge reports such groups)
+    k, *_, p = merge._auto_gain(H, W0, W0 + 0.02 * (T - W0), *args)
+    assert p[k] < merge.AUTO_SHORT and all(v < merge.AUTO_SHORT for v in p.values()), p
 
 
 def test_export_refusals(trained, tmp_path):
