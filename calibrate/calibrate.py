@@ -264,6 +264,8 @@ def _calibrate(ses: Session, src, samples, out: Path, clock: _Clock, *, prompts:
     return _write(art, out, new, errors, clock, overwrite=overwrite, prompts=prompts, label=label, record=record,
                   samples=samples, damp=damp, actorder=actorder, static_scales=static_scales, blocksize=blocksize,
                   block_scales=scale_rule, backward_layout=backward_layout,
+                  # the source layout keeps the converter's rule, whatever --block-scales says
+                  backward_block_scales=art.block_scale_rule if backward_layout == "source" else scale_rule,
                   **({"model_texts": {"seed": texts[2], "temperature": 1.0}} if texts is not None else {}))
 
 

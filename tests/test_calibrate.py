@@ -392,6 +392,7 @@ def test_backward_layout_from_the_source(setup, tmp_path):
     cal = {b: open_artifact(calibrate(str(tmp_path / "mse"), setup / "prompts.jsonl", tmp_path / b,
                                       backward_layout=b, progress=False)) for b in ("forward", "source")}
     assert [cal[b].meta["provenance"]["calibration"]["backward_layout"] for b in cal] == ["forward", "source"]
+    assert cal["source"].meta["provenance"]["calibration"]["backward_block_scales"] == "mse"
     names = list(cal["source"].meta["provenance"]["calibration"]["layer_output_error"])
     assert len(names) == 14
     src = {n: t.float() for n, t in load_file(setup / "src" / "model.safetensors").items()}
