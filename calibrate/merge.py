@@ -110,8 +110,9 @@ def gptq_merge(artifact: str | os.PathLike, adapter: str | os.PathLike, data: st
                 gains[g.names[0]] = {"gain": k, "probe": {str(c): round(v, 4) for c, v in probe.items()},
                                      "short": probe[k] < AUTO_SHORT}
             else:
-                Q, sc, gks = _solve_gains(H, W0, T, (gain,), None, rule, blocksize, damp, actorder)
-                gk = gks[0]
+                gk = _gain_scales(W0, T, (gain,))
+                Q, sc = _solve_gains(H, W0, T, T - W0, (gain,), gk, None, rule, blocksize, damp, actorder)
+                gk = gk[0]
             packed = NVFP4Tensor(encode_with_scales(Q, sc, gk), sc, gk)  # codes re-derived exactly
             gs = global_scale_from_amax(float(T.abs().amax()))  # the plain merge's, for its error
             if inputs == "merged":  # the layer runs merged from now on: its members' codes, no adapter
@@ -170,22 +171,24 @@ AUTO_STRIDE = 8  # ... on every AUTO_STRIDE-th row
 AUTO_SHORT = 0.9  # a group whose chosen gain's probe stays below this is reported (summary "gains": short)
 
 
-def _solve_gains(H: GPTQ, W0: torch.Tensor, T: torch.Tensor, gains: tuple[float, ...], rows: torch.Tensor | None,
-                 rule: str, blocksize: int, damp: float, actorder: bool
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _gain_scales(W0: torch.Tensor, T: torch.Tensor, gains: tuple[float, ...]) -> torch.Tensor:
+    """Each gain c's global scale [len(gains)]: the whole group's W0 + c (T - W0) (T itself at c = 1), the
+    grid the merge at that gain rounds to (one gain's temporary at a time)."""
+    return global_scale_from_amax(torch.stack([(T if c == 1 else W0 + c * (T - W0)).abs().amax() for c in gains]))
+
+
+def _solve_gains(H: GPTQ, W0: torch.Tensor, T: torch.Tensor, D: torch.Tensor, gains: tuple[float, ...],
+                 g: torch.Tensor, rows: torch.Tensor | None, rule: str, blocksize: int, damp: float, actorder: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GPTQ of rows ``rows`` (None: all) of W0 + c D (D = T - W0; T itself at c = 1) to NVFP4, for every
-    gain c in one sweep: rows are independent, so the gains' rows stack, each gain with the global
-    scale of the whole group's W0 + c D (the grid the merge rounds to). One sweep's launches for all
-    of them: on a GPU the sweep is launch-bound. Returns the fake-quantized rows [len(gains) * r, K],
-    gain after gain, their e4m3 block scales and the gains' global scales [len(gains)]."""
-    D = T - W0
-    amax = [(T if c == 1 else W0 + c * D).abs().amax() for c in gains]  # one gain's temporary at a time
-    g = global_scale_from_amax(torch.stack(amax))
+    gain c in one sweep, on its global scale in ``g`` (``_gain_scales``): rows are independent, so the
+    gains' rows stack. One sweep's launches for all of them: on a GPU the sweep is launch-bound. Returns
+    the fake-quantized rows [len(gains) * r, K], gain after gain, and their e4m3 block scales."""
     Tr, Wr, Dr = (T, W0, D) if rows is None else (T[rows], W0[rows], D[rows])
     X = torch.cat([Tr if c == 1 else Wr + c * Dr for c in gains])
     q = NVFP4Quantizer(g.repeat_interleave(Tr.shape[0]), scaling="1d", scale_rule=rule)
     Q = H.quantize(X, q, blocksize=blocksize, percdamp=damp, actorder=actorder)[0]
-    return Q, q.scales, g
+    return Q, q.scales
 
 
 def _auto_gain(H: GPTQ, W0: torch.Tensor, T: torch.Tensor, rule: str, blocksize: int, damp: float, actorder: bool
@@ -199,10 +202,10 @@ def _auto_gain(H: GPTQ, W0: torch.Tensor, T: torch.Tensor, rule: str, blocksize:
     n = W0.shape[0]
     every = torch.arange(0, n, AUTO_STRIDE, device=W0.device)
     stack_all = _stack_all(W0, len(AUTO_GAINS))
-    Q, sc, g = _solve_gains(H, W0, T, AUTO_GAINS, None if stack_all else every, rule, blocksize, damp, actorder)
+    D, g = T - W0, _gain_scales(W0, T, AUTO_GAINS)
+    Q, sc = _solve_gains(H, W0, T, D, AUTO_GAINS, g, None if stack_all else every, rule, blocksize, damp, actorder)
     r = n if stack_all else every.numel()
     seg = [slice(i * r, (i + 1) * r) for i in range(len(AUTO_GAINS))]
-    D = T - W0
     kept = torch.stack([_delta_kept(Q[s][every] if stack_all else Q[s], W0[every], D[every], H.H) for s in seg])
     probe = dict(zip(AUTO_GAINS, kept.tolist()))  # one host sync: the choice needs them
     i = min(range(len(AUTO_GAINS)), key=lambda j: abs(probe[AUTO_GAINS[j]] - 1))
@@ -212,7 +215,7 @@ def _auto_gain(H: GPTQ, W0: torch.Tensor, T: torch.Tensor, rule: str, blocksize:
     rest = torch.ones(n, dtype=torch.bool, device=W0.device)
     rest[every] = False
     rest = rest.nonzero().squeeze(1)
-    Qr, scr, _ = _solve_gains(H, W0, T, (k,), rest, rule, blocksize, damp, actorder)
+    Qr, scr = _solve_gains(H, W0, T, D, (k,), g[i : i + 1], rest, rule, blocksize, damp, actorder)
     Qk, sck = torch.empty_like(W0), torch.empty(n, sc.shape[1], dtype=sc.dtype, device=sc.device)
     Qk[every], sck[every] = Q[seg[i]], sc[seg[i]]
     Qk[rest], sck[rest] = Qr, scr

@@ -7,6 +7,7 @@ import json
 import click
 
 from pact.calibrate import calibrate
+from pact.calibrate.calibrate import BACKWARD_LAYOUTS
 from pact.formats import open_artifact
 
 from .common import cli_errors
@@ -34,7 +35,7 @@ from .common import cli_errors
               help="How GPTQ picks each E4M3 block scale: auto = the rule the artifact was converted with "
                    "(pact-convert --block-scales); amax maps the block's largest value to 6; mse searches the "
                    "nearby scales for the least squared error.")
-@click.option("--backward-layout", type=click.Choice(["forward", "source"]), default="forward", show_default=True,
+@click.option("--backward-layout", type=click.Choice(BACKWARD_LAYOUTS), default="forward", show_default=True,
               help="The backward layout (W^T, what training's input gradients go through): forward = the "
                    "calibrated weights transposed and rounded again; source = W^T rounded to nearest from the "
                    "source, as pact-convert makes it (GPTQ's weights lower the forward error on texts like the "

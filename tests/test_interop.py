@@ -495,14 +495,18 @@ def test_merge_gains_stack(monkeypatch):
     H = GPTQ(64)
     H.add_batch(torch.randn(256, 64) * torch.linspace(0.2, 3, 64))
     args = ("mse", 32, 0.01, False)
-    Q, sc, g = merge._solve_gains(H, W0, T, (1.0, 1.5), None, *args)
+
+    def solve(gains):
+        g = merge._gain_scales(W0, T, gains)
+        return (*merge._solve_gains(H, W0, T, T - W0, gains, g, None, *args), g)
+
+    Q, sc, g = solve((1.0, 1.5))
     for i, c in enumerate((1.0, 1.5)):
-        Qi, sci, gi = merge._solve_gains(H, W0, T, (c,), None, *args)
+        Qi, sci, gi = solve((c,))
         assert torch.equal(Q[48 * i : 48 * (i + 1)], Qi) and torch.equal(sc[48 * i : 48 * (i + 1)], sci)
         assert torch.equal(g[i], gi[0])
     assert not torch.equal(Q[:48], Q[48:])
-    ref = merge._solve_gains(H, W0, T, (1.0,), None, *args)[0]  # gain 1: T itself, on T's own global scale
-    assert torch.equal(ref, Q[:48])
+    assert torch.equal(g[0], F.global_scale_from_amax(T.abs().amax()))  # gain 1: T itself, on T's own global scale
     res = {}
     for stack_all in (False, True):
         monkeypatch.setattr(merge, "_stack_all", lambda W0, gains, s=stack_all: s)
@@ -510,7 +514,7 @@ def test_merge_gains_stack(monkeypatch):
     (k0, Q0, sc0, g0, p0), (k1, Q1, sc1, g1, p1) = res[False], res[True]
     assert k0 == k1 and p0 == p1 and torch.equal(Q0, Q1) and torch.equal(sc0, sc1) and torch.equal(g0, g1)
     assert k0 == min(merge.AUTO_GAINS, key=lambda c: abs(p0[c] - 1))
-    Qk = merge._solve_gains(H, W0, T, (k0,), None, *args)[0]
+    Qk = solve((k0,))[0]
     assert torch.equal(Q0, Qk)  # the probe's rows and the rest's, put together, are the chosen gain's sweep
     # a delta far under half a step: no gain tried carries most of it (the merge reports such groups)
     k, *_, p = merge._auto_gain(H, W0, W0 + 0.02 * (T - W0), *args)
