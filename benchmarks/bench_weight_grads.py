@@ -24,7 +24,6 @@ backward layout serves training the model whose forward is evaluated.
 from __future__ import annotations
 
 import json
-import random
 import statistics
 from pathlib import Path
 
@@ -66,25 +65,13 @@ def _patch(model) -> dict[str, torch.nn.Linear]:
 
 
 def _batches(tok, data: Path, n: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    recs = [json.loads(line) for line in data.read_text().splitlines() if line.strip()]
-    order = list(range(len(recs)))
-    random.Random(seed).shuffle(order)
-    out = []
-    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    for b in range(n):
-        rows = []
-        for i in order[b * BATCH : (b + 1) * BATCH]:
-            p, c = str(recs[i]["prompt"]), str(recs[i]["completion"])
-            ids = tok(p + c, truncation=True, max_length=MAX_LEN).input_ids
-            lab = list(ids)
-            k = min(len(tok(p).input_ids), len(ids) - 1)
-            lab[:k] = [-100] * k
-            rows.append((ids, lab))
-        L = max(len(r[0]) for r in rows)
-        ids = torch.tensor([r[0] + [pad] * (L - len(r[0])) for r in rows])
-        lab = torch.tensor([r[1] + [-100] * (L - len(r[1])) for r in rows])
-        out.append((ids, lab))
-    return out
+    """The first ``n`` training batches as pact-train makes them for this seed (its tokenization, labels
+    on the completion only, length-bucketed batches of BATCH, MAX_LEN tokens)."""
+    from pact.runtime.data import batches, collate, pad_id, read_records, tokenize
+
+    examples = tokenize(read_records(data), tok, max_len=MAX_LEN)
+    order = batches(examples, BATCH, seed=seed, epoch=0)
+    return [collate(examples, idx, pad_id(tok), "cpu") for idx in order[:n]]
 
 
 @click.command()

@@ -54,16 +54,16 @@ from .common import cli_errors
 def main(artifact, out, fmt, adapter, merge, merge_method, merge_data, merge_inputs, merge_gain, merge_samples,
          merge_keep_bf16, overwrite, quiet) -> None:
     """Export ARTIFACT (with --adapter) for inference."""
+    gain_given = click.get_current_context().get_parameter_source("merge_gain") != click.core.ParameterSource.DEFAULT
+    if gain_given and not (adapter and merge and merge_method == "gptq" and fmt != "bf16"):
+        raise click.BadParameter("a gain is for the GPTQ merge into NVFP4 (--adapter RUN --merge, --merge-method "
+                                 "gptq, not --format bf16): drop it, or merge", param_hint="--merge-gain")
     if adapter and Path(adapter).is_dir() and Path(artifact).is_dir():
         from pact.formats import open_artifact
         from pact.runtime.evaluate import own_weights, warn_other_weights
 
         artifact = own_weights(artifact, adapter)  # a run's own calibrated/, given the artifact it was made from
         warn_other_weights(adapter, open_artifact(artifact), "pact-export")
-    gain_given = click.get_current_context().get_parameter_source("merge_gain") != click.core.ParameterSource.DEFAULT
-    if gain_given and not (adapter and merge and merge_method == "gptq" and fmt != "bf16"):
-        raise click.BadParameter("a gain is for the GPTQ merge into NVFP4 (--adapter RUN --merge, --merge-method "
-                                 "gptq, not --format bf16): drop it, or merge", param_hint="--merge-gain")
     solver = None
     if merge_method == "gptq":
         def solver(art_path, run):  # called by export once every input is checked
