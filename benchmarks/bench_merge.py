@@ -6,6 +6,7 @@ default) and the bf16 merge (`--format bf16`, scored by PEFT-free transformers).
     python benchmarks/bench_merge.py run --artifact ART --train train.jsonl --test test.jsonl --seeds 0 \\
         --workdir W [--name rt --steps 250 --lr 5e-4 --limit 200 --json-out rows.json]
     python benchmarks/bench_merge.py table rows/*.json
+    python benchmarks/bench_merge.py flips --seed-dir W/seed0 --test W/test-200.jsonl   # the serving check per example
 
 
 Gain kept = (merged - zero-shot) / (unmerged - zero-shot). The merged NVFP4 exports are imported
@@ -29,34 +30,58 @@ from pathlib import Path
 import click
 
 
-def _score_hf(folder: Path, test: Path, max_len: int, limit: int) -> float:
-    """Label accuracy of a transformers folder (bf16, or compressed-tensors NVFP4 decompressed on load),
-    by the same candidate scoring as pact-eval."""
+def _hf_scores(folder: Path, examples: list, cands: dict, pad: int):
+    """[n, C] log-likelihood of every label candidate after each prompt, by transformers on a folder
+    (bf16, or compressed-tensors NVFP4 decompressed on load): pact-eval's candidates, full sequences."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    from pact.runtime.data import pad_id, read_records, tokenize
-    from pact.runtime.evaluate import candidate_batches, label_candidates
+    from pact.runtime.evaluate import candidate_batches
 
-    tok = AutoTokenizer.from_pretrained(folder)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     packed = "quantization_config" in json.loads((folder / "config.json").read_text())
     # compressed-tensors decompresses NVFP4 to the checkpoint's bf16 (its layers compute in it)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16 if packed else torch.float32)
     model = model.to(dev).eval()
-    ex = tokenize(read_records(test), tok, max_len=max_len)
-    cands = label_candidates(ex)
-    ex = ex[:limit] if limit else ex
-    names, correct = list(cands), 0
-
+    out = []
     with torch.no_grad():
-        for chunk, ids, labels in candidate_batches(ex, cands, 16, pad_id(tok), dev):
+        for chunk, ids, labels in candidate_batches(examples, cands, 16, pad, dev):
             logits = model(input_ids=ids).logits[:, :-1].float()
             t = labels[:, 1:]
             lp = torch.log_softmax(logits, -1).gather(2, t.clamp_min(0)[..., None])[..., 0] * (t != -100)
-            scores = lp.sum(1).view(len(chunk), len(names))
-            correct += sum(names[int(r.argmax())] == e.completion for e, r in zip(chunk, scores))
-    return correct / len(ex)
+            out.append(lp.sum(1).view(len(chunk), len(cands)).cpu())
+    return torch.cat(out)
+
+
+def _score_hf(folder: Path, test: Path, max_len: int, limit: int) -> float:
+    """Label accuracy of a transformers folder by the same candidate scoring as pact-eval."""
+    from transformers import AutoTokenizer
+
+    from pact.runtime.data import pad_id, read_records, tokenize
+    from pact.runtime.evaluate import label_candidates
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    ex = tokenize(read_records(test), tok, max_len=max_len)
+    cands = label_candidates(ex)
+    ex = ex[:limit] if limit else ex
+    names = list(cands)
+    scores = _hf_scores(folder, ex, cands, pad_id(tok))
+    return sum(names[int(r.argmax())] == e.completion for e, r in zip(ex, scores)) / len(ex)
+
+
+def _flips(a, b) -> dict:
+    """Two scorers' [n, C] candidate scores of the same examples: the examples whose top candidate
+    differs, each scorer's margin there (top minus second), and how far the scores differ overall."""
+    def margin(s):
+        top = s.topk(2, dim=1).values
+        return top[:, 0] - top[:, 1]
+
+    ma, mb = margin(a), margin(b)
+    flip = (a.argmax(1) != b.argmax(1)).nonzero().flatten().tolist()
+    diff = (a - b).abs().flatten()
+    return {"n": len(a), "flips": len(flip), "margins_a": [round(ma[i].item(), 4) for i in flip],
+            "margins_b": [round(mb[i].item(), 4) for i in flip], "median_margin_a": round(ma.median().item(), 4),
+            "score_diff_median": round(diff.median().item(), 5), "score_diff_p99": round(diff.quantile(0.99).item(), 5)}
 
 
 @click.group()
@@ -251,6 +276,39 @@ def table(files) -> None:
         click.echo("| " + " | ".join(line) + " |")
     click.echo("\nmean gain kept: " + ", ".join(f"{names[v]} {100 * statistics.mean(k):.0f}% ({len(k)} tasks)"
                                               for v, k in kept_all.items() if k))
+
+
+@cli.command()
+@click.option("--seed-dir", required=True, type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="A `run` seed folder (WORKDIR/seedN): its ct-HOW export and art-HOW import.")
+@click.option("--test", "test_f", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="The examples `run` scored (WORKDIR/test-LIMIT.jsonl with --limit).")
+@click.option("--how", default="gptq-auto", show_default=True, help="Which merge's export.")
+@click.option("--max-len", default=128, show_default=True)
+def flips(seed_dir, test_f, how, max_len) -> None:
+    """The serving check example by example: pact's candidate scores of the imported export (art-HOW)
+    against transformers' of the export as a client loads it (ct-HOW), the examples whose answer
+    differs and the two scorers' margins there (JSON)."""
+    import torch
+
+    from pact.runtime.data import pad_id, read_records, tokenize
+    from pact.runtime.evaluate import candidate_logprobs, label_candidates, load_adapted
+
+    for need in (seed_dir / f"art-{how}", seed_dir / f"ct-{how}"):
+        if not need.is_dir():
+            raise click.BadParameter(f"{need} is missing: run `bench_merge.py run --variants {how}` first",
+                                     param_hint="--seed-dir")
+    model, tok = load_adapted(str(seed_dir / f"art-{how}"), None)
+    ex = tokenize(read_records(str(test_f)), tok, max_len=max_len, vocab_size=model.embed.shape[0])
+    cands = label_candidates(ex)
+    with torch.no_grad():
+        pact = torch.cat([lp.float().cpu() for _, lp in candidate_logprobs(model, ex, cands, 16, pad_id(tok))])
+    hf = _hf_scores(seed_dir / f"ct-{how}", ex, cands, pad_id(tok))
+    gold = torch.tensor([list(cands).index(e.completion) for e in ex])
+    out = {"pact_accuracy": (pact.argmax(1) == gold).float().mean().item(),
+           "transformers_accuracy": (hf.argmax(1) == gold).float().mean().item(), **_flips(pact, hf)}
+    click.echo(json.dumps(out))
+
 
 if __name__ == "__main__":
     cli()

@@ -58,3 +58,18 @@ def test_merge_bench_gain_kept():
     assert got["kept_gptq"] == 0.75 and got["kept_gptq-amp150"] == 1.0 and "kept_gptq_hf" not in got
     assert "kept_gptq" not in row  # the row itself is left as scored
     assert bench_merge._with_kept({**row, "unmerged": 0.5})["kept_gptq"] is None
+
+
+def test_merge_bench_flips():
+    """bench_merge's serving check per example: the examples whose top candidate differs between two
+    scorers, each scorer's margin there, and the scores' overall difference."""
+    import torch
+
+    import bench_merge
+
+    a = torch.tensor([[0.0, -2.0], [-1.0, -1.125], [-3.0, -0.5]])
+    b = torch.tensor([[0.0, -2.0], [-1.125, -1.0], [-3.0, -0.5]])
+    got = bench_merge._flips(a, b)
+    assert got["n"] == 3 and got["flips"] == 1
+    assert got["margins_a"] == [0.125] and got["margins_b"] == [0.125]
+    assert got["median_margin_a"] == 2.0 and got["score_diff_median"] == 0.0
