@@ -307,6 +307,9 @@ packing)  # (after tasks or merge on the warm machine: the GGUF's artifact is th
   fi
   ;;
 tasks|tasks2)  # tasks: lr LRS (5e-4); tasks2: LRS (2e-4) on the machine `tasks` left warm
+  if [ $stage = tasks2 ] && [ ! -f $GG ]; then  # a machine that started bare since the last call: stop at once
+    echo "no $GG: this machine started bare since the last call; run stash, then tasks (tasks2 carries nothing)"; exit 1
+  fi
   if [ -n "${CELLS:-}" ]; then  # the cells' tasks and methods (read as --cells reads them), for the artifacts made first
     { read -r TASKS; read -r METHODS; } < <(cd benchmarks && python3 -c "from pathlib import Path
 from bench_fidelity import _read_cells; j = _read_cells(Path('../$CELLS'))
