@@ -64,9 +64,13 @@ def _score_hf(folder: Path, test: Path, max_len: int, limit: int) -> float:
     ex = tokenize(read_records(test), tok, max_len=max_len)
     cands = label_candidates(ex)
     ex = ex[:limit] if limit else ex
+    return _accuracy(_hf_scores(folder, ex, cands, pad_id(tok)), ex, cands)
+
+
+def _accuracy(scores, examples: list, cands: dict) -> float:
+    """Share of examples whose best-scored candidate ([n, C] scores, candidates in ``cands``' order) is the label."""
     names = list(cands)
-    scores = _hf_scores(folder, ex, cands, pad_id(tok))
-    return sum(names[int(r.argmax())] == e.completion for e, r in zip(ex, scores)) / len(ex)
+    return sum(names[int(r.argmax())] == e.completion for e, r in zip(examples, scores)) / len(examples)
 
 
 def _flips(a, b) -> dict:
@@ -304,9 +308,8 @@ def flips(seed_dir, test_f, how, max_len) -> None:
     with torch.no_grad():
         pact = torch.cat([lp.float().cpu() for _, lp in candidate_logprobs(model, ex, cands, 16, pad_id(tok))])
     hf = _hf_scores(seed_dir / f"ct-{how}", ex, cands, pad_id(tok))
-    gold = torch.tensor([list(cands).index(e.completion) for e in ex])
-    out = {"pact_accuracy": (pact.argmax(1) == gold).float().mean().item(),
-           "transformers_accuracy": (hf.argmax(1) == gold).float().mean().item(), **_flips(pact, hf)}
+    out = {"pact_accuracy": _accuracy(pact, ex, cands), "transformers_accuracy": _accuracy(hf, ex, cands),
+           **_flips(pact, hf)}
     click.echo(json.dumps(out))
 
 
