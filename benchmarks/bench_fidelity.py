@@ -25,7 +25,8 @@ bench_accuracy.py). Methods: `peft` (transformers + PEFT on the GGUF dequantized
 only); `pact~PROBE=RECIPE` patches one reader of the gate_up site's saved copy to read the exact
 rows instead (`PROBES`: a diagnostic of which reader a saved copy bends, never a mode of
 pact-train); `pact~eager=RECIPE` trains with `--cuda-graphs off` (eager steps; pact-train's default
-replays a GPU step's decoder layers as CUDA graphs at this protocol's batch size). A method may end in
+replays a GPU step's decoder layers as CUDA graphs at this protocol's batch size); `pact~bwfwd=RECIPE`
+with `--backward-weights forward` (the input gradients through the forward layout's own weights). A method may end in
 `:WEIGHTS`, one of
 `WEIGHT_VARIANTS` (scaling, then `-mse` for searched block scales): the same on an artifact
 converted that way (`pact-convert --scaling 2d --block-scales amax` is `:2d`); without it, the
@@ -52,6 +53,7 @@ from __future__ import annotations
 import contextlib
 import csv
 import dataclasses
+import itertools
 import json
 import math
 import random
@@ -105,14 +107,15 @@ OTHER_TASK = {  # gptq-xtask's texts: a task of another kind (not two inference 
 # diagnostics: the MLP's RMSNorm output, saved as the recipe says, read exactly by one of its two readers
 PROBES = ("exact-dA",  # dA of gate and up reads the exact rows; the RMSNorm backward the saved copy
           "exact-norm",  # the RMSNorm backward reads the exact rows; dA the saved copy
-          "eager")  # not a probe: pact-train --cuda-graphs off (the default replays graphed steps on a GPU)
+          "eager",  # not a probe: pact-train --cuda-graphs off (the default replays graphed steps on a GPU)
+          "bwfwd")  # not a probe: pact-train --backward-weights forward
 
 
 @contextlib.contextmanager
 def gate_up_probe(probe: str | None):
     """Within: MlpFn keeps the exact bf16 RMSNorm output beside its saved copy (more memory: a
     diagnostic) and hands it to the reader ``probe`` names. Nothing changes with ``probe`` None."""
-    if probe in (None, "eager"):
+    if probe in (None, "eager", "bwfwd"):
         yield
         return
     from pact.runtime import functions as fn
@@ -217,6 +220,10 @@ def cli() -> None:
               "bf16,*.gemm=nvfp4;bf16,*.lora=nvfp4;bf16,*.saved=nvfp4", show_default=True,
               help="';'-separated recipes compared with 'bf16' (the reference).")
 @click.option("--computes", default="bf16-decode", show_default=True, help="Comma-separated compute backends.")
+@click.option("--backward-weights", "backwards", default="layout", show_default=True,
+              help="Comma-separated --backward-weights values each recipe runs with (layout, forward).")
+@click.option("--ref-backward", default="layout", show_default=True, type=click.Choice(["layout", "forward"]),
+              help="The reference's --backward-weights (forward: the exact gradient of the forward's weights).")
 @click.option("--warm-steps", default=40, show_default=True, help="bf16-recipe AdamW steps before measuring "
               "(at init B = 0, so dA = 0).")
 @click.option("--batches", default=8, show_default=True)
@@ -225,7 +232,8 @@ def cli() -> None:
 @click.option("--tokenizer", type=click.Path(exists=True, file_okay=False), default=None,
               help="A folder whose tokenizer reads --data (default: the artifact's; for random-weight artifacts).")
 @click.option("--csv", "csv_path", type=click.Path(dir_okay=False, path_type=Path), default=None)
-def grads(artifact, data, recipes, computes, warm_steps, batches, lr, seed, tokenizer, csv_path) -> None:
+def grads(artifact, data, recipes, computes, backwards, ref_backward, warm_steps, batches, lr, seed, tokenizer,
+          csv_path) -> None:
     """LoRA gradient of each recipe vs the bf16-activation reference on the same NVFP4 weights:
     per adapter tensor cosine and norm ratio per batch (median over tensors), and whether the
     error is biased: |mean error| / rms error over the batches (zero-mean noise: ~1/sqrt(batches))
@@ -261,19 +269,20 @@ def grads(artifact, data, recipes, computes, warm_steps, batches, lr, seed, toke
     state = warm.adapter_state()
     measure = order[warm_steps : warm_steps + batches]
 
-    def run(spec: str, compute: str) -> list[dict[str, torch.Tensor]]:
-        m = PactModel(art, lcfg, device=device, activations=spec, compute=compute, seed=seed)
+    def run(spec: str, compute: str, backward: str) -> list[dict[str, torch.Tensor]]:
+        m = PactModel(art, lcfg, device=device, activations=spec, compute=compute, seed=seed, backward_weights=backward)
         m.load_adapter_state(state)
         return [_adapter_grads(m, examples, pad, idx, device) for idx in measure]
 
-    ref = run("bf16", "bf16-decode")
+    ref = run("bf16", "bf16-decode", ref_backward)
     names = list(ref[0])
     rows = []
+    click.echo(f"reference: bf16 recipe, --backward-weights {ref_backward}")
     click.echo(f"{'compute':<12} {'recipe':<60} {'cos':>6} {'norm':>6} {'cos(mean)':>9} {'bias':>6}   A cos / B cos"
                f" / gate|up cos")
-    for compute in computes.split(","):
+    for compute, backward in itertools.product(computes.split(","), backwards.split(",")):
         for spec in recipes.split(";"):
-            got = run(spec, compute)
+            got = run(spec, compute, backward)
             per = {"cos": [], "norm": [], "cos_mean": [], "bias": [], "cos_A": [], "cos_B": [], "cos_gate_up": []}
             for k in names:
                 g = torch.stack([b[k].flatten() for b in got])
@@ -289,9 +298,11 @@ def grads(artifact, data, recipes, computes, warm_steps, batches, lr, seed, toke
                 per["cos_mean"].append(float(F.cosine_similarity(g.mean(0), r.mean(0), dim=0)))
                 e = g - r
                 per["bias"].append(float(e.mean(0).norm() / e.pow(2).sum(1).mean().sqrt().clamp_min(1e-30)))
-            row = {"compute": compute, "recipe": spec, **{k: statistics.median(v) for k, v in per.items()}}
+            row = {"compute": compute, "backward_weights": backward, "recipe": spec,
+                   **{k: statistics.median(v) for k, v in per.items()}}
             rows.append(row)
-            click.echo(f"{compute:<12} {spec:<60} {row['cos']:>6.3f} {row['norm']:>6.3f} {row['cos_mean']:>9.3f} "
+            label = f"{spec} bw={backward}"
+            click.echo(f"{compute:<12} {label:<60} {row['cos']:>6.3f} {row['norm']:>6.3f} {row['cos_mean']:>9.3f} "
                        f"{row['bias']:>6.2f}   {row['cos_A']:.3f} / {row['cos_B']:.3f} / {row['cos_gate_up']:.3f}")
     click.echo(f"(medians over {len(names)} adapter tensors; {batches} batches; zero-mean noise gives bias "
                f"~{1 / batches ** 0.5:.2f}, a fixed error 1.0)")
@@ -705,7 +716,8 @@ def tasks(workdir, bigbench, tasks, methods, lrs, seeds, steps, eval_batch, shar
                 train(TrainConfig(artifact=str(art), data=str(train_f), out=str(run), steps=steps, batch_size=BATCH,
                                   max_len=MAX_LEN, lr=lr, lora_r=RANK, lora_alpha=ALPHA, warmup_ratio=WARMUP,
                                   seed=seed, compute=compute, activations=spec, lora_layers=layers,
-                                  cuda_graphs="off" if probe == "eager" else "auto"),
+                                  cuda_graphs="off" if probe == "eager" else "auto",
+                                  backward_weights="forward" if probe == "bwfwd" else "auto"),
                       progress=False)
             metrics = [json.loads(x) for x in open(run / "metrics.jsonl")]
             loss = statistics.mean(m["loss"] for m in metrics[-25:])

@@ -65,6 +65,7 @@ ACTIVATIONS = {"spec": None}  # --activations: the precision recipe of every pac
 LAYERS = {"spec": "all"}  # --lora-layers: the decoder blocks that get adapters (pact-train --lora-layers)
 VOCAB = {"n": 128000}  # token ids drawn below this (the shape's vocabulary)
 GRAPHS = {"on": False}  # --cuda-graphs: pact's steps replay the decoder stack as CUDA graphs
+BACKWARD = {"weights": "auto"}  # --backward-weights: what pact's input-gradient GEMMs read
 
 
 def _pact(art_path: Path, compute: str, checkpoint: bool):
@@ -76,7 +77,7 @@ def _pact(art_path: Path, compute: str, checkpoint: bool):
     return PactModel(open_artifact(art_path), LoraConfig(r=16, alpha=32, layers=LAYERS["spec"]), device="cuda",
                      compute=COMPUTE[compute],
                      checkpoint=checkpoint, fp8_weights="resident" if compute == "fp8res" else "per-call",
-                     activations=ACTIVATIONS["spec"], cuda_graphs=GRAPHS["on"])
+                     activations=ACTIVATIONS["spec"], cuda_graphs=GRAPHS["on"], backward_weights=BACKWARD["weights"])
 
 
 def bench_pact(art_path: Path, bs: int, seq: int, warmup: int, iters: int, compute: str,
@@ -231,7 +232,8 @@ def measure(method: str, art: Path, src: Path, shape: str, bs: int, seq: int, wa
     row = {"model": shape, "method": method, "bs": bs, "seq": seq, "held_before_gib": round(held, 2),
            "recipe": ACTIVATIONS["spec"] if method.startswith("pact") else "",
            "lora_layers": LAYERS["spec"] if method.startswith("pact") else "all",
-           "graphs": GRAPHS["on"] and method.startswith("pact")}
+           "graphs": GRAPHS["on"] and method.startswith("pact"),
+           "backward_weights": BACKWARD["weights"] if method.startswith("pact") else ""}
     try:
         ckpt = method.endswith("-ckpt")
         if method.startswith("pact"):
@@ -278,16 +280,20 @@ def measure(method: str, art: Path, src: Path, shape: str, bs: int, seq: int, wa
               help="Decoder blocks of pact's adapters (pact-train --lora-layers: all, top:N, A-B); peers adapt all.")
 @click.option("--cuda-graphs", is_flag=True, help="pact's steps replay the decoder layers as CUDA graphs "
                                                   "(pact-train --cuda-graphs on; the capture is in the warm-up).")
+@click.option("--backward-weights", type=click.Choice(["auto", "layout", "forward"]), default="auto", show_default=True,
+              help="What pact's input-gradient GEMMs read (pact-train --backward-weights).")
 def main(shape, batches, methods, memory_cap_gib, seq, workdir, warmup, iters, cap_batches, json_out, csv_out,
-         profile, activations, lora_layers, cuda_graphs) -> None:
+         profile, activations, lora_layers, cuda_graphs, backward_weights) -> None:
     from pact.convert import convert
     from pact.runtime.recipe import parse_recipe
 
     ACTIVATIONS["spec"] = parse_recipe(activations).spec()
     LAYERS["spec"] = lora_layers
     GRAPHS["on"] = cuda_graphs
+    BACKWARD["weights"] = backward_weights
     VOCAB["n"] = min(VOCAB["n"], SHAPES[shape]["vocab_size"])
-    print(f"pact recipe: --activations {ACTIVATIONS['spec']} --lora-layers {lora_layers} --cuda-graphs {cuda_graphs}")
+    print(f"pact recipe: --activations {ACTIVATIONS['spec']} --lora-layers {lora_layers} --cuda-graphs {cuda_graphs} "
+          f"--backward-weights {backward_weights}")
 
     print(f"gpu={torch.cuda.get_device_name()} torch={torch.__version__}")
     src, art = workdir / f"src-{shape}", workdir / f"art-{shape}-2d"
@@ -324,8 +330,8 @@ def main(shape, batches, methods, memory_cap_gib, seq, workdir, warmup, iters, c
     if json_out:
         json_out.write_text(json.dumps(rows, indent=1))
     if csv_out:
-        fields = ["model", "method", "recipe", "lora_layers", "graphs", "bs", "seq", "step_ms", "tok_s", "peak_gib",
-                  "reserved_gib", "held_before_gib", "cap_gib",
+        fields = ["model", "method", "recipe", "lora_layers", "graphs", "backward_weights", "bs", "seq", "step_ms",
+                  "tok_s", "peak_gib", "reserved_gib", "held_before_gib", "cap_gib",
                   "largest_bs", "oom", "error"]
         with open(csv_out, "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=fields)

@@ -24,7 +24,8 @@
 #          WORKERS_B processes per GPU (default 4); PREP_TASKS x PREP_METHODS: artifacts made now for a later call
 #   graphs (carry .whl .gg1): --cuda-graphs on the 1B shapes (bs 6 and 16, and under a 16 GiB cap), eager and
 #          graphed beside PEFT + Liger; the GPU tests of the graphs first
-#   big (carry .gg1):       stash the first half; 3B and 8B shapes under a 16 GiB cap, pact vs its peers
+#   big (carry .whl, .whl2 for QLoRA): 3B and 8B shapes under a 16 GiB cap, pact vs its peers (METHODS3B,
+#          METHODS8B; BWD_FORWARD=1: pact with --backward-weights forward too)
 #   merge (carry .gg2 .fid): bench_merge.py on MERGE_TASKS x SEEDS, one process per (task, seed)
 #   packing (no carry, after tasks or merge): bench_packing.py on PACK_TASKS (comma-separated); CALIB_SMOL=1:
 #          one SmolLM2 GPTQ calibration alone, its time
@@ -122,17 +123,18 @@ convert('/tmp/pact-bench/src-llama-1b', '/tmp/pact-bench/art-llama-1b-2d', progr
   fi
   IFS=';' read -ra recipes <<< "${RECIPES:-mixed}"
   IFS=';' read -ra layers <<< "${LAYERS:-all}"  # --lora-layers values (top:N: adapters on the N last blocks)
+  IFS=';' read -ra bwds <<< "${BWDS:-auto}"  # --backward-weights values
   m=pact-bf16$([ "${FP8:-0}" = 1 ] && echo ,pact-fp8)
   [ "${TRAIN_RUNS:-1}" = 1 ] || recipes=()
-  for r in "${recipes[@]}"; do for l in "${layers[@]}"; do
-    tag=$(echo "$r-$l" | tr ',=.*:' '+__a_')
-    timeout 150 python3 bench_train.py --model llama-1b --warmup 1 --iters 5 --batch 16 --methods $m --activations "$r" \
-      --lora-layers $l --csv-out /tmp/rows/bs16-$tag.csv 2>&1 | grep "^{\|^pact recipe\|^converted"
+  for r in "${recipes[@]}"; do for l in "${layers[@]}"; do for b in "${bwds[@]}"; do
+    tag=$(echo "$r-$l-$b" | tr ',=.*:' '+__a_')
+    timeout 150 python3 bench_train.py --model llama-1b --warmup 1 --iters ${ITERS:-5} --batch ${BS:-16} --methods $m --activations "$r" \
+      --lora-layers $l --backward-weights $b --csv-out /tmp/rows/bs16-$tag.csv 2>&1 | grep "^{\|^pact recipe\|^converted"
     cb=${CAP:-16,20,24}; [ "$l" != all ] && cb=${CAP_TOP:-24,32,40,48}
-    [ "${CAP_RUNS:-1}" = 1 ] && timeout 150 python3 bench_train.py --model llama-1b --memory-cap-gib 16 --warmup 1 --iters 5 \
-      --methods $m --activations "$r" --lora-layers $l --cap-batches $cb --csv-out /tmp/rows/cap16-$tag.csv \
+    [ "${CAP_RUNS:-1}" = 1 ] && timeout 150 python3 bench_train.py --model llama-1b --memory-cap-gib 16 --warmup 1 --iters ${ITERS:-5} \
+      --methods $m --activations "$r" --lora-layers $l --backward-weights $b --cap-batches $cb --csv-out /tmp/rows/cap16-$tag.csv \
       2>&1 | grep "^{"
-  done; done
+  done; done; done
   if [ "${PEERS:-1}" = 1 ]; then
     timeout 150 python3 bench_train.py --model llama-1b --warmup 1 --iters 5 --batch 16 --methods liger \
       --csv-out /tmp/rows/bs16-liger.csv 2>&1 | grep "^{"
@@ -234,20 +236,27 @@ graphs)  # (carry .whl; .gg1 too, to stash it for `tasks`) --cuda-graphs: the 1B
   ;;
 big)  # (carry .whl .whl2 on a cold machine) 3B and 8B shapes under a 16 GiB cap: pact's default vs the peers that fit
   python3 -c "import zarr, bitsandbytes" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --no-compile \
-    --no-cache-dir --upgrade --target /tmp/site .whl/*.whl .whl2/*.whl || exit 1
+    --no-cache-dir --upgrade --target /tmp/site .whl/*.whl $([ -d .whl2 ] && echo .whl2/*.whl) || exit 1
   [ -d .gg1 ] && cp .gg1/* /tmp/wd/
   cd benchmarks
   timeout ${T3B:-240} python3 bench_train.py --model llama-3b --memory-cap-gib 16 --warmup 1 --iters 4 \
-    --methods pact-bf16,liger-ckpt,liger --cap-batches ${CAP3B:-1,2,4,6,8,12,16,20,24} --csv-out /tmp/rows/cap16-3b.csv \
+    --methods ${METHODS3B:-pact-bf16,liger-ckpt,liger} --cap-batches ${CAP3B:-1,2,4,6,8,12,16,20,24} --csv-out /tmp/rows/cap16-3b.csv \
     2>&1 | grep "^{\|^converted"
+  if [ -n "${BWD_FORWARD:-}" ]; then  # the default's rows again with --backward-weights forward (no backward layouts)
+    timeout ${T3B:-240} python3 bench_train.py --model llama-3b --memory-cap-gib 16 --warmup 1 --iters 4 --methods pact-bf16 \
+      --backward-weights forward --cap-batches ${CAP3B_FWD:-8,10,12,16} --csv-out /tmp/rows/cap16-3b-fwd.csv 2>&1 | grep "^{"
+  fi
   [ -n "${LAYERS3B:-}" ] && timeout 100 python3 bench_train.py --model llama-3b --memory-cap-gib 16 --warmup 1 --iters 4 \
     --methods pact-bf16 --lora-layers $LAYERS3B --cap-batches ${CAP3B_TOP:-8,12,16,20,24} --csv-out /tmp/rows/cap16-3b-top.csv \
     2>&1 | grep "^{"
   if [ "${B8:-1}" = 1 ]; then
-    for m in pact-bf16 qlora-ckpt; do  # one process each: nothing the first leaves behind weighs on the second
+    for m in ${METHODS8B:-pact-bf16 qlora-ckpt}; do  # one process each: nothing the first leaves behind weighs on the second
       timeout ${T8B:-300} python3 bench_train.py --model llama-8b --memory-cap-gib 16 --warmup 1 --iters 3 \
         --methods $m --cap-batches ${CAP8B:-1,2,3,4,6,8} --csv-out /tmp/rows/cap16-8b-$m.csv 2>&1 | grep "^{\|^converted\|^qlora"
     done
+    [ -n "${BWD_FORWARD:-}" ] && timeout ${T8B:-300} python3 bench_train.py --model llama-8b --memory-cap-gib 16 --warmup 1 \
+      --iters 3 --methods pact-bf16 --backward-weights forward --cap-batches ${CAP8B_FWD:-2,3,4,5,6,8} \
+      --csv-out /tmp/rows/cap16-8b-fwd.csv 2>&1 | grep "^{"
   fi
   cat /tmp/rows/cap16-3b*.csv /tmp/rows/cap16-8b*.csv 2>/dev/null | awk 'NR == 1 || !/^model,/' > $OUT/big_cap16.csv
   cut -c1-160 $OUT/big_cap16.csv

@@ -55,11 +55,12 @@ class Bound:
 
 
 def bind(artifact: Artifact, n_layers: int, lora: LoraConfig | None, device: torch.device, *, seed: int = 0,
-         resident=None, spec: FamilySpec | None = None) -> Bound:
+         resident=None, spec: FamilySpec | None = None, backward_layout: bool = True) -> Bound:
     """Bind ``n_layers`` decoder layers of ``artifact`` on ``device``, their norms named as the family's
     ``spec`` names them (a (1 + w) norm kept as that fp32 sum: the kernels multiply by it in fp32, as
     Gemma does). ``resident``: how the backend keeps a frozen weight (`Ops.resident`: E4M3 copies
-    beside it with `--fp8-weights resident`); None: as it is."""
+    beside it with `--fp8-weights resident`); None: as it is. ``backward_layout``: False leaves the
+    backward layouts unread (``weight_t`` None: the input gradients read the forward layout)."""
     spec = spec or FamilySpec()
     names = set(artifact.names())
     p = next((p for p in LM_PREFIXES if f"{p}embed_tokens.weight" in names), None)
@@ -83,7 +84,7 @@ def bind(artifact: Artifact, n_layers: int, lora: LoraConfig | None, device: tor
             sub = "self_attn" if group in ("qkv", "o") else "mlp"
             members = [f"{lp}.{sub}.{m}.weight" for m in GROUPS[group]]
             groups[group] = _bind_group(artifact, members, names, device, lora if i in adapted else None, gen, out,
-                                        resident)
+                                        resident, backward_layout)
         for name in (spec.attn_norm, spec.mlp_norm, spec.post_attn_norm, spec.post_mlp_norm):
             if name and f"{lp}.{name}.weight" not in names:
                 raise PactError(f"{artifact.path}: {lp}.{name}.weight is missing: the artifact does not hold this "
@@ -97,7 +98,7 @@ def bind(artifact: Artifact, n_layers: int, lora: LoraConfig | None, device: tor
 
 
 def _bind_group(art: Artifact, members: list[str], names: set[str], dev: torch.device, cfg: LoraConfig | None,
-                gen: torch.Generator, out: Bound, resident) -> FrozenGroup:
+                gen: torch.Generator, out: Bound, resident, backward_layout: bool = True) -> FrozenGroup:
     entries = [art.entry(m) for m in members]
     g = FrozenGroup(names=members, sizes=[e["shape"][0] for e in entries])
     if all(e["kind"] == "nvfp4" for e in entries):
@@ -105,16 +106,18 @@ def _bind_group(art: Artifact, members: list[str], names: set[str], dev: torch.d
         if len(scales) != 1:
             raise PactError(f"{art.path}: {members} do not share one global scale: re-run pact-convert")
         fwd = [art.nvfp4(m, "fwd") for m in members]
-        bwd = [art.nvfp4(m, "bwd") for m in members]
 
         def cat(ts, dim):  # one member: keep the mapped tensor itself (no copy on CPU)
             return (ts[0] if len(ts) == 1 else torch.cat(ts, dim)).to(dev)
 
         gs = fwd[0].global_scale.to(dev)
         g.weight = NVFP4Tensor(cat([t.packed for t in fwd], 0), cat([t.scales for t in fwd], 0), gs)
-        g.weight_t = NVFP4Tensor(cat([t.packed for t in bwd], 1), cat([t.scales for t in bwd], 1), gs)
+        if backward_layout:
+            bwd = [art.nvfp4(m, "bwd") for m in members]
+            g.weight_t = NVFP4Tensor(cat([t.packed for t in bwd], 1), cat([t.scales for t in bwd], 1), gs)
         if resident is not None:
-            g.weight, g.weight_t = resident(g.weight), resident(g.weight_t)
+            g.weight = resident(g.weight)
+            g.weight_t = None if g.weight_t is None else resident(g.weight_t)
     else:
         # a member kept in bf16: the group runs dense (NVFP4 members decoded once to bf16)
         g.dense = torch.cat([art.dequantize(m).to(torch.bfloat16) for m in members], 0).to(dev)

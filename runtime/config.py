@@ -82,6 +82,11 @@ class TrainConfig:
         "per-call", "With --compute fp8: resident keeps E4M3 copies of the frozen weights on the GPU (+2 bytes per "
                     "parameter) instead of re-encoding them from NVFP4 at every GEMM; same numbers, faster steps.",
         choices=FP8_WEIGHTS)
+    backward_weights: str = _opt(
+        "auto", "What the input-gradient GEMMs (dX = dY W) multiply: layout (the artifact's backward layout, W^T "
+                "rounded along the other dimension) or forward (the forward layout's own weights, transposed: the "
+                "exact gradient of the model's forward; the backward layouts are not loaded, about half the frozen "
+                "weights' memory; bf16-decode and fp8 only). auto = layout.", choices=("auto", "layout", "forward"))
     activations: str | None = _opt(None, RECIPE_HELP, metavar="RECIPE")
     checkpoint: bool = _opt(False, "Recompute each decoder layer in backward (less memory, ~1/3 more compute).",
                             aliases=("--gradient-checkpointing",))

@@ -51,7 +51,8 @@ class FrozenGroup:
     """Frozen projections sharing one input: q|k|v, o, gate|up, down.
 
     ``weight`` is the fused forward layout [N, K] and ``weight_t`` the fused backward layout
-    [K, N]; a group with a member kept in bf16 holds ``dense`` [N, K] bf16 instead.
+    [K, N] (None where the input gradients read ``weight``: `--backward-weights forward`); a group
+    with a member kept in bf16 holds ``dense`` [N, K] bf16 instead.
     """
 
     names: list[str]
@@ -131,7 +132,10 @@ def project_backward(ops, g: FrozenGroup, dy: torch.Tensor, x_hat: torch.Tensor,
     Without dropout the members' dxa's are concatenated: dA for all members is one GEMM and
     their input gradient is added onto the frozen one by one addmm (fp32 in cuBLAS's epilogue)."""
     dy = dy.to(torch.bfloat16).contiguous()
-    dx = ops.dgrad_gemm(dy, g.weight_t) if g.weight is not None else dy @ g.dense
+    if g.weight is None:
+        dx = dy @ g.dense
+    else:
+        dx = ops.dgrad_gemm(dy, g.weight if ops.dgrad_reads == "forward" else g.weight_t)
     if not any(lo is not None for lo in g.loras):
         return dx, [None] * len(g.loras)
     batched = _batched(g)

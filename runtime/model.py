@@ -74,7 +74,7 @@ class PactModel(nn.Module):
     def __init__(self, artifact: Artifact, lora: LoraConfig | None, *, device: str | torch.device = "cpu",
                  kernels: str | None = None, compute: str | None = None, activations: str | Recipe | None = None,
                  checkpoint: bool = False, seed: int = 0, fp8_weights: str = "per-call",
-                 cuda_graphs: bool | str = False):
+                 cuda_graphs: bool | str = False, backward_weights: str | None = None):
         super().__init__()
         self.artifact, self.lora_cfg = artifact, lora
         self.family = artifact.meta["family"]
@@ -90,7 +90,7 @@ class PactModel(nn.Module):
         self.recipe = parse_recipe(activations).on(resolve_compute(compute, self.device))
         self._no_backward = self.recipe.forward_only()  # under torch.no_grad: no saved copies encoded
         self.compute = self.recipe.compute
-        self.ops = get_ops(self.recipe, self.kernels, fp8_weights)
+        self.ops = get_ops(self.recipe, self.kernels, fp8_weights, backward_weights)
         cfg = self.cfg = load_text_config(artifact)
         self.hidden = cfg.hidden_size
         self.n_heads, self.n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
@@ -108,7 +108,7 @@ class PactModel(nn.Module):
         rope_cfg = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
         self.mrope_section = rope_cfg.get("mrope_section")  # Qwen2-VL: frequencies per (t, h, w) component
         bound = bind(artifact, cfg.num_hidden_layers, lora, self.device, seed=seed, resident=self.ops.resident,
-                     spec=spec)
+                     spec=spec, backward_layout=self.ops.dgrad_reads == "layout")
         self.embed, self.final_norm, self.lm_head = bound.embed, bound.final_norm, bound.lm_head
         self.layers: list[Layer] = bound.layers
         # Layer.window: a layer's tokens attend to the last `sliding_window` tokens only (None: to all):

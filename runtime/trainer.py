@@ -218,7 +218,8 @@ def _setup(cfg: TrainConfig, run: Path, resume: bool, dist: Dist, device: str | 
                  "the launches)", tokens, weights / 1e6)
     model = ses.model(cfg.lora(), kernels=cfg.kernels, compute=cfg.compute,
                       activations=DEFAULT_RECIPE if auto is not None else cfg.activations,
-                      checkpoint=cfg.checkpoint, seed=cfg.seed, fp8_weights=cfg.fp8_weights, cuda_graphs=graphs)
+                      checkpoint=cfg.checkpoint, seed=cfg.seed, fp8_weights=cfg.fp8_weights, cuda_graphs=graphs,
+                      backward_weights=cfg.backward_weights)
     model.graph_tokens = tokens
     vocab = model.embed.shape[0]
     examples = tokenize(records, ses.tokenizer, max_len=cfg.max_len,
@@ -274,7 +275,8 @@ def _write_run_config(run: Path, cfg: TrainConfig, model: PactModel, dist: Dist,
     """RUN/train_config.json (rank 0): the config, the recipe the model runs, the world, the inputs'
     fingerprints and --activations auto's choice once made; written beside and renamed in."""
     replace_text(run / "train_config.json", json.dumps({
-        **cfg.as_json(), "recipe": model.recipe.as_json(), "graphed": model.cuda_graphs, "world_size": dist.world,
+        **cfg.as_json(), "recipe": model.recipe.as_json(), "graphed": model.cuda_graphs,
+        "backward_weights_read": model.ops.dgrad_reads, "world_size": dist.world,
         "global_batch": cfg.batch_size * dist.world * cfg.grad_accum, "inputs_sha256": state["inputs"],
         **({"recipe_auto": state["recipe_auto"]} if "recipe_auto" in state else {})}, indent=2) + "\n")
 

@@ -42,7 +42,8 @@ def test_method_names():
     with pytest.raises(ValueError):
         bf.split_variant("1d-mse+nope")
     # PEFT on a calibrated artifact's weights is a method; PEFT on the source weights takes no variant
-    bf._check_methods(["peft", "peft@nvfp4", "peft@nvfp4:1d-mse+gptq", "pact=mixed:1d-mse+gptq", "pact%top8=mixed"])
+    bf._check_methods(["peft", "peft@nvfp4", "peft@nvfp4:1d-mse+gptq", "pact=mixed:1d-mse+gptq", "pact%top8=mixed",
+                        "pact~bwfwd=mixed:1d-mse+gptq", "pact~eager=mixed"])
     for bad in ("peft:1d-mse", "pact=mixed:3d", "peft@nvfp4:1d-mse+nope", "lora=mixed"):
         with pytest.raises(click.BadParameter):
             bf._check_methods([bad])

@@ -179,6 +179,26 @@ def test_nvfp4_gemm(m, n, k, scaling):
         _check_gemm(impl.nvfp4_gemm(dy, bwd), _gemm_ref64(dy, bwd))
 
 
+@pytest.mark.parametrize("m,n,k", [(1, 16, 16), (42, 144, 96), (300, 32, 160)])
+def test_dgrad_through_the_forward_layout(m, n, k):
+    """`--backward-weights forward`: dX = dY @ W read from the forward layout W [N, K] (no W^T layout),
+    the exact product of the decoded weights (300 rows: the cuBLAS route on a GPU, here the same
+    decode + addmm), in the kernels and in the twin."""
+    from pact.formats.nvfp4 import dequantize
+
+    torch.manual_seed(m + n + k)
+    fwd, _ = quantize_weight(torch.randn(n, k) * 0.05, scaling="1d")
+    dy = (torch.randn(m, n) * 0.1).to(torch.bfloat16)
+    ref = dy.double() @ dequantize(fwd).double()
+    for impl in (K, R):
+        out = impl.nvfp4_dgrad_fwd(dy, fwd)
+        assert out.shape == (m, k) and out.dtype == torch.bfloat16
+        _check_gemm(out, ref)
+    for impl in (K, R):  # dY of another width than W's N: one clear error, not a wrong product
+        with pytest.raises(ValueError, match=f"W has N={n}"):
+            impl.nvfp4_dgrad_fwd(torch.zeros(m, n + 16, dtype=torch.bfloat16), fwd)
+
+
 def _fp8_sources(rows, k, seed=0):
     x = _awkward(rows, k, seed=seed)
     w = torch.randn(rows * 16, k, generator=torch.Generator().manual_seed(seed)) * 0.05
@@ -372,6 +392,18 @@ def test_gemm_rejects_mismatched_k():
     fwd, _ = quantize_weight(torch.randn(16, 32))
     with pytest.raises(ValueError, match="K=48"):
         K.nvfp4_gemm(torch.zeros(2, 48, dtype=torch.bfloat16), fwd)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("m,n,k", [(8192, 2048, 2048), (4096, 8192, 2048), (100, 3072, 576)])
+def test_dgrad_through_the_forward_layout_gpu(m, n, k):
+    from pact.formats.nvfp4 import dequantize
+
+    torch.manual_seed(0)
+    fwd, _ = quantize_weight(torch.randn(n, k, device="cuda") * 0.02)
+    dy = torch.randn(m, n, device="cuda").to(torch.bfloat16)
+    _check_gemm(K.nvfp4_dgrad_fwd(dy, fwd), dy.double() @ dequantize(fwd).double())
 
 
 @pytest.mark.gpu

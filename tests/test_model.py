@@ -94,6 +94,35 @@ def test_same_math_as_transformers(tmp_path, family):
     assert min(cos.values()) >= 0.999, min(cos.items(), key=lambda kv: kv[1])
 
 
+def test_backward_weights_forward_is_the_exact_gradient(tmp_path):
+    """The converter's default 1x16 artifact holds W^T rounded a second time along N for the input
+    gradients, so its LoRA gradients are not quite those of the forward's weights. With
+    `--backward-weights forward` they are (transformers + PEFT on the forward layout's dequantized
+    weights: the exact reference), and the backward layouts are never loaded."""
+    make_model(tmp_path / "src", "llama", num_hidden_layers=4)
+    make_realistic(tmp_path / "src")
+    art = open_artifact(convert(str(tmp_path / "src"), tmp_path / "art", progress=False))
+    worst = {}
+    for reads in ("layout", "forward"):
+        model = PactModel(art, LoraConfig(r=R, alpha=ALPHA), activations="bf16", backward_weights=reads)
+        groups = [g for L in model.layers for g in (L.qkv, L.o, L.gate_up, L.down)]
+        assert model.ops.dgrad_reads == reads
+        assert all((g.weight_t is None) == (reads == "forward") for g in groups)
+        ours, ref, cos = _against_hf(art, tmp_path / "src", model)
+        assert ours == pytest.approx(ref, rel=2e-3)
+        worst[reads] = 1 - min(cos.values())
+    assert worst["forward"] <= 1e-3, worst  # bf16 rounding only, as with 2d weights (test above)
+    assert worst["layout"] > 2 * worst["forward"], worst  # the second rounding is visible here
+
+
+def test_backward_weights_checked(tmp_path):
+    art = _artifact(tmp_path, "llama")
+    with pytest.raises(PactError, match="--backward-weights must be one of"):
+        PactModel(art, LoraConfig(r=R, alpha=ALPHA), backward_weights="transposed")
+    with pytest.raises(PactError, match="nvfp4-native's FP4"):
+        PactModel(art, LoraConfig(r=R, alpha=ALPHA), compute="nvfp4-native", backward_weights="forward")
+
+
 def test_mistral_sliding_window_as_transformers(tmp_path):
     """A Mistral whose sliding window (16) is shorter than the sequence (48): the loss and LoRA
     gradients are transformers' (which masks the same band); without the window they are not."""

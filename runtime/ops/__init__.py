@@ -6,11 +6,13 @@ rows.py holds the row formats the ops pass between each other (NVFP4 rows, unqua
 saved for backward, the fp8 backend's E4M3 copies)."""
 
 from .build import (
+    BACKWARD_WEIGHTS,
     COMPUTE,
     FP8_WEIGHTS,
     KERNELS,
     Ops,
     get_ops,
+    resolve_backward_weights,
     resolve_compute,
     resolve_device,
     resolve_fp8_weights,
@@ -18,5 +20,6 @@ from .build import (
 )
 from .rows import DenseRows, E4M3Rows, NVFP4RowsFP8, NVFP4TensorFP8
 
-__all__ = ["COMPUTE", "FP8_WEIGHTS", "KERNELS", "DenseRows", "E4M3Rows", "NVFP4RowsFP8", "NVFP4TensorFP8", "Ops",
-           "get_ops", "resolve_compute", "resolve_device", "resolve_fp8_weights", "resolve_kernels"]
+__all__ = ["BACKWARD_WEIGHTS", "COMPUTE", "FP8_WEIGHTS", "KERNELS", "DenseRows", "E4M3Rows", "NVFP4RowsFP8",
+           "NVFP4TensorFP8", "Ops", "get_ops", "resolve_backward_weights", "resolve_compute", "resolve_device",
+           "resolve_fp8_weights", "resolve_kernels"]

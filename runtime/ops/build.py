@@ -44,6 +44,11 @@ COMPUTE = ("bf16-decode", "fp8", "nvfp4-native")
 # fp8 backend: re-encode each frozen weight to E4M3 per GEMM call, or keep E4M3 copies on the GPU
 # (1 byte per parameter per layout; no re-encode: cuBLAS FP8 speed).
 FP8_WEIGHTS = ("per-call", "resident")
+# what the input-gradient GEMMs (dX = dY W) multiply, `--backward-weights`: the artifact's backward layout (W^T
+# blocked along N, rounded from the source or, calibrated, from the calibrated weights: a second rounding), or
+# the forward layout itself (the exact transpose of the weights the forward multiplied; the backward layout is
+# then never loaded). nvfp4-native needs the layout: FP4 tensor cores scale along the contracted dimension.
+BACKWARD_WEIGHTS = ("auto", "layout", "forward")
 _OPS = ("rmsnorm_quant", "silu_mul_quant", "rmsnorm_rows", "silu_mul_rows", "quant_rows", "dequant_rows",
         "nvfp4_gemm", "rmsnorm_backward", "silu_mul_h", "silu_mul_backward", "rope", "ce_grad_", "e4m3_rows")
 Rows = NVFP4Rows | DenseRows | E4M3Rows
@@ -138,7 +143,9 @@ class Ops:
     e4m3_rows: Callable[[torch.Tensor], E4M3Rows]  # bf16 rows -> E4M3 rows kept for backward (saved=fp8)
     dequant_rows: Callable[[Rows], torch.Tensor]
     nvfp4_gemm: Callable[..., torch.Tensor]  # (a, W [N, K], a_hat=None) -> a @ W^T bf16: forward GEMMs
-    dgrad_gemm: Callable[[torch.Tensor, NVFP4Tensor], torch.Tensor]  # (dY, W^T [K, N]) -> dX: input gradients
+    # (dY, W) -> dX: input gradients; W is the backward layout W^T [K, N] or, dgrad_reads "forward", the
+    # forward layout [N, K] (`--backward-weights`)
+    dgrad_gemm: Callable[[torch.Tensor, NVFP4Tensor], torch.Tensor]
     rmsnorm_backward: Callable[[torch.Tensor, Rows, torch.Tensor, torch.Tensor], torch.Tensor]
     silu_mul_h: Callable[[Rows, Rows], torch.Tensor]
     silu_mul_backward: Callable[[torch.Tensor, Rows, Rows], torch.Tensor]
@@ -149,6 +156,7 @@ class Ops:
     gemm_operand: Callable[[DenseRows, NVFP4Rows | None], DenseRows | NVFP4Rows]
     # a frozen weight as the backend keeps it: itself, or with --fp8-weights resident its E4M3 copy beside
     resident: Callable[[NVFP4Tensor], NVFP4Tensor]
+    dgrad_reads: str = "layout"  # which stored weights dgrad_gemm reads: "layout" (backward) or "forward"
 
     def observed(self, observe: Callable[[NVFP4Tensor, torch.Tensor], None]) -> "Ops":
         """These ops with each forward GEMM first handing ``observe(weight, x)`` its input rows x in
@@ -174,11 +182,26 @@ def resolve_fp8_weights(name: str, compute: str) -> str:
     return name
 
 
-def get_ops(recipe: Recipe, kernels: str, fp8_weights: str = "per-call") -> Ops:
+def resolve_backward_weights(name: str | None, compute: str) -> str:
+    """`--backward-weights`, checked against the compute backend: auto is the backward layout."""
+    if name in (None, "auto"):
+        return "layout"
+    if name not in BACKWARD_WEIGHTS:
+        raise PactError(f"--backward-weights must be one of {', '.join(BACKWARD_WEIGHTS)}, got {name!r}")
+    if name == "forward" and compute == "nvfp4-native":
+        raise PactError("--backward-weights forward needs --compute bf16-decode or fp8: nvfp4-native's FP4 "
+                        "tensor cores read W^T blocked along N, the backward layout (use --backward-weights layout)")
+    return name
+
+
+def get_ops(recipe: Recipe, kernels: str, fp8_weights: str = "per-call", backward_weights: str | None = None) -> Ops:
     """The ops that run ``recipe`` (its compute backend and dgrad choice) with the ``kernels``
     implementation ("torch" twins or "triton" kernels); ``fp8_weights`` (`--fp8-weights`, checked
-    against the backend): how the fp8 backend keeps the frozen weights' E4M3 copies."""
+    against the backend): how the fp8 backend keeps the frozen weights' E4M3 copies; ``backward_weights``
+    (`--backward-weights`): what the input-gradient GEMMs multiply (the forward layout: in bf16, exact
+    q * s_b products, whatever the compute backend)."""
     fp8_weights = resolve_fp8_weights(fp8_weights, recipe.compute)
+    dgrad_reads = resolve_backward_weights(backward_weights, recipe.compute)
     name, compute, dgrad = kernels, recipe.compute, recipe.dgrad
     if name == "torch":
         from . import reference as mod
@@ -205,6 +228,8 @@ def get_ops(recipe: Recipe, kernels: str, fp8_weights: str = "per-call") -> Ops:
     ops["quant_saved"] = ops["quant_rows"]  # NVFP4 rows only kept for backward: never an E4M3 copy
     ops["quant_saved_sr"] = reference.quant_saved_sr  # torch on every device (no fused kernel yet)
     ops["dgrad_gemm"] = ops["nvfp4_gemm"] if dgrad == "bf16" else gemms.get(compute, ops["nvfp4_gemm"])
+    if dgrad_reads == "forward":
+        ops["dgrad_gemm"] = mod.nvfp4_dgrad_fwd
     ops["nvfp4_gemm"] = gemms.get(compute, ops["nvfp4_gemm"])
     fp8 = compute == "fp8"
     if fp8:  # the quantizing kernels also write the E4M3 copy the next GEMM reads
@@ -221,7 +246,7 @@ def get_ops(recipe: Recipe, kernels: str, fp8_weights: str = "per-call") -> Ops:
         else:
             from .triton.fp8 import fp8_rows
         ops["resident"] = functools.partial(NVFP4TensorFP8.of, fp8_rows=fp8_rows)
-    return Ops(name=f"{name}/{compute}", **ops)
+    return Ops(name=f"{name}/{compute}", dgrad_reads=dgrad_reads, **ops)
 
 
 def _gemm_input_rows(op, fp8: bool):

@@ -207,6 +207,16 @@ def nvfp4_gemm(a: NVFP4Rows | torch.Tensor, w: NVFP4Tensor, a_hat: torch.Tensor 
     return (acc * w.global_scale.float()).to(torch.bfloat16)
 
 
+def nvfp4_dgrad_fwd(dy: torch.Tensor, w: NVFP4Tensor) -> torch.Tensor:
+    """dX [M, K] = dY [M, N] @ W [N, K] with W the forward layout (blocked along K): the input gradient
+    through the very weights the forward multiplied (`--backward-weights forward`), where the backward
+    layout holds W^T rounded a second time along N. fp32 accumulation, one rounding to bf16."""
+    if dy.shape[1] != w.shape[0]:
+        raise ValueError(f"nvfp4_dgrad_fwd: dY has {dy.shape[1]} columns, W has N={w.shape[0]}")
+    wq = _decoded_qs(w.packed, w.scales)
+    return ((dy.float() @ wq) * w.global_scale.float()).to(torch.bfloat16)
+
+
 def nvfp4_gemm_native(a: NVFP4Rows | torch.Tensor, w: NVFP4Tensor, a_hat: torch.Tensor | None = None) -> torch.Tensor:
     """Twin of the `nvfp4-native` GEMM: both operands NVFP4, so a bf16 A (dY) is quantized to
     NVFP4 rows first; then the same exact product as ``nvfp4_gemm``."""

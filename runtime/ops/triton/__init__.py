@@ -4,7 +4,7 @@ and the backward kernels reading saved rows), gemm.py (the `bf16-decode` GEMM), 
 backend), native.py (the `nvfp4-native` backend, Blackwell), rotary.py, xent.py."""
 
 from .fp8 import e4m3_rows
-from .gemm import nvfp4_gemm
+from .gemm import nvfp4_dgrad_fwd, nvfp4_gemm
 from .rotary import rope
 from .rows import (
     dequant_rows,
@@ -19,5 +19,6 @@ from .rows import (
 )
 from .xent import ce_grad_
 
-__all__ = ["dequant_rows", "e4m3_rows", "nvfp4_gemm", "quant_rows", "rmsnorm_backward", "rmsnorm_quant", "rmsnorm_rows",
-           "silu_mul_backward", "silu_mul_h", "silu_mul_quant", "silu_mul_rows", "rope", "ce_grad_"]
+__all__ = ["dequant_rows", "e4m3_rows", "nvfp4_dgrad_fwd", "nvfp4_gemm", "quant_rows", "rmsnorm_backward",
+           "rmsnorm_quant", "rmsnorm_rows", "silu_mul_backward", "silu_mul_h", "silu_mul_quant", "silu_mul_rows",
+           "rope", "ce_grad_"]

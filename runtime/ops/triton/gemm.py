@@ -136,6 +136,18 @@ def nvfp4_gemm_cublas(a: NVFP4Rows | torch.Tensor, w: NVFP4Tensor) -> torch.Tens
     return torch.addmm(out, a, wq.t(), beta=0, alpha=_host_scale(w.global_scale), out=out)
 
 
+def nvfp4_dgrad_fwd(dy: torch.Tensor, w: NVFP4Tensor) -> torch.Tensor:
+    """dX [M, K] = dY [M, N] @ W [N, K], W the forward layout: q * s_b decoded to bf16 (exact) and cuBLAS
+    multiplies it untransposed, the global scale as its alpha (fp32 epilogue, one rounding). Any M: the
+    register-decoding kernel wants W blocked along the contracted dimension, which this layout is not."""
+    if dy.shape[1] != w.shape[0]:
+        raise ValueError(f"nvfp4_dgrad_fwd: dY has {dy.shape[1]} columns, W has N={w.shape[0]}")
+    wq = decode_qs(w.packed, w.scales)
+    dy = dy if dy.stride(-1) == 1 else dy.contiguous()
+    out = torch.empty(dy.shape[0], wq.shape[1], dtype=torch.bfloat16, device=dy.device)
+    return torch.addmm(out, dy, wq, beta=0, alpha=_host_scale(w.global_scale), out=out)
+
+
 def check_k(a, w: NVFP4Tensor) -> None:
     if a.shape[1] != w.shape[1]:
         raise ValueError(f"nvfp4_gemm: A has K={a.shape[1]}, W has K={w.shape[1]}")
