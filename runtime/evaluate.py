@@ -308,7 +308,8 @@ def load_adapted(artifact: str, adapter: str | None, *, device: str | None = Non
         warn_other_weights(adapter, ses.artifact, tool)
     if parse_auto(activations) is not None:  # auto picks saved copies only, which no forward pass reads:
         activations = None  # its GEMM and LoRA inputs are the default's
-    model = ses.model(lora_cfg, activations=activations, compute=compute)
+    # scoring and generation never run a backward: the backward layouts stay on disk (half the frozen weights)
+    model = ses.model(lora_cfg, activations=activations, compute=compute, backward=False)
     if weights is not None:
         model.load_adapter_state(weights)
     return model, ses.tokenizer

@@ -135,7 +135,11 @@ def project_backward(ops, g: FrozenGroup, dy: torch.Tensor, x_hat: torch.Tensor,
     if g.weight is None:
         dx = dy @ g.dense
     else:
-        dx = ops.dgrad_gemm(dy, g.weight if ops.dgrad_reads == "forward" else g.weight_t)
+        w = g.weight if ops.dgrad_reads == "forward" else g.weight_t
+        if w is None:
+            raise RuntimeError("a backward through a model built with backward=False (no backward layouts loaded): "
+                               "build it with backward=True to train")
+        dx = ops.dgrad_gemm(dy, w)
     if not any(lo is not None for lo in g.loras):
         return dx, [None] * len(g.loras)
     batched = _batched(g)

@@ -69,12 +69,16 @@ def load_text_config(artifact: Artifact):
 
 
 class PactModel(nn.Module):
-    """LoRA training model over an NVFP4 artifact. ``forward`` returns (summed loss, #targets)."""
+    """LoRA training model over an NVFP4 artifact. ``forward`` returns (summed loss, #targets).
+
+    ``backward_weights`` (`--backward-weights`): what the input gradients multiply (runtime/ops/build.py);
+    ``backward`` False: a model that only runs forward (scoring, generation) and never loads the backward
+    layouts."""
 
     def __init__(self, artifact: Artifact, lora: LoraConfig | None, *, device: str | torch.device = "cpu",
                  kernels: str | None = None, compute: str | None = None, activations: str | Recipe | None = None,
                  checkpoint: bool = False, seed: int = 0, fp8_weights: str = "per-call",
-                 cuda_graphs: bool | str = False, backward_weights: str | None = None):
+                 cuda_graphs: bool | str = False, backward_weights: str | None = None, backward: bool = True):
         super().__init__()
         self.artifact, self.lora_cfg = artifact, lora
         self.family = artifact.meta["family"]
@@ -108,7 +112,7 @@ class PactModel(nn.Module):
         rope_cfg = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
         self.mrope_section = rope_cfg.get("mrope_section")  # Qwen2-VL: frequencies per (t, h, w) component
         bound = bind(artifact, cfg.num_hidden_layers, lora, self.device, seed=seed, resident=self.ops.resident,
-                     spec=spec, backward_layout=self.ops.dgrad_reads == "layout")
+                     spec=spec, backward_layout=backward and self.ops.dgrad_reads == "layout")
         self.embed, self.final_norm, self.lm_head = bound.embed, bound.final_norm, bound.lm_head
         self.layers: list[Layer] = bound.layers
         # Layer.window: a layer's tokens attend to the last `sliding_window` tokens only (None: to all):

@@ -471,9 +471,12 @@ def _train(cfg: TrainConfig, run: Path, resume: bool, progress: bool, stop_after
             reporter.log({k: v for k, v in result.items() if k.startswith("eval_")}, state["step"])
         return result
     except torch.cuda.OutOfMemoryError:
+        more = "" if r.model.ops.dgrad_reads == "forward" or r.model.compute == "nvfp4-native" else (
+            ", or --backward-weights forward (the backward layouts stay on disk: about half the frozen weights' "
+            "memory; BENCHMARKS.md measures what it costs)")
         raise PactError(f"out of GPU memory at --batch-size {cfg.batch_size} and --max-len {cfg.max_len}: lower "
                         "--batch-size (raise --grad-accum to keep the effective batch) or --max-len, "
-                        "or add --checkpoint") from None
+                        f"or add --checkpoint{more}") from None
     finally:
         bar.close()
         metrics_f.close()

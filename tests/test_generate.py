@@ -35,6 +35,25 @@ def _full_logits(model, ids):
         return (h @ model.lm_head.t()).float()[0]
 
 
+def test_scoring_models_leave_the_backward_layouts_on_disk(trained):
+    """pact-eval, generate and chat build forward-only models: no backward layout loaded (half the frozen
+    weights' memory), the same logits as a trainable model, and a backward through one is one clear error."""
+    from pact.formats import open_artifact
+    from pact.formats.peft import LoraConfig
+    from pact.runtime.model import PactModel
+
+    model, tok = _model(trained, adapter=False)
+    groups = [g for L in model.layers for g in (L.qkv, L.o, L.gate_up, L.down)]
+    assert all(g.weight is not None and g.weight_t is None for g in groups)
+    art = open_artifact(str(trained / "art"))
+    ids = torch.tensor([tok("review: fresh bright keep\nverdict:")["input_ids"]])
+    assert torch.equal(model.logits(ids), PactModel(art, None, kernels="torch").logits(ids))
+    forward_only = PactModel(art, LoraConfig(r=4, alpha=8), kernels="torch", backward=False)
+    loss, _ = forward_only(ids, ids)
+    with pytest.raises(RuntimeError, match="backward=False"):
+        loss.backward()
+
+
 def test_cached_logits_equal_a_full_rerun(trained):
     model, tok = _model(trained)
     prompt = tok("review: fresh bright keep\nverdict:")["input_ids"]

@@ -165,3 +165,23 @@ def test_best_put_back_after_a_kill_between_renames(task, tmp_path):
     train(_cfg(task, run, steps=4, eval_every=0, save_every=2), resume=True, progress=False)
     assert (run / "best" / "adapter_model.safetensors").read_bytes() == best
     assert [p.name for p in run.iterdir() if p.name.startswith(".best")] == []
+
+
+@pytest.mark.parametrize("backward", ["auto", "forward"])
+def test_out_of_memory_names_the_ways_out(task, tmp_path, monkeypatch, backward):
+    """Out of GPU memory mid-run: one error naming the flags that lower memory; --backward-weights forward
+    among them only where the run still loads the backward layouts."""
+    def oom(*a, **k):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(trainer, "_step", oom)
+    with pytest.raises(PactError, match="out of GPU memory at --batch-size 16") as e:
+        train(_cfg(task, tmp_path / "run", backward_weights=backward), progress=False)
+    assert ("--backward-weights forward" in str(e.value)) == (backward == "auto")
+
+
+def test_backward_weights_recorded(task, tmp_path):
+    run = tmp_path / "run"
+    train(_cfg(task, run, steps=2, eval_data=None, backward_weights="forward"), progress=False)
+    config = json.loads((run / "train_config.json").read_text())
+    assert config["backward_weights"] == "forward" and config["backward_weights_read"] == "forward"
