@@ -199,7 +199,7 @@ def _calibrate(ses: Session, src, samples, out: Path, clock: _Clock, *, prompts:
                static_scales, blocksize, scale_rule, backward_layout, overwrite, progress, label, record) -> Path:
     art, dev = ses.artifact, ses.device
     scaling = art.meta["provenance"]["scaling"]
-    model = ses.model(None)
+    model = ses.model(None, backward=False)  # forward only: the backward layouts are read from disk when written
     if texts is not None:  # --model-texts: the round-to-nearest model writes its own calibration texts
         samples = _model_texts(model, ses.tokenizer, *texts)
         clock.lap("model texts")
@@ -232,7 +232,7 @@ def _calibrate(ses: Session, src, samples, out: Path, clock: _Clock, *, prompts:
             q = NVFP4Quantizer(g.weight.global_scale, scaling=scaling, static=static_scales, scale_rule=scale_rule)
             Q, _ = H.quantize(torch.cat(Ws), q, blocksize=blocksize, percdamp=damp, actorder=actorder)
             fwd_all = q.pack(Q)
-            fwd_parts, bwd_parts, r0 = [], [], 0
+            r0 = 0
             for name, W in zip(g.names, Ws):
                 r1 = r0 + W.shape[0]
                 Qn = Q[r0:r1]
@@ -246,13 +246,9 @@ def _calibrate(ses: Session, src, samples, out: Path, clock: _Clock, *, prompts:
                 rtn = dequantize(art.nvfp4(name, "fwd")).to(dev)
                 errors[name] = {"rtn": _output_error(W, rtn, H.H), "gptq": _output_error(W, Qn, H.H)}
                 new[name] = (fwd, bwd, (W - Qn).norm() / W.norm())  # a tensor: read after the sweep, no sync here
-                fwd_parts.append(fwd)
-                bwd_parts.append(bwd)
                 r0 = r1
-            # the layer now runs on the calibrated weights
+            # the layer now runs on the calibrated weights (forward only: no backward layout needed here)
             g.weight = type(g.weight)(fwd_all.packed, fwd_all.scales, g.weight.global_scale)
-            g.weight_t = type(g.weight)(torch.cat([t.packed for t in bwd_parts], 1),
-                                        torch.cat([t.scales for t in bwd_parts], 1), g.weight.global_scale)
             clock.lap("solve")
         with torch.no_grad():
             for u in units:

@@ -65,7 +65,8 @@ def gptq_merge(artifact: str | os.PathLike, adapter: str | os.PathLike, data: st
     art = ses.artifact
     lora_cfg, weights = load_peft_adapter(str(adapter))
     rule = art.block_scale_rule
-    model = ses.model(lora_cfg, activations="bf16")  # the trained model's layer inputs, unrounded
+    # the trained model's layer inputs, unrounded; forward only (no backward layouts loaded)
+    model = ses.model(lora_cfg, activations="bf16", backward=False)
     model.load_adapter_state(weights)
     examples = tokenize(read_records(data, flag="--merge-data"), ses.tokenizer, max_len=max_len,
                         vocab_size=model.embed.shape[0])[:max_samples]

@@ -98,7 +98,8 @@ def config_from(cls, params: dict):
 
 
 # what train_config.json adds to the options; --config ignores them
-RUN_RECORD_KEYS = ("recipe", "graphed", "world_size", "global_batch", "inputs_sha256", "recipe_auto")
+RUN_RECORD_KEYS = ("recipe", "graphed", "backward_weights_read", "world_size", "global_batch", "inputs_sha256",
+                   "recipe_auto")
 
 
 def with_config_file(path: str, params: dict) -> dict:

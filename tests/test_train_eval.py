@@ -1,6 +1,7 @@
 """pact-train --eval-every (OUT/best/, --early-stopping-patience) and extending a finished run
 with --resume and more --steps."""
 
+import dataclasses
 import json
 
 import pytest
@@ -180,8 +181,18 @@ def test_out_of_memory_names_the_ways_out(task, tmp_path, monkeypatch, backward)
     assert ("--backward-weights forward" in str(e.value)) == (backward == "auto")
 
 
-def test_backward_weights_recorded(task, tmp_path):
+def test_backward_weights_recorded(task, tmp_path, monkeypatch):
+    """train_config.json records what the input gradients read, and stays a --config for another run."""
+    import pact.pipelines.train as train_mod
+
     run = tmp_path / "run"
-    train(_cfg(task, run, steps=2, eval_data=None, backward_weights="forward"), progress=False)
+    cfg = _cfg(task, run, steps=2, eval_data=None, backward_weights="forward")
+    train(cfg, progress=False)
     config = json.loads((run / "train_config.json").read_text())
     assert config["backward_weights"] == "forward" and config["backward_weights_read"] == "forward"
+    seen = {}
+    monkeypatch.setattr(train_mod, "train", lambda c, **kw: seen.setdefault("cfg", c) and {})
+    r = CliRunner().invoke(train_cli, ["--config", str(run), "--out", str(tmp_path / "again"), "--no-calibrate",
+                                       "--quiet"])
+    assert r.exit_code == 0, r.output
+    assert seen["cfg"] == dataclasses.replace(cfg, out=str(tmp_path / "again"))
