@@ -126,7 +126,8 @@ def test_config_reads_back_every_run_record(tmp_path):
     from pact.runtime.trainer import _write_run_config
 
     cfg = TrainConfig(artifact="art", data="d.jsonl", out=str(tmp_path))
-    model = types.SimpleNamespace(recipe=parse_recipe(None), cuda_graphs=False)
+    model = types.SimpleNamespace(recipe=parse_recipe(None), cuda_graphs=False,
+                                  ops=types.SimpleNamespace(dgrad_reads="layout"))
     _write_run_config(tmp_path, cfg, model, types.SimpleNamespace(world=1),
                       {"inputs": {}, "recipe_auto": {"chosen": None}})
     added = set(json.loads((tmp_path / "train_config.json").read_text())) - set(cfg.as_json())
