@@ -13,7 +13,7 @@ from pact.formats.peft import ALL_TARGETS, LoraConfig, parse_layers
 from .autorecipe import auto_spec, parse_auto
 from .data import looks_like_hub_id
 from .graphs import GRAPH_WORK
-from .ops import COMPUTE, FP8_WEIGHTS, KERNELS
+from .ops import COMPUTE, FP8_WEIGHTS, KERNELS, resolve_backward_weights, resolve_fp8_weights
 from .recipe import HELP as RECIPE_HELP
 from .recipe import parse_recipe
 from .reporting import parse_report_to
@@ -85,8 +85,9 @@ class TrainConfig:
     backward_weights: str = _opt(
         "auto", "What the input-gradient GEMMs (dX = dY W) multiply: layout (the artifact's backward layout, W^T "
                 "rounded along the other dimension) or forward (the forward layout's own weights, transposed: the "
-                "exact gradient of the model's forward; the backward layouts are not loaded, about half the frozen "
-                "weights' memory; bf16-decode and fp8 only). auto = layout.", choices=("auto", "layout", "forward"))
+                "exact gradient of the model's forward, a bf16 GEMM on either backend; the backward layouts are not "
+                "loaded, about half the frozen weights' memory; bf16-decode and fp8 only). auto = layout.",
+        choices=("auto", "layout", "forward"))
     activations: str | None = _opt(None, RECIPE_HELP, metavar="RECIPE")
     checkpoint: bool = _opt(False, "Recompute each decoder layer in backward (less memory, ~1/3 more compute).",
                             aliases=("--gradient-checkpointing",))
@@ -144,6 +145,12 @@ class TrainConfig:
         if self.overlong not in ("truncate", "refuse"):
             raise PactError(f"--overlong must be truncate or refuse, got {self.overlong!r}")
         parse_report_to(self.report_to)
+        # flag combinations the model would refuse, refused before anything loads (an explicit --compute; auto is
+        # bf16-decode on every device)
+        compute = "bf16-decode" if self.compute in (None, "auto") else self.compute
+        if compute in COMPUTE:
+            resolve_fp8_weights(self.fp8_weights, compute)
+            resolve_backward_weights(self.backward_weights, compute)
         factor = parse_auto(self.activations)  # canonical spellings: resume compares them
         self.activations = auto_spec(factor) if factor is not None else parse_recipe(self.activations).spec()
         parse_layers(self.lora_layers, None)

@@ -407,11 +407,23 @@ def _probe(r: _Run, cfg: TrainConfig, run: Path, factor: float) -> None:
 
 
 
+def _out_of_memory(cfg: TrainConfig, where: str) -> PactError:
+    """The error of a run out of GPU memory: the flags that lower it (--backward-weights forward where the run
+    loads the backward layouts and its backend can do without them)."""
+    more = "" if cfg.backward_weights == "forward" or cfg.compute == "nvfp4-native" else (
+        ", or --backward-weights forward (the backward layouts stay on disk: about half the frozen weights' "
+        "memory; BENCHMARKS.md measures what it costs)")
+    return PactError(f"out of GPU memory {where}: lower --batch-size (raise --grad-accum to keep the effective "
+                     f"batch) or --max-len, or add --checkpoint{more}")
+
+
 def _train(cfg: TrainConfig, run: Path, resume: bool, progress: bool, stop_after: int | None,
            dist: Dist, device: str | None) -> dict:
     r, error = None, None
     try:
         r = _setup(cfg, run, resume, dist, device)
+    except torch.cuda.OutOfMemoryError:  # loading the weights (both layouts) or the first allocations
+        error = _out_of_memory(cfg, "while loading the model")
     except Exception as e:
         error = e
     dist.check(error, device)
@@ -471,12 +483,7 @@ def _train(cfg: TrainConfig, run: Path, resume: bool, progress: bool, stop_after
             reporter.log({k: v for k, v in result.items() if k.startswith("eval_")}, state["step"])
         return result
     except torch.cuda.OutOfMemoryError:
-        more = "" if r.model.ops.dgrad_reads == "forward" or r.model.compute == "nvfp4-native" else (
-            ", or --backward-weights forward (the backward layouts stay on disk: about half the frozen weights' "
-            "memory; BENCHMARKS.md measures what it costs)")
-        raise PactError(f"out of GPU memory at --batch-size {cfg.batch_size} and --max-len {cfg.max_len}: lower "
-                        "--batch-size (raise --grad-accum to keep the effective batch) or --max-len, "
-                        f"or add --checkpoint{more}") from None
+        raise _out_of_memory(cfg, f"at --batch-size {cfg.batch_size} and --max-len {cfg.max_len}") from None
     finally:
         bar.close()
         metrics_f.close()

@@ -179,6 +179,23 @@ def test_out_of_memory_names_the_ways_out(task, tmp_path, monkeypatch, backward)
     with pytest.raises(PactError, match="out of GPU memory at --batch-size 16") as e:
         train(_cfg(task, tmp_path / "run", backward_weights=backward), progress=False)
     assert ("--backward-weights forward" in str(e.value)) == (backward == "auto")
+    monkeypatch.setattr(trainer, "_setup", oom)  # while the weights load: the same way out
+    with pytest.raises(PactError, match="out of GPU memory while loading the model") as e:
+        train(_cfg(task, tmp_path / "run2", backward_weights=backward), progress=False)
+    assert ("--backward-weights forward" in str(e.value)) == (backward == "auto")
+
+
+def test_flag_combinations_refused_before_anything_loads(tmp_path):
+    """What the model would refuse once built, TrainConfig refuses first (an artifact that does not exist is
+    never opened)."""
+    base = dict(artifact=str(tmp_path / "none"), data=str(tmp_path / "none.jsonl"), out=str(tmp_path / "run"))
+    with pytest.raises(PactError, match="nvfp4-native's FP4"):
+        TrainConfig(**base, compute="nvfp4-native", backward_weights="forward")
+    with pytest.raises(PactError, match="--backward-weights must be one of"):
+        TrainConfig(**base, backward_weights="transposed")
+    with pytest.raises(PactError, match="--fp8-weights resident"):
+        TrainConfig(**base, fp8_weights="resident")
+    assert TrainConfig(**base, compute="fp8", fp8_weights="resident", backward_weights="forward")
 
 
 def test_backward_weights_recorded(task, tmp_path, monkeypatch):
