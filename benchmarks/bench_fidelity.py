@@ -245,8 +245,14 @@ def grads(artifact, data, recipes, computes, backwards, ref_backward, warm_steps
     from pact.runtime.data import batches as make_batches
     from pact.runtime.data import collate, pad_id, read_records, tokenize
     from pact.runtime.model import PactModel
+    from pact.runtime.ops import resolve_backward_weights
     from pact.runtime.trainer import lr_at
 
+    for compute, backward in itertools.product(computes.split(","), backwards.split(",")):
+        try:  # a combination the model would refuse, refused before the warm-up steps
+            resolve_backward_weights(backward, compute)
+        except Exception as e:
+            raise click.BadParameter(str(e), param_hint="--computes / --backward-weights") from None
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     art = open_artifact(artifact)
     tok = AutoTokenizer.from_pretrained(tokenizer or art.hf_dir)
