@@ -13,7 +13,7 @@ from pact.formats.peft import ALL_TARGETS, LoraConfig, parse_layers
 from .autorecipe import auto_spec, parse_auto
 from .data import looks_like_hub_id
 from .graphs import GRAPH_WORK
-from .ops import COMPUTE, FP8_WEIGHTS, KERNELS, resolve_backward_weights, resolve_fp8_weights
+from .ops import BACKWARD_WEIGHTS, COMPUTE, FP8_WEIGHTS, KERNELS, resolve_backward_weights, resolve_fp8_weights
 from .recipe import HELP as RECIPE_HELP
 from .recipe import parse_recipe
 from .reporting import parse_report_to
@@ -87,7 +87,7 @@ class TrainConfig:
                 "rounded along the other dimension) or forward (the forward layout's own weights, transposed: the "
                 "exact gradient of the model's forward, a bf16 GEMM on either backend; the backward layouts are not "
                 "loaded, about half the frozen weights' memory; bf16-decode and fp8 only). auto = layout.",
-        choices=("auto", "layout", "forward"))
+        choices=BACKWARD_WEIGHTS)
     activations: str | None = _opt(None, RECIPE_HELP, metavar="RECIPE")
     checkpoint: bool = _opt(False, "Recompute each decoder layer in backward (less memory, ~1/3 more compute).",
                             aliases=("--gradient-checkpointing",))

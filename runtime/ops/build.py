@@ -227,9 +227,10 @@ def get_ops(recipe: Recipe, kernels: str, fp8_weights: str = "per-call", backwar
         ops.update({op: _dense_aware(ops[op], getattr(reference, op)) for op in _ROW_READERS})
     ops["quant_saved"] = ops["quant_rows"]  # NVFP4 rows only kept for backward: never an E4M3 copy
     ops["quant_saved_sr"] = reference.quant_saved_sr  # torch on every device (no fused kernel yet)
-    ops["dgrad_gemm"] = ops["nvfp4_gemm"] if dgrad == "bf16" else gemms.get(compute, ops["nvfp4_gemm"])
-    if dgrad_reads == "forward":
+    if dgrad_reads == "forward":  # the forward layout, decoded to bf16: dY's format does not enter
         ops["dgrad_gemm"] = mod.nvfp4_dgrad_fwd
+    else:
+        ops["dgrad_gemm"] = ops["nvfp4_gemm"] if dgrad == "bf16" else gemms.get(compute, ops["nvfp4_gemm"])
     ops["nvfp4_gemm"] = gemms.get(compute, ops["nvfp4_gemm"])
     fp8 = compute == "fp8"
     if fp8:  # the quantizing kernels also write the E4M3 copy the next GEMM reads
