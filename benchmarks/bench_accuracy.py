@@ -142,10 +142,16 @@ def _hf_label_scores(model, examples, pad: int, device: torch.device, batch_size
 
 
 @torch.no_grad()
-def _hf_accuracy(model, examples, pad: int, device: torch.device, batch_size: int = BATCH) -> float:
-    """The share of examples whose best-scored candidate completion is theirs (_hf_label_scores)."""
+def _hf_predicted(model, examples, pad: int, device: torch.device, batch_size: int = BATCH) -> list[str]:
+    """Each example's best-scored candidate completion (_hf_label_scores), in order."""
     names, scored = _hf_label_scores(model, examples, pad, device, batch_size)
-    return sum(names[int(r.argmax())] == e.completion for e, r in scored) / len(examples)
+    return [names[int(r.argmax())] for _, r in scored]
+
+
+def _hf_accuracy(model, examples, pad: int, device: torch.device, batch_size: int = BATCH) -> float:
+    """The share of examples whose best-scored candidate completion is theirs."""
+    best = _hf_predicted(model, examples, pad, device, batch_size)
+    return sum(b == e.completion for b, e in zip(best, examples)) / len(examples)
 
 
 @click.command()

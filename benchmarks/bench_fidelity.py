@@ -59,6 +59,7 @@ import math
 import random
 import statistics
 import time
+from collections import Counter
 from pathlib import Path
 
 import click
@@ -190,9 +191,11 @@ def task_files(task: str, workdir: Path, bigbench: Path | None) -> tuple[Path, P
     return bigbench_splits(bigbench / task / "task.json", folder)
 
 
-def majority(test_f: Path) -> float:
+def majority_label(test_f: Path) -> tuple[str, float]:
+    """The held-out set's most common label and its share (ties: the first label met)."""
     labels = [json.loads(line)["completion"] for line in open(test_f)]
-    return max(labels.count(x) for x in set(labels)) / len(labels)
+    best = max(dict.fromkeys(labels), key=labels.count)
+    return best, labels.count(best) / len(labels)
 
 
 # -- grads
@@ -617,11 +620,11 @@ def variant_artifact(workdir: Path, gguf: Path, variant: str) -> Path:
 
 
 def _peft_run(folder: Path, train_ex, test_ex, pad, seed, lr, device, steps: int,
-              eval_batch: int) -> tuple[float, float]:
+              eval_batch: int) -> tuple[float, float, Counter]:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from bench_accuracy import _hf_accuracy, _train_hf  # the PEFT reference of bench_accuracy.py
+    from bench_accuracy import _hf_predicted, _train_hf  # the PEFT reference of bench_accuracy.py
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
     model = (model.float() if device.type == "cpu" else model).to(device)
@@ -631,7 +634,9 @@ def _peft_run(folder: Path, train_ex, test_ex, pad, seed, lr, device, steps: int
         if p.requires_grad:
             p.data = p.data.float()
     losses = _train_hf(model, train_ex, pad, seed, device, steps, lr)
-    return _hf_accuracy(model, test_ex, pad, device, eval_batch), statistics.mean(losses[-25:])
+    best = _hf_predicted(model, test_ex, pad, device, eval_batch)
+    acc = sum(b == e.completion for b, e in zip(best, test_ex)) / len(test_ex)
+    return acc, statistics.mean(losses[-25:]), Counter(best)
 
 
 @cli.command()
@@ -701,12 +706,12 @@ def tasks(workdir, bigbench, tasks, methods, lrs, seeds, steps, eval_batch, shar
         if task not in data:
             train_f, test_f = task_files(task, workdir, bigbench)
             data[task] = (train_f, test_f, tokenize(read_records(train_f), tok, max_len=MAX_LEN),
-                          tokenize(read_records(test_f), tok, max_len=MAX_LEN), majority(test_f))
-        train_f, test_f, train_ex, test_ex, maj = data[task]
+                          tokenize(read_records(test_f), tok, max_len=MAX_LEN), *majority_label(test_f))
+        train_f, test_f, train_ex, test_ex, maj_label, maj = data[task]
         t, t_train, steps_s = time.perf_counter(), None, ("", "")
         if method.startswith("peft"):  # peft@nvfp4:VARIANT+CALIBRATION: that task's calibrated weights in bf16
             folder = folders.get(method) or nvfp4_bf16_folder(artifact(split_method(method)[1], task))
-            acc, loss = _peft_run(folder, train_ex, test_ex, pad, seed, lr, device, steps, eval_batch)
+            acc, loss, predicted = _peft_run(folder, train_ex, test_ex, pad, seed, lr, device, steps, eval_batch)
         else:
             base, variant = split_method(method)
             art = artifact(variant, task)
@@ -729,12 +734,15 @@ def tasks(workdir, bigbench, tasks, methods, lrs, seeds, steps, eval_batch, shar
             loss = statistics.mean(m["loss"] for m in metrics[-25:])
             steps_s = (metrics[-1]["elapsed_s"], metrics[0]["elapsed_s"])  # the steps alone; the first (capture)
             t_train = time.perf_counter() - t
-            acc = evaluate_artifact(str(art), str(test_f), adapter=str(run), max_len=MAX_LEN, batch_size=eval_batch,
-                                    activations=spec, compute=compute)["eval_accuracy"]
+            result = evaluate_artifact(str(art), str(test_f), adapter=str(run), max_len=MAX_LEN,
+                                       batch_size=eval_batch, activations=spec, compute=compute)
+            acc, predicted = result["eval_accuracy"], result["eval_predicted"]
         row = {"task": task, "method": method, "lr": lr, "seed": seed, "steps": steps, "accuracy": round(acc, 4),
                "majority": round(maj, 4), "final_loss": round(loss, 4), "seconds": round(time.perf_counter() - t, 1),
                "train_seconds": round(t_train, 1) if t_train is not None else "",  # the rest: scoring
-               "steps_seconds": steps_s[0], "first_step_seconds": steps_s[1]}  # train - steps: setup
+               "steps_seconds": steps_s[0], "first_step_seconds": steps_s[1],  # train - steps: setup
+               # the share of held-out examples scored as the majority label (1.0: collapsed onto it)
+               "predicts_majority": round(predicted[maj_label] / len(test_ex), 4)}
         rows.append(row)
         click.echo(json.dumps(row))
         tmp = csv_path.with_suffix(".tmp")

@@ -126,7 +126,9 @@ def candidate_logprobs(model, examples: list[Example], cands: dict[str, list[int
 @torch.no_grad()
 def evaluate(model, examples: list[Example], *, batch_size: int, pad_id: int, progress: bool = False,
              drop_eos: int | None = None) -> dict:
-    """{"eval_loss", "eval_tokens", and "eval_accuracy" + "eval_labels" for label-style data}.
+    """{"eval_loss", "eval_tokens", and for label-style data "eval_accuracy", "eval_labels" and
+    "eval_predicted" (how many examples each label was the best-scored one for: a run that collapsed
+    onto one label shows it there, whatever its accuracy)}.
 
     Label-style data is scored in one pass: each example's prompt runs once with every candidate
     after it (`shared_prefix_batches`), ``batch_size`` examples per batch; the true candidate's
@@ -149,14 +151,17 @@ def evaluate(model, examples: list[Example], *, batch_size: int, pad_id: int, pr
         return {"eval_loss": total / max(count, 1), "eval_tokens": count}
     names = list(cands)
     correct = 0
+    predicted = dict.fromkeys(names, 0)
     for chunk, logp in candidate_logprobs(model, examples, cands, batch_size, pad_id):
         bar.update(len(chunk))
         for e, row in zip(chunk, logp):
-            correct += names[int(row.argmax())] == e.completion
+            best = names[int(row.argmax())]
+            correct += best == e.completion
+            predicted[best] += 1
             total -= float(row[names.index(e.completion)])
             count += len(cands[e.completion])
     return {"eval_loss": total / max(count, 1), "eval_tokens": count, "eval_accuracy": correct / len(examples),
-            "eval_labels": names}
+            "eval_labels": names, "eval_predicted": predicted}
 
 
 @torch.no_grad()

@@ -25,6 +25,12 @@ def test_cells_file_lowest_seeds_first(tmp_path):
                                  (3, 5e-4, "rt", "peft")]
 
 
+def test_majority_label(tmp_path):
+    f = tmp_path / "test.jsonl"
+    f.write_text("".join(f'{{"prompt": "p", "completion": "{c}"}}\n' for c in [" b", " a", " a", " b", " c"]))
+    assert bf.majority_label(f) == (" b", 0.4)  # a tie: the label met first
+
+
 @pytest.mark.parametrize("text", ["rt peft 5e-4\n", "rt peft fast 0\n", "rt peft 5e-4 0 extra\n", "# nothing\n"])
 def test_cells_file_bad_line_names_the_file_and_line(tmp_path, text):
     f = tmp_path / "cells.txt"

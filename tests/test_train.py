@@ -38,6 +38,10 @@ def test_learns_and_writes_run_folder(task, tmp_path):
     assert m[-1]["loss"] < 0.25 * m[0]["loss"]  # measured: 6.4 -> 0.1
     assert result["eval_accuracy"] >= 0.9
     assert sorted(result["eval_labels"]) == [" fresh", " rotten"]
+    held = [json.loads(x)["completion"] for x in (task / "test.jsonl").read_text().splitlines()]
+    assert sorted(result["eval_predicted"]) == sorted(result["eval_labels"])
+    assert sum(result["eval_predicted"].values()) == len(held)  # a label per example, each once
+    assert abs(result["eval_predicted"][" fresh"] - held.count(" fresh")) <= 0.1 * len(held)  # accuracy >= 0.9
     for f in ("adapter_config.json", "adapter_model.safetensors", "metrics.jsonl", "train_config.json", "eval.json"):
         assert (run / f).is_file(), f
     cfg = json.loads((run / "adapter_config.json").read_text())
