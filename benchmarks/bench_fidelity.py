@@ -864,22 +864,35 @@ def prepare(workdir, bigbench, tasks, methods, shard, convert_only, cells) -> No
 @click.argument("csvs", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
 @click.option("--stuck-margin", default=0.02, show_default=True,
               help="A seed counts as stuck when its accuracy is within this of the majority class.")
+@click.option("--collapse-share", default=0.95, show_default=True,
+              help="A run counts as collapsed when it scores at least this share of the held-out examples as "
+                   "the majority label (rows with a predicts_majority column only).")
 @click.option("--wide", is_flag=True, help="One row per (task, lr), one column per method.")
 @click.option("--ref", default="peft", show_default=True,
               help="With --wide: the method paired differences are taken to.")
-def table(csvs, stuck_margin, wide, ref) -> None:
-    """Mean +- std over seeds, paired difference to PEFT (mean +- standard error), stuck seeds."""
+def table(csvs, stuck_margin, collapse_share, wide, ref) -> None:
+    """Mean +- std over seeds, paired difference to PEFT (mean +- standard error), stuck seeds (accuracy
+    near the majority class's) and collapsed runs (predicting the majority label nearly always)."""
     rows = [r for c in csvs for r in csv.DictReader(open(c))]
     by: dict[tuple, dict[int, float]] = {}
+    shares: dict[tuple, dict[int, float]] = {}  # predicts_majority, where the rows have it
     maj: dict[str, float] = {}
     for r in rows:
-        by.setdefault((r["task"], float(r["lr"]), r["method"]), {})[int(r["seed"])] = float(r["accuracy"])
+        cell = (r["task"], float(r["lr"]), r["method"])
+        by.setdefault(cell, {})[int(r["seed"])] = float(r["accuracy"])
+        if r.get("predicts_majority"):
+            shares.setdefault(cell, {})[int(r["seed"])] = float(r["predicts_majority"])
         maj[r["task"]] = float(r["majority"])
+
+    def collapsed(cell) -> str:
+        got = shares.get(cell, {})
+        return f"{sum(x >= collapse_share for x in got.values())}/{len(got)}" if got else "-"
+
     if wide:
-        _wide(by, maj, stuck_margin, ref)
+        _wide(by, maj, stuck_margin, ref, collapsed)
         return
-    click.echo("| task (majority) | lr | method | mean +- std | vs PEFT (paired) | stuck seeds |")
-    click.echo("|---|---|---|---|---|---|")
+    click.echo("| task (majority) | lr | method | mean +- std | vs PEFT (paired) | stuck seeds | collapsed |")
+    click.echo("|---|---|---|---|---|---|---|")
     for (task, lr, method), accs in sorted(by.items(),
                                            key=lambda kv: (kv[0][0], kv[0][1], kv[0][2] != "peft", kv[0][2])):
         vals = [accs[s] for s in sorted(accs)]
@@ -891,7 +904,8 @@ def table(csvs, stuck_margin, wide, ref) -> None:
                   else f"{100 * d[0]:+.1f}")
         stuck = sum(a <= maj[task] + stuck_margin for a in vals)
         click.echo(f"| {task} ({100 * maj[task]:.1f}) | {lr:g} | {method} | {100 * statistics.mean(vals):.1f} +- "
-                   f"{100 * sd:.1f} (n={len(vals)}) | {paired} | {stuck}/{len(vals)} |")
+                   f"{100 * sd:.1f} (n={len(vals)}) | {paired} | {stuck}/{len(vals)} | "
+                   f"{collapsed((task, lr, method))} |")
 
 
 @cli.command()
@@ -944,9 +958,10 @@ def _paired(csvs, method: str, ref: str) -> dict[tuple, list[float]]:
     return cells
 
 
-def _wide(by: dict, maj: dict, margin: float, ref: str) -> None:
+def _wide(by: dict, maj: dict, margin: float, ref: str, collapsed) -> None:
     """The reference's mean +- std, then per method: mean, paired difference to the reference,
-    stuck seeds; a last row with each method's paired difference averaged over the cells."""
+    stuck seeds, collapsed runs (``collapsed(cell)``: "k/n" of the runs that recorded predictions);
+    a last row with each method's paired difference averaged over the cells, +- its standard error."""
     methods = sorted({m for _, _, m in by if m != ref}, key=lambda m: (not m.startswith("peft"), m))
     click.echo(f"| task (majority) | lr | {ref} | " + " | ".join(methods) + " |")
     click.echo("|---|---|---|" + "---|" * len(methods))
@@ -966,11 +981,14 @@ def _wide(by: dict, maj: dict, margin: float, ref: str) -> None:
             se = f" +- {100 * statistics.stdev(d) / len(d) ** 0.5:.1f}" if len(d) > 1 else ""
             paired = f"{100 * statistics.mean(d):+.1f}{se}" if d else "?"
             avg[m].extend([statistics.mean(d)] if d else [])
+            fell = collapsed((task, lr, m))
             cells.append(f"{100 * statistics.mean(accs.values()):.1f} ({paired})"
-                         f"{' stuck ' + str(stuck) if stuck else ''}")
+                         f"{' stuck ' + str(stuck) if stuck else ''}{' collapsed ' + fell if fell != '-' else ''}")
         click.echo(f"| {task} ({100 * maj[task]:.1f}) | {lr:g} | " + " | ".join(cells) + " |")
-    click.echo("| **mean paired difference** | | | " + " | ".join(
-        f"**{100 * statistics.mean(v):+.2f}**" if v else "-" for v in avg.values()) + " |")
+    click.echo("| **mean paired difference** (+- standard error over cells) | | | " + " | ".join(
+        f"**{100 * statistics.mean(v):+.2f}**" + (f" +- {100 * statistics.stdev(v) / len(v) ** 0.5:.2f}"
+                                                   if len(v) > 1 else "") if v else "-"
+        for v in avg.values()) + " |")
 
 
 if __name__ == "__main__":

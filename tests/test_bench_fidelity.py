@@ -80,3 +80,21 @@ def test_merge_bench_flips():
     assert got["n"] == 3 and got["flips"] == 1
     assert got["margins_a"] == [0.125] and got["margins_b"] == [0.125]
     assert got["median_margin_a"] == 2.0 and got["score_diff_median"] == 0.0
+
+
+def test_table_counts_collapsed_runs(tmp_path):
+    """A run near the majority class's accuracy is "stuck"; "collapsed" only when it gives the majority label
+    to >= --collapse-share of the examples (rows without the column count in neither n)."""
+    from click.testing import CliRunner
+
+    f = tmp_path / "rows.csv"
+    head = "task,method,lr,seed,accuracy,majority,predicts_majority\n"
+    f.write_text(head + "t,peft,0.0002,0,0.60,0.54,0.70\nt,peft,0.0002,1,0.55,0.54,0.97\n"
+                 "t,pact,0.0002,0,0.55,0.54,0.80\nt,pact,0.0002,1,0.55,0.54,0.96\n")
+    old = tmp_path / "old.csv"
+    old.write_text("task,method,lr,seed,accuracy,majority\nt,pact,0.0002,2,0.54,0.54\n")
+    out = CliRunner().invoke(bf.cli, ["table", str(old), str(f)]).output
+    assert "| t (54.0) | 0.0002 | pact | 54.7 +- 0.6 (n=3) | -2.5 +- 2.5 | 3/3 | 1/2 |" in out
+    assert "| t (54.0) | 0.0002 | peft | 57.5 +- 3.5 (n=2) |  | 1/2 | 1/2 |" in out
+    wide = CliRunner().invoke(bf.cli, ["table", "--wide", "--collapse-share", "0.9", str(f)]).output
+    assert "55.0 (-2.5 +- 2.5) stuck 2 collapsed 1/2" in wide
