@@ -867,19 +867,25 @@ def prepare(workdir, bigbench, tasks, methods, shard, convert_only, cells) -> No
 @click.option("--collapse-share", default=0.95, show_default=True,
               help="A run counts as collapsed when it scores at least this share of the held-out examples as "
                    "the majority label (rows with a predicts_majority column only).")
+@click.option("--repeats", type=click.Choice(["last", "mean"]), default="last", show_default=True,
+              help="Several rows of one (task, method, lr, seed): the last file's, or their mean (PEFT's runs "
+                   "do not repeat exactly on a GPU; pact's do).")
 @click.option("--wide", is_flag=True, help="One row per (task, lr), one column per method.")
 @click.option("--ref", default="peft", show_default=True,
               help="With --wide: the method paired differences are taken to.")
-def table(csvs, stuck_margin, collapse_share, wide, ref) -> None:
+def table(csvs, stuck_margin, collapse_share, repeats, wide, ref) -> None:
     """Mean +- std over seeds, paired difference to PEFT (mean +- standard error), stuck seeds (accuracy
     near the majority class's) and collapsed runs (predicting the majority label nearly always)."""
     rows = [r for c in csvs for r in csv.DictReader(open(c))]
     by: dict[tuple, dict[int, float]] = {}
     shares: dict[tuple, dict[int, float]] = {}  # predicts_majority, where the rows have it
     maj: dict[str, float] = {}
+    runs: dict[tuple, list[float]] = {}
     for r in rows:
         cell = (r["task"], float(r["lr"]), r["method"])
-        by.setdefault(cell, {})[int(r["seed"])] = float(r["accuracy"])
+        seed = int(r["seed"])
+        runs.setdefault((cell, seed), []).append(float(r["accuracy"]))
+        by.setdefault(cell, {})[seed] = statistics.mean(runs[cell, seed]) if repeats == "mean" else runs[cell, seed][-1]
         if r.get("predicts_majority"):
             shares.setdefault(cell, {})[int(r["seed"])] = float(r["predicts_majority"])
         maj[r["task"]] = float(r["majority"])

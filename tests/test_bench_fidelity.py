@@ -98,3 +98,15 @@ def test_table_counts_collapsed_runs(tmp_path):
     assert "| t (54.0) | 0.0002 | peft | 57.5 +- 3.5 (n=2) |  | 1/2 | 1/2 |" in out
     wide = CliRunner().invoke(bf.cli, ["table", "--wide", "--collapse-share", "0.9", str(f)]).output
     assert "55.0 (-2.5 +- 2.5) stuck 2 collapsed 1/2" in wide
+
+
+def test_table_repeats_last_or_mean(tmp_path):
+    from click.testing import CliRunner
+
+    a, b = tmp_path / "a.csv", tmp_path / "b.csv"
+    head = "task,method,lr,seed,accuracy,majority\n"
+    a.write_text(head + "t,peft,0.0005,0,0.60,0.5\nt,pact,0.0005,0,0.58,0.5\n")
+    b.write_text(head + "t,peft,0.0005,0,0.64,0.5\n")  # PEFT's repeat of seed 0
+    last = CliRunner().invoke(bf.cli, ["table", str(a), str(b)]).output
+    mean = CliRunner().invoke(bf.cli, ["table", "--repeats", "mean", str(a), str(b)]).output
+    assert "| pact | 58.0 +- nan (n=1) | -6.0 |" in last and "| pact | 58.0 +- nan (n=1) | -4.0 |" in mean
