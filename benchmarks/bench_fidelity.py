@@ -619,6 +619,17 @@ def variant_artifact(workdir: Path, gguf: Path, variant: str) -> Path:
         overwrite=p.exists(), progress=False)))
 
 
+@contextlib.contextmanager
+def deterministic(on: bool):
+    """torch.use_deterministic_algorithms(True) inside (when ``on``), the previous setting after."""
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(on or was)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(was)
+
+
 def _peft_run(folder: Path, train_ex, test_ex, pad, seed, lr, device, steps: int,
               eval_batch: int) -> tuple[float, float, Counter]:
     from peft import LoraConfig, get_peft_model
@@ -657,10 +668,18 @@ def _peft_run(folder: Path, train_ex, test_ex, pad, seed, lr, device, steps: int
               help="A file of 'TASK METHOD LR SEED' lines (# comments): run these cells instead of the grid "
                    "--tasks x --methods x --lrs x --seeds (the cells a table still lacks).")
 @click.option("--csv", "csv_path", required=True, type=click.Path(dir_okay=False, path_type=Path))
-def tasks(workdir, bigbench, tasks, methods, lrs, seeds, steps, eval_batch, shard, cells, csv_path) -> None:
+@click.option("--peft-deterministic", is_flag=True,
+              help="PEFT's runs under torch.use_deterministic_algorithms (its GPU runs do not repeat exactly "
+                   "otherwise; pact's do). Its rows are then named METHOD~det (peft~det), apart from plain PEFT rows.")
+def tasks(workdir, bigbench, tasks, methods, lrs, seeds, steps, eval_batch, shard, cells, csv_path,
+          peft_deterministic) -> None:
     """Held-out accuracy of each method on each task, learning rate and seed; one CSV row each.
     Seeds outermost, so a grid cut by a deadline has every task for its first seeds."""
+    import os
     import shutil
+
+    if peft_deterministic:  # (cuBLAS reads it when this process makes its first handle, below)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
     from transformers import AutoTokenizer
 
@@ -711,7 +730,8 @@ def tasks(workdir, bigbench, tasks, methods, lrs, seeds, steps, eval_batch, shar
         t, t_train, steps_s = time.perf_counter(), None, ("", "")
         if method.startswith("peft"):  # peft@nvfp4:VARIANT+CALIBRATION: that task's calibrated weights in bf16
             folder = folders.get(method) or nvfp4_bf16_folder(artifact(split_method(method)[1], task))
-            acc, loss, predicted = _peft_run(folder, train_ex, test_ex, pad, seed, lr, device, steps, eval_batch)
+            with deterministic(peft_deterministic):
+                acc, loss, predicted = _peft_run(folder, train_ex, test_ex, pad, seed, lr, device, steps, eval_batch)
         else:
             base, variant = split_method(method)
             art = artifact(variant, task)
@@ -737,7 +757,8 @@ def tasks(workdir, bigbench, tasks, methods, lrs, seeds, steps, eval_batch, shar
             result = evaluate_artifact(str(art), str(test_f), adapter=str(run), max_len=MAX_LEN,
                                        batch_size=eval_batch, activations=spec, compute=compute)
             acc, predicted = result["eval_accuracy"], result["eval_predicted"]
-        row = {"task": task, "method": method, "lr": lr, "seed": seed, "steps": steps, "accuracy": round(acc, 4),
+        named = f"{method}~det" if peft_deterministic and method.startswith("peft") else method
+        row = {"task": task, "method": named, "lr": lr, "seed": seed, "steps": steps, "accuracy": round(acc, 4),
                "majority": round(maj, 4), "final_loss": round(loss, 4), "seconds": round(time.perf_counter() - t, 1),
                "train_seconds": round(t_train, 1) if t_train is not None else "",  # the rest: scoring
                "steps_seconds": steps_s[0], "first_step_seconds": steps_s[1],  # train - steps: setup

@@ -110,3 +110,14 @@ def test_table_repeats_last_or_mean(tmp_path):
     last = CliRunner().invoke(bf.cli, ["table", str(a), str(b)]).output
     mean = CliRunner().invoke(bf.cli, ["table", "--repeats", "mean", str(a), str(b)]).output
     assert "| pact | 58.0 +- nan (n=1) | -6.0 |" in last and "| pact | 58.0 +- nan (n=1) | -4.0 |" in mean
+
+
+def test_deterministic_context_restores():
+    import torch
+
+    assert not torch.are_deterministic_algorithms_enabled()
+    with bf.deterministic(True):
+        assert torch.are_deterministic_algorithms_enabled()
+    with bf.deterministic(False):
+        assert not torch.are_deterministic_algorithms_enabled()
+    assert not torch.are_deterministic_algorithms_enabled()
