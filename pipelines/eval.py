@@ -7,7 +7,7 @@ import json
 
 import click
 
-from pact.runtime.evaluate import evaluate_artifact
+from pact.runtime.evaluate import collapse_note, evaluate_artifact
 from pact.runtime.trainer import TrainConfig
 
 from .common import cli_errors, config_options
@@ -38,6 +38,8 @@ def main(artifact, data, adapter, max_len, batch_size, activations, compute, dev
                                compute=compute, progress=not quiet, score_eos=score_eos,
                                split=data_split)
     click.echo(json.dumps(result, indent=2))
+    if (note := collapse_note(result)) is not None:
+        click.echo(note, err=True)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from pathlib import Path
 import click
 
 from pact.formats import PactError
+from pact.runtime.evaluate import collapse_note
 from pact.runtime.trainer import TrainConfig, check_inputs, train
 
 from .common import cli_errors, config_from, config_options, main_rank, with_config_file
@@ -77,6 +78,8 @@ def main(config: str | None, **params) -> None:
     result = train(cfg, resume=resume, progress=not quiet)
     if main_rank():  # under torchrun, one result
         click.echo(json.dumps({k: v for k, v in result.items() if k != "eval_labels"}, indent=2))
+        if (note := collapse_note(result)) is not None:
+            click.echo(note, err=True)
 
 
 def _where_the_run_is(config: str, params: dict) -> dict:

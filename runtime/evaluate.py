@@ -126,9 +126,10 @@ def candidate_logprobs(model, examples: list[Example], cands: dict[str, list[int
 @torch.no_grad()
 def evaluate(model, examples: list[Example], *, batch_size: int, pad_id: int, progress: bool = False,
              drop_eos: int | None = None) -> dict:
-    """{"eval_loss", "eval_tokens", and for label-style data "eval_accuracy", "eval_labels" and
+    """{"eval_loss", "eval_tokens", and for label-style data "eval_accuracy", "eval_labels",
     "eval_predicted" (how many examples each label was the best-scored one for: a run that collapsed
-    onto one label shows it there, whatever its accuracy)}.
+    onto one label shows it there, whatever its accuracy; `collapse_note`) and "eval_answers" (how
+    many examples each label is the answer of)}.
 
     Label-style data is scored in one pass: each example's prompt runs once with every candidate
     after it (`shared_prefix_batches`), ``batch_size`` examples per batch; the true candidate's
@@ -152,6 +153,7 @@ def evaluate(model, examples: list[Example], *, batch_size: int, pad_id: int, pr
     names = list(cands)
     correct = 0
     predicted = dict.fromkeys(names, 0)
+    answers = {n: sum(e.completion == n for e in examples) for n in names}
     for chunk, logp in candidate_logprobs(model, examples, cands, batch_size, pad_id):
         bar.update(len(chunk))
         for e, row in zip(chunk, logp):
@@ -161,7 +163,23 @@ def evaluate(model, examples: list[Example], *, batch_size: int, pad_id: int, pr
             total -= float(row[names.index(e.completion)])
             count += len(cands[e.completion])
     return {"eval_loss": total / max(count, 1), "eval_tokens": count, "eval_accuracy": correct / len(examples),
-            "eval_labels": names, "eval_predicted": predicted}
+            "eval_labels": names, "eval_predicted": predicted, "eval_answers": answers}
+
+
+def collapse_note(result: dict, share: float = 0.95) -> str | None:
+    """A line for the user when one label won at least ``share`` of the examples while it is the
+    answer of fewer (a model collapsed onto one label scores that label's share, and no more); None
+    otherwise, and for results without label counts."""
+    predicted, answers = result.get("eval_predicted"), result.get("eval_answers")
+    if not predicted or not answers:
+        return None
+    n = sum(predicted.values())
+    label = max(predicted, key=predicted.get)
+    if n < 20 or predicted[label] < share * n or answers.get(label, 0) >= share * n:
+        return None
+    return (f"note: {label!r} was the likeliest label for {predicted[label] / n:.0%} of the {n} examples and is "
+            f"the answer of {answers.get(label, 0) / n:.0%}: the model has collapsed onto one label (more steps, "
+            "another learning rate or more data usually move it)")
 
 
 @torch.no_grad()

@@ -41,6 +41,7 @@ def test_learns_and_writes_run_folder(task, tmp_path):
     held = [json.loads(x)["completion"] for x in (task / "test.jsonl").read_text().splitlines()]
     assert sorted(result["eval_predicted"]) == sorted(result["eval_labels"])
     assert sum(result["eval_predicted"].values()) == len(held)  # a label per example, each once
+    assert result["eval_answers"] == {n: held.count(n) for n in result["eval_labels"]}
     assert abs(result["eval_predicted"][" fresh"] - held.count(" fresh")) <= 0.1 * len(held)  # accuracy >= 0.9
     for f in ("adapter_config.json", "adapter_model.safetensors", "metrics.jsonl", "train_config.json", "eval.json"):
         assert (run / f).is_file(), f
@@ -307,3 +308,27 @@ def test_default_flow_learns_as_fast_as_bf16(task, tmp_path):
     assert n_default is not None and n_default <= 1.1 * n_ref, (n_default, n_ref)
     n_old = _steps_to_learn(task, tmp_path, "nvfp4")  # the test's power: the old default misses the bound
     assert n_old is None or n_old > 1.1 * n_ref, (n_old, n_ref)
+
+
+def test_collapse_note():
+    from pact.runtime.evaluate import collapse_note
+
+    labels = [" fresh", " rotten"]
+    res = {"eval_labels": labels, "eval_predicted": {" fresh": 97, " rotten": 3},
+           "eval_answers": {" fresh": 54, " rotten": 46}}
+    assert "' fresh' was the likeliest label for 97% of the 100 examples and is the answer of 54%" in collapse_note(res)
+    assert collapse_note({**res, "eval_predicted": {" fresh": 60, " rotten": 40}}) is None  # both labels given
+    assert collapse_note({**res, "eval_answers": {" fresh": 96, " rotten": 4}}) is None  # the data itself is one label
+    assert collapse_note({**res, "eval_predicted": {" fresh": 10, " rotten": 0}}) is None  # too few to say
+    assert collapse_note({"eval_loss": 1.0, "exact_match": 0.2}) is None  # generations: no label counts
+
+
+def test_eval_cli_says_collapse(task, monkeypatch):
+    import pact.pipelines.eval as ev
+
+    collapsed = {"eval_loss": 0.7, "eval_accuracy": 0.54, "eval_labels": [" fresh", " rotten"],
+                 "eval_predicted": {" fresh": 0, " rotten": 64}, "eval_answers": {" fresh": 30, " rotten": 34}}
+    monkeypatch.setattr(ev, "evaluate_artifact", lambda *a, **k: collapsed)
+    r = CliRunner().invoke(ev.main, [str(task / "art"), "--data", str(task / "test.jsonl"), "--quiet"])
+    assert r.exit_code == 0, r.output
+    assert "collapsed onto one label" in r.stderr and json.loads(r.stdout)["eval_predicted"][" rotten"] == 64
