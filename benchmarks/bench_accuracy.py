@@ -148,10 +148,13 @@ def _hf_predicted(model, examples, pad: int, device: torch.device, batch_size: i
     return [names[int(r.argmax())] for _, r in scored]
 
 
-def _hf_accuracy(model, examples, pad: int, device: torch.device, batch_size: int = BATCH) -> float:
-    """The share of examples whose best-scored candidate completion is theirs."""
-    best = _hf_predicted(model, examples, pad, device, batch_size)
+def _accuracy(best: list[str], examples) -> float:
+    """The share of examples whose best-scored candidate completion (``best``, in order) is theirs."""
     return sum(b == e.completion for b, e in zip(best, examples)) / len(examples)
+
+
+def _hf_accuracy(model, examples, pad: int, device: torch.device, batch_size: int = BATCH) -> float:
+    return _accuracy(_hf_predicted(model, examples, pad, device, batch_size), examples)
 
 
 @click.command()

@@ -243,7 +243,7 @@ def grads(artifact, data, recipes, computes, backwards, ref_backward, warm_steps
     and the cosine of the mean gradients."""
     from transformers import AutoTokenizer
 
-    from pact.formats import open_artifact
+    from pact.formats import PactError, open_artifact
     from pact.formats.peft import LoraConfig
     from pact.runtime.data import batches as make_batches
     from pact.runtime.data import collate, pad_id, read_records, tokenize
@@ -254,7 +254,7 @@ def grads(artifact, data, recipes, computes, backwards, ref_backward, warm_steps
     for compute, backward in itertools.product(computes.split(","), backwards.split(",")):
         try:  # a combination the model would refuse, refused before the warm-up steps
             resolve_backward_weights(backward, compute)
-        except Exception as e:
+        except PactError as e:
             raise click.BadParameter(str(e), param_hint="--computes / --backward-weights") from None
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     art = open_artifact(artifact)
@@ -635,7 +635,7 @@ def _peft_run(folder: Path, train_ex, test_ex, pad, seed, lr, device, steps: int
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from bench_accuracy import _hf_predicted, _train_hf  # the PEFT reference of bench_accuracy.py
+    from bench_accuracy import _accuracy, _hf_predicted, _train_hf  # the PEFT reference of bench_accuracy.py
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
     model = (model.float() if device.type == "cpu" else model).to(device)
@@ -646,8 +646,7 @@ def _peft_run(folder: Path, train_ex, test_ex, pad, seed, lr, device, steps: int
             p.data = p.data.float()
     losses = _train_hf(model, train_ex, pad, seed, device, steps, lr)
     best = _hf_predicted(model, test_ex, pad, device, eval_batch)
-    acc = sum(b == e.completion for b, e in zip(best, test_ex)) / len(test_ex)
-    return acc, statistics.mean(losses[-25:]), Counter(best)
+    return _accuracy(best, test_ex), statistics.mean(losses[-25:]), Counter(best)
 
 
 @cli.command()
@@ -901,15 +900,15 @@ def table(csvs, stuck_margin, collapse_share, repeats, wide, ref) -> None:
     by: dict[tuple, dict[int, float]] = {}
     shares: dict[tuple, dict[int, float]] = {}  # predicts_majority, where the rows have it
     maj: dict[str, float] = {}
-    runs: dict[tuple, list[float]] = {}
+    runs: dict[tuple, list[float]] = {}  # (cell, seed) -> its rows' accuracies, in file order
     for r in rows:
-        cell = (r["task"], float(r["lr"]), r["method"])
-        seed = int(r["seed"])
+        cell, seed = (r["task"], float(r["lr"]), r["method"]), int(r["seed"])
         runs.setdefault((cell, seed), []).append(float(r["accuracy"]))
-        by.setdefault(cell, {})[seed] = statistics.mean(runs[cell, seed]) if repeats == "mean" else runs[cell, seed][-1]
         if r.get("predicts_majority"):
-            shares.setdefault(cell, {})[int(r["seed"])] = float(r["predicts_majority"])
+            shares.setdefault(cell, {})[seed] = float(r["predicts_majority"])
         maj[r["task"]] = float(r["majority"])
+    for (cell, seed), accs in runs.items():
+        by.setdefault(cell, {})[seed] = statistics.mean(accs) if repeats == "mean" else accs[-1]
 
     def collapsed(cell) -> str:
         got = shares.get(cell, {})

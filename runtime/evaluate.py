@@ -153,7 +153,7 @@ def evaluate(model, examples: list[Example], *, batch_size: int, pad_id: int, pr
     names = list(cands)
     correct = 0
     predicted = dict.fromkeys(names, 0)
-    answers = {n: sum(e.completion == n for e in examples) for n in names}
+    answers = dict(Counter(e.completion for e in examples))  # (cands' keys are these completions, in this order)
     for chunk, logp in candidate_logprobs(model, examples, cands, batch_size, pad_id):
         bar.update(len(chunk))
         for e, row in zip(chunk, logp):
