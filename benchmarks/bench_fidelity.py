@@ -621,13 +621,14 @@ def variant_artifact(workdir: Path, gguf: Path, variant: str) -> Path:
 
 @contextlib.contextmanager
 def deterministic(on: bool):
-    """torch.use_deterministic_algorithms(True) inside (when ``on``), the previous setting after."""
-    was = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(on or was)
+    """torch.use_deterministic_algorithms(True, warn_only=True) inside (when ``on``), the previous setting
+    after: an op with no deterministic kernel warns (in the run's log) rather than ending the run."""
+    was, warn = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(on or was, warn_only=warn if was else True)
     try:
         yield
     finally:
-        torch.use_deterministic_algorithms(was)
+        torch.use_deterministic_algorithms(was, warn_only=warn)
 
 
 def _peft_run(folder: Path, train_ex, test_ex, pad, seed, lr, device, steps: int,

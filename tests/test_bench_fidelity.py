@@ -118,6 +118,7 @@ def test_deterministic_context_restores():
     assert not torch.are_deterministic_algorithms_enabled()
     with bf.deterministic(True):
         assert torch.are_deterministic_algorithms_enabled()
+        assert torch.is_deterministic_algorithms_warn_only_enabled()  # an op without one warns, the run goes on
     with bf.deterministic(False):
         assert not torch.are_deterministic_algorithms_enabled()
     assert not torch.are_deterministic_algorithms_enabled()
