@@ -378,6 +378,9 @@ print(','.join(dict.fromkeys(t for _, _, t, _ in j))); print(' '.join(dict.fromk
   cat /tmp/rows/tasks*.csv | awk 'NR == 1 || !/^task,/' > $OUT/fidelity_all.csv
   cat /tmp/rows/$RUN-*.csv | awk 'NR == 1 || !/^task,/' > $OUT/fidelity_$RUN.csv
   grep -h -i -B2 "error\|Traceback" /tmp/rows/$RUN-*.log | head -20
+  if [ "${PEFT_DET:-0}" = 1 ]; then  # the ops with no deterministic kernel that PEFT's runs met (they warn)
+    grep -h -o "[A-Za-z_0-9.]* does not have a deterministic implementation" /tmp/rows/$RUN-*.log | sort | uniq -c
+  fi
   python3 benchmarks/bench_fidelity.py table $OUT/fidelity_all.csv | tee $OUT/table.md
   ;;
 esac
