@@ -97,10 +97,32 @@ def _hf_model(gguf: Path, device: torch.device, qlora: bool):
     return model
 
 
+def _init_like_pact(model, seed: int) -> int:
+    """PEFT's adapters started where pact's start for ``seed``: every lora_A drawn as `bind` draws it (one
+    generator seeded with ``seed``, layer by layer, q k v o gate up down; B stays zero). Without it PEFT
+    draws A from the process's global generator when the adapters are made, so a seed's run depends on
+    what ran before it in that process. Returns how many A it set."""
+    from pact.runtime.bind import lora_init_A
+
+    order = {name: i for i, name in enumerate(TARGETS)}
+    found = []
+    for name, mod in model.named_modules():
+        parts = name.split(".")
+        if hasattr(mod, "lora_A") and "default" in mod.lora_A and parts[-1] in order and "layers" in parts:
+            found.append((int(parts[parts.index("layers") + 1]), order[parts[-1]], mod.lora_A["default"].weight))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, _, w in sorted(found, key=lambda f: f[:2]):
+            w.copy_(lora_init_A(w.shape[0], w.shape[1], gen))
+    return len(found)
+
+
 def _train_hf(model, examples, pad: int, seed: int, device: torch.device, steps: int, lr: float) -> list[float]:
     from pact.runtime.data import batches, collate
     from pact.runtime.trainer import lr_at
 
+    if not _init_like_pact(model, seed):
+        raise RuntimeError("no PEFT lora_A found in the model: the reference would start unseeded")
     torch.manual_seed(seed)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)

@@ -97,6 +97,14 @@ def bind(artifact: Artifact, n_layers: int, lora: LoraConfig | None, device: tor
     return out
 
 
+def lora_init_A(r: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    """One adapter's A (r x k, fp32) drawn from ``gen``: PEFT's init, kaiming-uniform with a = sqrt(5) (B
+    starts at zero, so training starts at the base model). `bind` draws every adapted projection's A from
+    one generator seeded with ``seed``, layer by layer, in the order q, k, v, o, gate, up, down."""
+    bound = math.sqrt(6.0 / ((1 + 5.0) * k))
+    return torch.empty(r, k).uniform_(-bound, bound, generator=gen)
+
+
 def _bind_group(art: Artifact, members: list[str], names: set[str], dev: torch.device, cfg: LoraConfig | None,
                 gen: torch.Generator, out: Bound, resident, backward_layout: bool = True) -> FrozenGroup:
     entries = [art.entry(m) for m in members]
@@ -133,10 +141,7 @@ def _bind_group(art: Artifact, members: list[str], names: set[str], dev: torch.d
             g.loras.append(None)
             continue
         n, k = e["shape"]
-        A = torch.empty(cfg.r, k)
-        # PEFT's init: kaiming-uniform A (a = sqrt(5)), zero B, so training starts at the base model
-        bound = math.sqrt(6.0 / ((1 + 5.0) * k))
-        A.uniform_(-bound, bound, generator=gen)
+        A = lora_init_A(cfg.r, k, gen)
         key = m.removesuffix(".weight").replace(".", "__")
         out.params[key + "__A"] = nn.Parameter(A.to(dev))
         out.params[key + "__B"] = nn.Parameter(torch.zeros(n, cfg.r, device=dev))

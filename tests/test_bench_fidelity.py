@@ -122,3 +122,35 @@ def test_deterministic_context_restores():
     with bf.deterministic(False):
         assert not torch.are_deterministic_algorithms_enabled()
     assert not torch.are_deterministic_algorithms_enabled()
+
+
+def test_peft_reference_starts_where_pact_starts(tmp_path):
+    """The PEFT reference's adapters start from pact's A for the seed (B zero), whatever ran before in the
+    process: a seed pairs the two methods on their start as well as on their batches."""
+    import torch
+    from peft import LoraConfig as PeftConfig
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    import bench_accuracy as ba
+    from conftest import make_converted_llama
+    from pact.formats import open_artifact
+    from pact.formats.peft import LoraConfig
+    from pact.runtime.model import PactModel
+
+    d = make_converted_llama(tmp_path, 4)
+    pact = PactModel(open_artifact(d / "art"), LoraConfig(r=ba.RANK, alpha=ba.ALPHA), seed=7).adapter_state()
+
+    def peft_start(burn: int) -> dict:
+        torch.randn(burn)  # another run's draws before this one
+        m = get_peft_model(AutoModelForCausalLM.from_pretrained(d / "src", dtype=torch.float32), PeftConfig(
+            r=ba.RANK, lora_alpha=ba.ALPHA, lora_dropout=0.0, target_modules=list(ba.TARGETS)))
+        assert ba._init_like_pact(m, 7) == 2 * len(ba.TARGETS)
+        return {n: p.detach().clone() for n, p in m.named_parameters() if "lora_" in n}
+
+    a, b = peft_start(0), peft_start(123)
+    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+    for name, (A, B) in pact.items():
+        key = "base_model.model." + name.removesuffix(".weight")
+        assert torch.equal(a[key + ".lora_A.default.weight"], A.detach().cpu())
+        assert not a[key + ".lora_B.default.weight"].any() and not B.any()
