@@ -619,18 +619,6 @@ def variant_artifact(workdir: Path, gguf: Path, variant: str) -> Path:
         overwrite=p.exists(), progress=False)))
 
 
-@contextlib.contextmanager
-def deterministic(on: bool):
-    """torch.use_deterministic_algorithms(True, warn_only=True) inside (when ``on``), the previous setting
-    after: an op with no deterministic kernel warns (in the run's log) rather than ending the run."""
-    was, warn = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
-    torch.use_deterministic_algorithms(on or was, warn_only=warn if was else True)
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(was, warn_only=warn)
-
-
 def _peft_run(folder: Path, train_ex, test_ex, pad, seed, lr, device, steps: int,
               eval_batch: int) -> tuple[float, float, Counter]:
     from peft import LoraConfig, get_peft_model
@@ -668,18 +656,10 @@ def _peft_run(folder: Path, train_ex, test_ex, pad, seed, lr, device, steps: int
               help="A file of 'TASK METHOD LR SEED' lines (# comments): run these cells instead of the grid "
                    "--tasks x --methods x --lrs x --seeds (the cells a table still lacks).")
 @click.option("--csv", "csv_path", required=True, type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--peft-deterministic", is_flag=True,
-              help="PEFT's runs under torch.use_deterministic_algorithms (its GPU runs do not repeat exactly "
-                   "otherwise; pact's do). Its rows are then named METHOD~det (peft~det), apart from plain PEFT rows.")
-def tasks(workdir, bigbench, tasks, methods, lrs, seeds, steps, eval_batch, shard, cells, csv_path,
-          peft_deterministic) -> None:
+def tasks(workdir, bigbench, tasks, methods, lrs, seeds, steps, eval_batch, shard, cells, csv_path) -> None:
     """Held-out accuracy of each method on each task, learning rate and seed; one CSV row each.
     Seeds outermost, so a grid cut by a deadline has every task for its first seeds."""
-    import os
     import shutil
-
-    if peft_deterministic:  # (cuBLAS reads it when this process makes its first handle, below)
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
     from transformers import AutoTokenizer
 
@@ -730,8 +710,7 @@ def tasks(workdir, bigbench, tasks, methods, lrs, seeds, steps, eval_batch, shar
         t, t_train, steps_s = time.perf_counter(), None, ("", "")
         if method.startswith("peft"):  # peft@nvfp4:VARIANT+CALIBRATION: that task's calibrated weights in bf16
             folder = folders.get(method) or nvfp4_bf16_folder(artifact(split_method(method)[1], task))
-            with deterministic(peft_deterministic):
-                acc, loss, predicted = _peft_run(folder, train_ex, test_ex, pad, seed, lr, device, steps, eval_batch)
+            acc, loss, predicted = _peft_run(folder, train_ex, test_ex, pad, seed, lr, device, steps, eval_batch)
         else:
             base, variant = split_method(method)
             art = artifact(variant, task)
@@ -757,8 +736,7 @@ def tasks(workdir, bigbench, tasks, methods, lrs, seeds, steps, eval_batch, shar
             result = evaluate_artifact(str(art), str(test_f), adapter=str(run), max_len=MAX_LEN,
                                        batch_size=eval_batch, activations=spec, compute=compute)
             acc, predicted = result["eval_accuracy"], result["eval_predicted"]
-        named = f"{method}~det" if peft_deterministic and method.startswith("peft") else method
-        row = {"task": task, "method": named, "lr": lr, "seed": seed, "steps": steps, "accuracy": round(acc, 4),
+        row = {"task": task, "method": method, "lr": lr, "seed": seed, "steps": steps, "accuracy": round(acc, 4),
                "majority": round(maj, 4), "final_loss": round(loss, 4), "seconds": round(time.perf_counter() - t, 1),
                "train_seconds": round(t_train, 1) if t_train is not None else "",  # the rest: scoring
                "steps_seconds": steps_s[0], "first_step_seconds": steps_s[1],  # train - steps: setup
@@ -889,8 +867,8 @@ def prepare(workdir, bigbench, tasks, methods, shard, convert_only, cells) -> No
               help="A run counts as collapsed when it scores at least this share of the held-out examples as "
                    "the majority label (rows with a predicts_majority column only).")
 @click.option("--repeats", type=click.Choice(["last", "mean"]), default="last", show_default=True,
-              help="Several rows of one (task, method, lr, seed): the last file's, or their mean (PEFT's runs "
-                   "do not repeat exactly on a GPU; pact's do).")
+              help="Several rows of one (task, method, lr, seed): the last file's, or their mean (PEFT's rows "
+                   "made before its adapters started from pact's for the seed do not repeat; pact's do).")
 @click.option("--wide", is_flag=True, help="One row per (task, lr), one column per method.")
 @click.option("--ref", default="peft", show_default=True,
               help="With --wide: the method paired differences are taken to.")

@@ -19,8 +19,7 @@
 #          (16: 14 workers scoring 64 rows at once ran the GPU out of memory)
 #   tasks2 (no carry):       the same at lr 2e-4; the table covers both calls' rows (PREPARE=1: make the
 #          artifacts its METHODS need first, as `tasks` does)
-#   either: PEFT_DET=1 runs PEFT under torch.use_deterministic_algorithms (rows named peft~det);
-#          CELLS=FILE runs the cells a file lists ('TASK METHOD LR SEED' lines) instead of TASKS x METHODS x
+#   either: CELLS=FILE runs the cells a file lists ('TASK METHOD LR SEED' lines) instead of TASKS x METHODS x
 #          LRS x SEEDS (its tasks and methods are the ones prepared);
 #          TASKS_B, METHODS_B (SEEDS_B, LRS_B: default the first grid's) run a second grid beside the first on
 #          WORKERS_B processes per GPU (default 4); PREP_TASKS x PREP_METHODS: artifacts made now for a later call
@@ -62,7 +61,7 @@ grid() {  # $1 lrs, $2 tasks, $3 seeds, $4 workers, $5 rows' name, $6.. methods:
   for k in $(seq 0 $(( n - 1 ))); do
     CUDA_VISIBLE_DEVICES=$(( k % NGPU )) OMP_NUM_THREADS=1 timeout $(left) \
       python3 benchmarks/bench_fidelity.py tasks --workdir /tmp/wd --tasks $tasks --seeds ${seeds// /,} \
-      --lrs $lrs --eval-batch ${EVAL_BATCH:-16} "${args[@]}" $([ "${PEFT_DET:-0}" = 1 ] && echo --peft-deterministic) --shard $k/$n --csv /tmp/rows/$name-$k.csv > /tmp/rows/$name-$k.log 2>&1 &
+      --lrs $lrs --eval-batch ${EVAL_BATCH:-16} "${args[@]}" --shard $k/$n --csv /tmp/rows/$name-$k.csv > /tmp/rows/$name-$k.log 2>&1 &
   done
   wait
 }
@@ -378,9 +377,6 @@ print(','.join(dict.fromkeys(t for _, _, t, _ in j))); print(' '.join(dict.fromk
   cat /tmp/rows/tasks*.csv | awk 'NR == 1 || !/^task,/' > $OUT/fidelity_all.csv
   cat /tmp/rows/$RUN-*.csv | awk 'NR == 1 || !/^task,/' > $OUT/fidelity_$RUN.csv
   grep -h -i -B2 "error\|Traceback" /tmp/rows/$RUN-*.log | head -20
-  if [ "${PEFT_DET:-0}" = 1 ]; then  # the ops with no deterministic kernel that PEFT's runs met (they warn)
-    grep -h -o "[A-Za-z_0-9.]* does not have a deterministic implementation" /tmp/rows/$RUN-*.log | sort | uniq -c
-  fi
   python3 benchmarks/bench_fidelity.py table $OUT/fidelity_all.csv | tee $OUT/table.md
   ;;
 esac

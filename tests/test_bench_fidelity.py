@@ -112,18 +112,6 @@ def test_table_repeats_last_or_mean(tmp_path):
     assert "| pact | 58.0 +- nan (n=1) | -6.0 |" in last and "| pact | 58.0 +- nan (n=1) | -4.0 |" in mean
 
 
-def test_deterministic_context_restores():
-    import torch
-
-    assert not torch.are_deterministic_algorithms_enabled()
-    with bf.deterministic(True):
-        assert torch.are_deterministic_algorithms_enabled()
-        assert torch.is_deterministic_algorithms_warn_only_enabled()  # an op without one warns, the run goes on
-    with bf.deterministic(False):
-        assert not torch.are_deterministic_algorithms_enabled()
-    assert not torch.are_deterministic_algorithms_enabled()
-
-
 def test_peft_reference_starts_where_pact_starts(tmp_path):
     """The PEFT reference's adapters start from pact's A for the seed (B zero), whatever ran before in the
     process: a seed pairs the two methods on their start as well as on their batches."""
