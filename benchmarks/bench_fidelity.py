@@ -92,6 +92,8 @@ CALIBRATIONS = {  # -> (calibration texts, --block-scales, --act-order[, other c
     "gptq-xtask": ("xtask", "auto", False),
     "gptq-damp10": ("task", "auto", False, {"damp": 0.1}),  # 10x the damping: nearer round-to-nearest
     "gptq-s512": ("task", "auto", False, {"max_samples": 512}),  # 4x the texts: less fit to a few
+    # 8x: tasks whose texts are short give GPTQ few tokens (strategyqa's first 128: 2,181)
+    "gptq-s1024": ("task", "auto", False, {"max_samples": 1024}),
     # the calibrated forward, the converter's backward layout (W^T rounded from the source): GPTQ raises the
     # backward GEMM's error on the gradients 1.65x (bench_layer_error.py --backward)
     "gptq-bwdsrc": ("task", "auto", False, {"backward_layout": "source"}),
