@@ -867,7 +867,8 @@ def prepare(workdir, bigbench, tasks, methods, shard, convert_only, cells) -> No
               help="A seed counts as stuck when its accuracy is within this of the majority class.")
 @click.option("--collapse-share", default=0.95, show_default=True,
               help="A run counts as collapsed when it scores at least this share of the held-out examples as "
-                   "the majority label (rows with a predicts_majority column only).")
+                   "the majority label (rows with a predicts_majority column only; a seed's last such row, "
+                   "whatever --repeats says).")
 @click.option("--repeats", type=click.Choice(["last", "mean"]), default="last", show_default=True,
               help="Several rows of one (task, method, lr, seed): the last file's, or their mean (PEFT's rows "
                    "made before its adapters started from pact's for the seed do not repeat; pact's do).")
