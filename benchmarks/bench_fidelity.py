@@ -94,6 +94,10 @@ CALIBRATIONS = {  # -> (calibration texts, --block-scales, --act-order[, other c
     "gptq-s512": ("task", "auto", False, {"max_samples": 512}),  # 4x the texts: less fit to a few
     # 8x: tasks whose texts are short give GPTQ few tokens (strategyqa's first 128: 2,181)
     "gptq-s1024": ("task", "auto", False, {"max_samples": 1024}),
+    # the first 128 texts and more until they hold 16,384 tokens (<= CALIB_LEN each): a token budget
+    "gptq-t16k": ("task", "auto", False, {"min_tokens": 16384}),
+    # texts 128-255 instead of 0-127: a second draw of the default's texts (how much a cell's result is its draw)
+    "gptq-next": ("task-next", "auto", False),
     # the calibrated forward, the converter's backward layout (W^T rounded from the source): GPTQ raises the
     # backward GEMM's error on the gradients 1.65x (bench_layer_error.py --backward)
     "gptq-bwdsrc": ("task", "auto", False, {"backward_layout": "source"}),
@@ -504,10 +508,11 @@ def split_variant(weights: str) -> tuple[str, str | None]:
 
 
 def calibration_prompts(workdir: Path, task: str, kind: str, bigbench: Path | None = None,
-                        n: int = CALIB_SAMPLES) -> Path:
+                        n: int | None = CALIB_SAMPLES) -> Path:
     """The calibration texts: the first ``n`` training examples of the task (prompt + completion, as a
     user would calibrate for it), generic text (Rotten Tomatoes plot summaries), ("mix") the first
-    n / 2 of each, alternating, or ("xtask") those of OTHER_TASK[task]."""
+    n / 2 of each, alternating, ("xtask") those of OTHER_TASK[task], or ("task-next") the task's next n
+    (n to 2n - 1)."""
     folder = workdir / "fidelity-data"
     folder.mkdir(parents=True, exist_ok=True)
 
@@ -528,6 +533,14 @@ def calibration_prompts(workdir: Path, task: str, kind: str, bigbench: Path | No
             raise click.UsageError(f"+gptq-xtask: no other task set for {task!r} (OTHER_TASK: {sorted(OTHER_TASK)})")
         path = folder / f"{OTHER_TASK[task]}-calib-{n}.jsonl"
         texts = task_texts(n, OTHER_TASK[task])
+    elif kind == "task-next":
+        path = folder / f"{task}-calib-next-{n}.jsonl"
+        texts = task_texts(2 * n)[n:]
+    elif n is None:  # ("task") all of them
+        if kind != "task":
+            raise click.UsageError(f"{kind}: every text only for the task's own")
+        path = folder / f"{task}-calib-all.jsonl"
+        texts = task_texts(None)
     else:
         path = folder / f"{task}-calib-{n}.jsonl"
         texts = task_texts(n)
@@ -550,7 +563,9 @@ def method_artifact(workdir: Path, gguf: Path, weights: str, task: str, bigbench
     if kind == "model":  # the same for every task: sampled by the model, nothing read
         prompts, kw = None, {**kw, "model_texts": True}
     else:
-        prompts = calibration_prompts(workdir, task, kind, bigbench, kw["max_samples"])
+        # a token budget reads past max_samples: every training text is in the file
+        n = None if kw.get("min_tokens") else kw["max_samples"]
+        prompts = calibration_prompts(workdir, task, kind, bigbench, n)
     out = workdir / f"smollm2-135m-nvfp4-{conv}-{calib}{'' if kind in ('generic', 'model') else '-' + task}"
     if calib.startswith("llmc-"):
         from bench_accuracy import _bf16_folder

@@ -103,6 +103,7 @@ def calibrate(
     source: str | None = None,
     max_samples: int = 128,
     seq_len: int = 512,
+    min_tokens: int = 0,
     damp: float = 0.01,
     actorder: bool = False,
     static_scales: bool = False,
@@ -139,6 +140,11 @@ def calibrate(
         raise PactError(f"--damp must be in (0, 1), got {damp}")
     if model_texts and max_samples < 1:
         raise PactError(f"--max-samples must be >= 1 (texts to sample), got {max_samples}")
+    if min_tokens < 0:
+        raise PactError(f"--min-tokens must be >= 0, got {min_tokens}")
+    if model_texts and min_tokens:
+        raise PactError("--min-tokens reads more --prompts texts; --model-texts samples --max-samples texts of "
+                        "--seq-len tokens instead: drop it")
     if model_texts and seq_len < 2:
         raise PactError(f"--seq-len must be >= 2 (tokens a sampled text), got {seq_len}")
     if blocksize % 16 or blocksize < 16:
@@ -159,7 +165,8 @@ def calibrate(
     # auto: the rule the artifact was converted with (artifacts from before the choice existed: amax)
     rule = art.block_scale_rule if block_scales == "auto" else block_scales
     samples = None if model_texts else load_prompts(prompts, ses.tokenizer, vision=art.meta["vision"],
-                                                    max_samples=max_samples, seq_len=seq_len, hf_dir=art.hf_dir)
+                                                    max_samples=max_samples, seq_len=seq_len, hf_dir=art.hf_dir,
+                                                    min_tokens=min_tokens)
     prov = art.meta["provenance"]
     src_name = source or prov["source"]
     gguf = str(src_name).endswith(".gguf")

@@ -100,9 +100,10 @@ def _image_samples(folder: Path, hf_dir: Path, tokenizer, *, max_samples: int, s
 
 
 def load_prompts(path: str | Path, tokenizer, *, vision: bool, max_samples: int, seq_len: int,
-                 hf_dir: Path | None = None) -> list[torch.Tensor] | list[ImageSample]:
+                 hf_dir: Path | None = None, min_tokens: int = 0) -> list[torch.Tensor] | list[ImageSample]:
     """Token id tensors (1-D, at most ``seq_len`` long), or for a folder of images ImageSamples;
-    at most ``max_samples`` of them."""
+    the first ``max_samples`` texts, and (``min_tokens``) more after them until they hold that many
+    tokens or the file ends (short texts give GPTQ few tokens). Images: at most ``max_samples``."""
     p = Path(path)
     if not p.exists():
         raise PactError(f"--prompts {p}: no such file or folder")
@@ -110,13 +111,19 @@ def load_prompts(path: str | Path, tokenizer, *, vision: bool, max_samples: int,
         if not vision:
             raise PactError(f"--prompts {p}: a folder of images, but this artifact is a text-only model: "
                             "give a .jsonl or .txt of text prompts")
+        if min_tokens:
+            raise PactError(f"--prompts {p}: a folder of images; --min-tokens reads text prompts only: drop it "
+                            "(--max-samples sets how many images)")
         return _image_samples(p, hf_dir, tokenizer, max_samples=max_samples, seq_len=seq_len)
     texts = _texts(p, tokenizer)
-    samples = []
-    for t in texts[:max_samples]:
+    samples, tokens = [], 0
+    for i, t in enumerate(texts):
+        if i >= max_samples and tokens >= min_tokens:
+            break
         ids = tokenizer(t, return_tensors="pt", truncation=True, max_length=seq_len)["input_ids"][0]
         if ids.numel() >= 2:
             samples.append(ids)
+            tokens += ids.numel()
     if not samples:
         raise PactError(f"--prompts {p}: no usable prompts (empty, or every prompt shorter than 2 tokens)")
     return samples

@@ -27,6 +27,10 @@ from .common import cli_errors
 @click.option("--source", default=None, help="The original model (default: the artifact's recorded source).")
 @click.option("--max-samples", default=128, show_default=True)
 @click.option("--seq-len", default=512, show_default=True, help="Longest prompt in tokens (images are resized to fit).")
+@click.option("--min-tokens", default=0, show_default=True,
+              help="Read --prompts past --max-samples until the texts hold this many tokens (short texts give GPTQ "
+              "few). Measured downstream, 16384 for 128-text tasks was no better on the mean than 128 texts "
+              "(BENCHMARKS.md \"The draw of calibration texts\").")
 @click.option("--damp", default=0.01, show_default=True, help="Dampening, as a fraction of mean(diag H).")
 @click.option("--act-order", is_flag=True, help="Quantize columns in order of decreasing H diagonal (static scales).")
 @click.option("--static-scales", is_flag=True, help="Fix every block scale before the sweep (default: when reached).")
@@ -44,12 +48,12 @@ from .common import cli_errors
 @click.option("--overwrite", is_flag=True)
 @click.option("--quiet", is_flag=True)
 @cli_errors
-def main(artifact, prompts, model_texts, seed, out, source, max_samples, seq_len, damp, act_order, static_scales,
-         blocksize, block_scales, backward_layout, device, overwrite, quiet) -> None:
+def main(artifact, prompts, model_texts, seed, out, source, max_samples, seq_len, min_tokens, damp, act_order,
+         static_scales, blocksize, block_scales, backward_layout, device, overwrite, quiet) -> None:
     """Calibrate ARTIFACT's NVFP4 weights with GPTQ on PROMPTS (or on texts the model writes
     itself: --model-texts); writes a new artifact."""
     path = calibrate(artifact, prompts, out, model_texts=model_texts, seed=seed, source=source,
-                     max_samples=max_samples, seq_len=seq_len, damp=damp,
+                     max_samples=max_samples, seq_len=seq_len, min_tokens=min_tokens, damp=damp,
                      actorder=act_order, static_scales=static_scales, blocksize=blocksize, block_scales=block_scales,
                      backward_layout=backward_layout, device=device,
                      overwrite=overwrite, progress=not quiet)

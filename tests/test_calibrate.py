@@ -280,6 +280,39 @@ def test_too_few_calibration_tokens_are_said(setup, tmp_path, caplog):
     assert open_artifact(tmp_path / "cal").verify() > 0  # a warning, not a refusal
 
 
+def test_min_tokens_reads_past_max_samples(setup, tmp_path):
+    """--min-tokens: the first --max-samples texts, then more until they hold that many tokens (or the
+    file ends); recorded as the texts and tokens GPTQ saw. A bad value or --model-texts is one error."""
+    from pact.calibrate.prompts import load_prompts
+    from pact.runtime.session import open_session
+
+    tok = open_session(str(setup / "art"), tool="test").tokenizer
+    path = setup / "prompts.jsonl"
+    first = load_prompts(path, tok, vision=False, max_samples=4, seq_len=16)
+    assert len(first) == 4
+    lens = [t.numel() for t in load_prompts(path, tok, vision=False, max_samples=40, seq_len=16)]
+    want = sum(lens[:4]) + 1  # one token more than the first four hold: a fifth text, and only until reached
+    more = load_prompts(path, tok, vision=False, max_samples=4, seq_len=16, min_tokens=want)
+    k = next(i for i in range(1, 41) if sum(lens[:i]) >= want)
+    assert len(more) == max(k, 4) == 5 and all(torch.equal(a, b) for a, b in zip(first, more))
+    every = load_prompts(path, tok, vision=False, max_samples=4, seq_len=16, min_tokens=10**6)
+    assert len(every) == len(lens)  # the file ends first: all of them
+    (tmp_path / "images").mkdir()
+    with pytest.raises(PactError, match="--min-tokens reads text prompts only"):
+        load_prompts(tmp_path / "images", tok, vision=True, max_samples=4, seq_len=16, min_tokens=8)
+    r = CliRunner().invoke(calibrate_cli, [str(setup / "art"), "--prompts", str(path), "--max-samples", "4",
+                                           "--seq-len", "16", "--min-tokens", str(want), "--out", str(tmp_path / "c"),
+                                           "--quiet"])
+    assert r.exit_code == 0, r.output
+    cal = open_artifact(tmp_path / "c").meta["provenance"]["calibration"]
+    assert cal["samples"] == 5 and cal["tokens"] == sum(lens[:5])
+    with pytest.raises(PactError, match="--min-tokens must be >= 0"):
+        calibrate(str(setup / "art"), path, tmp_path / "c1", min_tokens=-1)
+    with pytest.raises(PactError, match="--min-tokens reads more --prompts texts"):
+        calibrate(str(setup / "art"), None, tmp_path / "c1", model_texts=True, min_tokens=8)
+    assert not (tmp_path / "c1").exists()
+
+
 def test_model_texts_calibrate_without_data(setup, tmp_path):
     """--model-texts: the artifact's model samples max-samples texts of seq-len tokens from its BOS
     token (seeded: the same texts twice), and GPTQ runs on them as on given prompts; the provenance
