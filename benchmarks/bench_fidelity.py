@@ -56,6 +56,7 @@ import dataclasses
 import itertools
 import json
 import math
+import os
 import random
 import statistics
 import time
@@ -96,6 +97,8 @@ CALIBRATIONS = {  # -> (calibration texts, --block-scales, --act-order[, other c
     "gptq-s1024": ("task", "auto", False, {"max_samples": 1024}),
     # the first 128 texts and more until they hold 16,384 tokens (<= CALIB_LEN each): a token budget
     "gptq-t16k": ("task", "auto", False, {"min_tokens": 16384}),
+    # the texts after those +gptq-t16k took, the same budget again: a second draw of it, disjoint from the first
+    "gptq-t16k-next": ("task-after", "auto", False, {"min_tokens": 16384}),
     # texts 128-255 instead of 0-127: a second draw of the default's texts (how much a cell's result is its draw)
     "gptq-next": ("task-next", "auto", False),
     # the calibrated forward, the converter's backward layout (W^T rounded from the source): GPTQ raises the
@@ -158,7 +161,7 @@ def gate_up_probe(probe: str | None):
 
 # -- tasks
 def _write(path: Path, recs: list[dict]) -> None:
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")  # (two workers may write the same file)
     tmp.write_text("".join(json.dumps(r) + "\n" for r in recs))
     tmp.replace(path)
 
@@ -549,6 +552,29 @@ def calibration_prompts(workdir: Path, task: str, kind: str, bigbench: Path | No
     return path
 
 
+def after_budget_prompts(workdir: Path, gguf: Path, conv: str, task: str, bigbench: Path | None, kw: dict) -> Path:
+    """The task's training texts after those a calibration with ``kw``'s max_samples / min_tokens
+    reads first (counted as pact-calibrate counts them, CALIB_LEN tokens at most a text)."""
+    from transformers import AutoTokenizer
+
+    from pact.calibrate.prompts import take_texts
+    from pact.formats import open_artifact
+
+    every = calibration_prompts(workdir, task, "task", bigbench, None)
+    path = every.with_name(f"{task}-calib-after-{kw['max_samples']}-{kw['min_tokens']}.jsonl")
+    if not path.is_file():
+        texts = [json.loads(line)["text"] for line in open(every)]
+        tok = AutoTokenizer.from_pretrained(open_artifact(variant_artifact(workdir, gguf, conv)).hf_dir)
+        _, used = take_texts(texts, tok, max_samples=kw["max_samples"], seq_len=CALIB_LEN, min_tokens=kw["min_tokens"])
+        rest, _ = take_texts(texts[used:], tok, max_samples=kw["max_samples"], seq_len=CALIB_LEN,
+                             min_tokens=kw["min_tokens"])
+        if sum(t.numel() for t in rest) < kw["min_tokens"]:
+            raise click.UsageError(f"{task}: the {len(texts) - used} texts after the first budget hold fewer than "
+                                   f"{kw['min_tokens']} tokens: no second draw of the same size")
+        _write(path, [{"text": t} for t in texts[used:]])
+    return path
+
+
 def method_artifact(workdir: Path, gguf: Path, weights: str, task: str, bigbench: Path | None = None) -> Path:
     """The artifact a method's :WEIGHTS names for ``task``: a converted variant, or that variant
     calibrated (per task for task texts), each made once and cached in ``workdir``."""
@@ -562,6 +588,8 @@ def method_artifact(workdir: Path, gguf: Path, weights: str, task: str, bigbench
     kw = {"max_samples": CALIB_SAMPLES, "damp": 0.01, **(more[0] if more else {})}
     if kind == "model":  # the same for every task: sampled by the model, nothing read
         prompts, kw = None, {**kw, "model_texts": True}
+    elif kind == "task-after":
+        prompts = after_budget_prompts(workdir, gguf, conv, task, bigbench, kw)
     else:
         # a token budget reads past max_samples: every training text is in the file
         n = None if kw.get("min_tokens") else kw["max_samples"]

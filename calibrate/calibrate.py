@@ -119,7 +119,9 @@ def calibrate(
     """GPTQ of ``artifact``'s projections on ``prompts`` (or, ``model_texts``, on max_samples texts
     of seq_len tokens that the artifact's own model samples from its BOS token, seeded by ``seed``:
     no data needed); the calibrated artifact is written to ``out``. ``prompts_label``: what the
-    provenance records as the prompts (default: their path); ``record``: more keys for it.
+    provenance records as the prompts (default: their path); ``record``: more keys for it. Text
+    prompts: the first ``max_samples``, and (``min_tokens``) more after them until they hold that
+    many tokens (each cut to ``seq_len``).
 
     ``backward_layout``: what the backward GEMM (dX = dY W, through the stored W^T) reads. "forward":
     the calibrated weights, transposed and rounded again along the other dimension. "source": W^T
@@ -140,6 +142,9 @@ def calibrate(
         raise PactError(f"--damp must be in (0, 1), got {damp}")
     if model_texts and max_samples < 1:
         raise PactError(f"--max-samples must be >= 1 (texts to sample), got {max_samples}")
+    if max_samples < 0 or (max_samples == 0 and not min_tokens):
+        raise PactError(f"--max-samples must be >= 1 (or 0 with --min-tokens: texts until that many tokens), "
+                        f"got {max_samples}")
     if min_tokens < 0:
         raise PactError(f"--min-tokens must be >= 0, got {min_tokens}")
     if model_texts and min_tokens:
@@ -192,10 +197,12 @@ def calibrate(
         clock.device = torch.device(ses.device)
         clock.lap("read")
         texts = (max_samples, seq_len, seed) if model_texts else None
+        # how the texts were taken (with the prompts' sha256: enough to take them again)
+        taken = {"max_samples": max_samples, "seq_len": seq_len, **({"min_tokens": min_tokens} if min_tokens else {})}
         return _calibrate(ses, src, samples, out, clock, prompts=None if model_texts else Path(prompts), texts=texts,
                           damp=damp, actorder=actorder, static_scales=static_scales, blocksize=blocksize,
                           scale_rule=rule, backward_layout=backward_layout, overwrite=overwrite, progress=progress,
-                          label=prompts_label, record=record or {})
+                          label=prompts_label, record={**taken, **(record or {})})
     except OSError as e:  # the writer has removed its temp folder; OUT is untouched
         raise write_error(e, getattr(e, "filename", None) or out, f"nothing was written to {out}") from None
     finally:
@@ -280,8 +287,8 @@ def _warn_few_tokens(hessians) -> None:
     if tokens < widest:
         log.warning("pact-calibrate: %d calibration tokens, fewer than the widest projection's %d input "
                     "columns: the Hessian is rank-deficient and the result stays near round-to-nearest; "
-                    "use more --prompts texts or a larger --max-samples / --seq-len (128 x 128 tokens is "
-                    "what BENCHMARKS.md measured)", tokens, widest)
+                    "use more --prompts texts, a larger --max-samples / --seq-len, or --min-tokens N (128 x 128 "
+                    "tokens is what BENCHMARKS.md measured)", tokens, widest)
 
 
 def _units(model: PactModel, art, samples) -> list[Unit]:

@@ -99,6 +99,22 @@ def _image_samples(folder: Path, hf_dir: Path, tokenizer, *, max_samples: int, s
     return samples
 
 
+def take_texts(texts: list[str], tokenizer, *, max_samples: int, seq_len: int,
+               min_tokens: int = 0) -> tuple[list[torch.Tensor], int]:
+    """The token ids (<= ``seq_len`` each) of the first ``max_samples`` of ``texts``, and of more after
+    them until they hold ``min_tokens`` tokens; and how many texts that read. Texts shorter than 2
+    tokens are read and dropped."""
+    samples, tokens = [], 0
+    for i, t in enumerate(texts):
+        if i >= max_samples and tokens >= min_tokens:
+            return samples, i
+        ids = tokenizer(t, return_tensors="pt", truncation=True, max_length=seq_len)["input_ids"][0]
+        if ids.numel() >= 2:
+            samples.append(ids)
+            tokens += ids.numel()
+    return samples, len(texts)
+
+
 def load_prompts(path: str | Path, tokenizer, *, vision: bool, max_samples: int, seq_len: int,
                  hf_dir: Path | None = None, min_tokens: int = 0) -> list[torch.Tensor] | list[ImageSample]:
     """Token id tensors (1-D, at most ``seq_len`` long), or for a folder of images ImageSamples;
@@ -115,15 +131,8 @@ def load_prompts(path: str | Path, tokenizer, *, vision: bool, max_samples: int,
             raise PactError(f"--prompts {p}: a folder of images; --min-tokens reads text prompts only: drop it "
                             "(--max-samples sets how many images)")
         return _image_samples(p, hf_dir, tokenizer, max_samples=max_samples, seq_len=seq_len)
-    texts = _texts(p, tokenizer)
-    samples, tokens = [], 0
-    for i, t in enumerate(texts):
-        if i >= max_samples and tokens >= min_tokens:
-            break
-        ids = tokenizer(t, return_tensors="pt", truncation=True, max_length=seq_len)["input_ids"][0]
-        if ids.numel() >= 2:
-            samples.append(ids)
-            tokens += ids.numel()
+    samples, _ = take_texts(_texts(p, tokenizer), tokenizer, max_samples=max_samples, seq_len=seq_len,
+                            min_tokens=min_tokens)
     if not samples:
         raise PactError(f"--prompts {p}: no usable prompts (empty, or every prompt shorter than 2 tokens)")
     return samples

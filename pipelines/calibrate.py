@@ -28,9 +28,9 @@ from .common import cli_errors
 @click.option("--max-samples", default=128, show_default=True)
 @click.option("--seq-len", default=512, show_default=True, help="Longest prompt in tokens (images are resized to fit).")
 @click.option("--min-tokens", default=0, show_default=True,
-              help="Read --prompts past --max-samples until the texts hold this many tokens (short texts give GPTQ "
-              "few). Measured downstream, 16384 for 128-text tasks was no better on the mean than 128 texts "
-              "(BENCHMARKS.md \"The draw of calibration texts\").")
+              help="Text prompts: read past --max-samples until the texts hold this many tokens (each cut to "
+              "--seq-len; short texts give GPTQ few); 0: off. Measured downstream, 16384 was no better on the mean "
+              "than the default 128 texts (BENCHMARKS.md \"The draw of calibration texts\").")
 @click.option("--damp", default=0.01, show_default=True, help="Dampening, as a fraction of mean(diag H).")
 @click.option("--act-order", is_flag=True, help="Quantize columns in order of decreasing H diagonal (static scales).")
 @click.option("--static-scales", is_flag=True, help="Fix every block scale before the sweep (default: when reached).")

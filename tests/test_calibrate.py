@@ -283,7 +283,7 @@ def test_too_few_calibration_tokens_are_said(setup, tmp_path, caplog):
 def test_min_tokens_reads_past_max_samples(setup, tmp_path):
     """--min-tokens: the first --max-samples texts, then more until they hold that many tokens (or the
     file ends); recorded as the texts and tokens GPTQ saw. A bad value or --model-texts is one error."""
-    from pact.calibrate.prompts import load_prompts
+    from pact.calibrate.prompts import _texts, load_prompts, take_texts
     from pact.runtime.session import open_session
 
     tok = open_session(str(setup / "art"), tool="test").tokenizer
@@ -295,6 +295,9 @@ def test_min_tokens_reads_past_max_samples(setup, tmp_path):
     more = load_prompts(path, tok, vision=False, max_samples=4, seq_len=16, min_tokens=want)
     k = next(i for i in range(1, 41) if sum(lens[:i]) >= want)
     assert len(more) == max(k, 4) == 5 and all(torch.equal(a, b) for a, b in zip(first, more))
+    texts = _texts(path, tok)
+    assert take_texts(texts, tok, max_samples=4, seq_len=16, min_tokens=want)[1] == 5  # texts read: the next start here
+    assert take_texts(texts, tok, max_samples=4, seq_len=16)[1] == 4
     every = load_prompts(path, tok, vision=False, max_samples=4, seq_len=16, min_tokens=10**6)
     assert len(every) == len(lens)  # the file ends first: all of them
     (tmp_path / "images").mkdir()
@@ -306,6 +309,10 @@ def test_min_tokens_reads_past_max_samples(setup, tmp_path):
     assert r.exit_code == 0, r.output
     cal = open_artifact(tmp_path / "c").meta["provenance"]["calibration"]
     assert cal["samples"] == 5 and cal["tokens"] == sum(lens[:5])
+    assert (cal["max_samples"], cal["seq_len"], cal["min_tokens"]) == (4, 16, want)  # enough to take them again
+    for bad in (0, -3):
+        with pytest.raises(PactError, match="--max-samples must be >= 1"):
+            calibrate(str(setup / "art"), path, tmp_path / "c1", max_samples=bad)
     with pytest.raises(PactError, match="--min-tokens must be >= 0"):
         calibrate(str(setup / "art"), path, tmp_path / "c1", min_tokens=-1)
     with pytest.raises(PactError, match="--min-tokens reads more --prompts texts"):
