@@ -372,6 +372,36 @@ def prior(data, folders, samples, json_out) -> None:
 
 
 @cli.command()
+@click.option("--rtn", required=True, type=click.Path(exists=True, file_okay=False),
+              help="The artifact the calibrations were made from (round-to-nearest).")
+@click.option("--artifact", "artifacts", multiple=True, required=True, metavar="NAME=PATH",
+              help="Calibrated artifacts of it; every pair is compared.")
+@click.option("--json-out", type=click.Path(dir_okay=False, path_type=Path), default=None)
+def weights(rtn, artifacts, json_out) -> None:
+    """How far calibrations of one artifact are from each other, over every projection GPTQ changed:
+    the share of forward weights that differ, and ||A - B|| / ||A - RTN||. Two draws of texts whose
+    weights differ as much as each differs from RTN moved them mostly by draw, not by a shared correction."""
+    from pact.formats import open_artifact
+
+    base = open_artifact(rtn)
+    arts = {name: open_artifact(path) for name, _, path in (a.partition("=") for a in artifacts)}
+    first = next(iter(arts.values()))
+    names = [n for n in first.names() if first.entry(n).get("calibrated") == "gptq"]
+    res = {}
+    for (x, a), (y, b) in itertools.combinations([*arts.items(), ("rtn", base)], 2):
+        differ = total = 0
+        num = den = 0.0
+        for n in names:
+            wa, wb, wr = (t.dequantize(n).float() for t in (a, b, base))
+            differ, total = differ + int((wa != wb).sum()), total + wa.numel()
+            num, den = num + float((wa - wb).pow(2).sum()), den + float((wa - wr).pow(2).sum())
+        res[f"{x}-{y}"] = {"differ": round(differ / total, 4), "rel_to_a_minus_rtn": round((num / den) ** 0.5, 3)}
+        click.echo(json.dumps({"pair": f"{x}-{y}", **res[f"{x}-{y}"]}))
+    if json_out:
+        json_out.write_text(json.dumps(res, indent=1))
+
+
+@cli.command()
 @click.option("--ref", required=True, type=click.Path(exists=True, file_okay=False),
               help="The reference artifact (e.g. pact-convert --keep-bf16 0.999: every projection bf16).")
 @click.option("--artifact", "artifacts", multiple=True, required=True, metavar="NAME=PATH")
