@@ -142,3 +142,29 @@ def test_peft_reference_starts_where_pact_starts(tmp_path):
         key = "base_model.model." + name.removesuffix(".weight")
         assert torch.equal(a[key + ".lora_A.default.weight"], A.detach().cpu())
         assert not a[key + ".lora_B.default.weight"].any() and not B.any()
+
+
+def test_weights_compares_calibration_draws(tmp_path):
+    """`weights`: per pair of calibrations (and each against RTN), the share of forward weights that
+    differ and ||A - B|| / ||A - RTN||: 0 and 0 for a calibration against itself, 1.0 against RTN."""
+    import json
+
+    from click.testing import CliRunner
+
+    from conftest import TINY_TEXT, make_converted_llama
+    from pact.calibrate import calibrate
+
+    d = make_converted_llama(tmp_path, 4)
+    other = [" ".join(reversed(t.split())) for t in TINY_TEXT[:20]]  # (TINY_TEXT repeats every 20)
+    for name, texts in (("a", TINY_TEXT[:20]), ("b", other)):
+        (d / f"{name}.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+        calibrate(str(d / "art"), d / f"{name}.jsonl", d / f"cal-{name}", seq_len=32, progress=False)
+    r = CliRunner().invoke(bf.cli, ["weights", "--rtn", str(d / "art"), "--artifact", f"a={d / 'cal-a'}",
+                                    "--artifact", f"b={d / 'cal-b'}", "--artifact", f"a2={d / 'cal-a'}",
+                                    "--json-out", str(tmp_path / "w.json")])
+    assert r.exit_code == 0, r.output
+    got = json.loads((tmp_path / "w.json").read_text())
+    assert set(got) == {"a-b", "a-a2", "a-rtn", "b-a2", "b-rtn", "a2-rtn"}
+    assert got["a-a2"] == {"differ": 0.0, "rel_to_a_minus_rtn": 0.0}
+    assert all(got[k]["rel_to_a_minus_rtn"] == 1.0 and 0 < got[k]["differ"] < 1 for k in ("a-rtn", "b-rtn"))
+    assert 0 < got["a-b"]["differ"] < 1 and got["a-b"]["rel_to_a_minus_rtn"] > 0  # two draws, two weight sets
