@@ -10,6 +10,11 @@ Subcommands:
     python benchmarks/bench_fidelity.py table s*.csv
     # the saved copies' error per site and layer (relative to the bf16 rows) on real text
     python benchmarks/bench_fidelity.py rows --model BF16_FOLDER --data train.jsonl
+    # what calibrated weights change: next-token KL to a reference artifact; the zero-shot label prior;
+    # how far calibrations of one artifact (two draws of texts) are from each other
+    python benchmarks/bench_fidelity.py kl --ref REF --artifact NAME=ART --texts NAME=FILE
+    python benchmarks/bench_fidelity.py prior --data test.jsonl --folder BF16_FOLDER
+    python benchmarks/bench_fidelity.py weights --rtn ART --artifact a=CAL_A --artifact b=CAL_B
 
 Tasks (`tasks`): Rotten Tomatoes (the demo's snippets, " fresh"/" rotten") and BIG-bench tasks
 read from the `bigbench` sdist's task JSONs (`pip download --no-binary :all: bigbench==1.0.0`,
