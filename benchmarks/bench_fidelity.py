@@ -392,14 +392,19 @@ def weights(rtn, artifacts, json_out) -> None:
     arts = {name: open_artifact(path) for name, _, path in (a.partition("=") for a in artifacts)}
     first = next(iter(arts.values()))
     names = [n for n in first.names() if first.entry(n).get("calibrated") == "gptq"]
+    arts["rtn"] = base
+    pairs = list(itertools.combinations(arts, 2))
+    sums = {p: [0, 0, 0.0, 0.0] for p in pairs}  # differing weights, weights, ||A - B||^2, ||A - RTN||^2
+    for n in names:  # each projection dequantized once an artifact
+        w = {k: t.dequantize(n).float() for k, t in arts.items()}
+        for x, y in pairs:
+            acc = sums[(x, y)]
+            acc[0] += int((w[x] != w[y]).sum())
+            acc[1] += w[x].numel()
+            acc[2] += float((w[x] - w[y]).pow(2).sum())
+            acc[3] += float((w[x] - w["rtn"]).pow(2).sum())
     res = {}
-    for (x, a), (y, b) in itertools.combinations([*arts.items(), ("rtn", base)], 2):
-        differ = total = 0
-        num = den = 0.0
-        for n in names:
-            wa, wb, wr = (t.dequantize(n).float() for t in (a, b, base))
-            differ, total = differ + int((wa != wb).sum()), total + wa.numel()
-            num, den = num + float((wa - wb).pow(2).sum()), den + float((wa - wr).pow(2).sum())
+    for (x, y), (differ, total, num, den) in sums.items():
         res[f"{x}-{y}"] = {"differ": round(differ / total, 4), "rel_to_a_minus_rtn": round((num / den) ** 0.5, 3)}
         click.echo(json.dumps({"pair": f"{x}-{y}", **res[f"{x}-{y}"]}))
     if json_out:
@@ -551,6 +556,8 @@ def calibration_prompts(workdir: Path, task: str, kind: str, bigbench: Path | No
     user would calibrate for it), generic text (Rotten Tomatoes plot summaries), ("mix") the first
     n / 2 of each, alternating, ("xtask") those of OTHER_TASK[task], or ("task-next") the task's next n
     (n to 2n - 1)."""
+    if n is None and kind != "task":
+        raise click.UsageError(f"{kind}: every text (a token budget) only for the task's own")
     folder = workdir / "fidelity-data"
     folder.mkdir(parents=True, exist_ok=True)
 
@@ -575,8 +582,6 @@ def calibration_prompts(workdir: Path, task: str, kind: str, bigbench: Path | No
         path = folder / f"{task}-calib-next-{n}.jsonl"
         texts = task_texts(2 * n)[n:]
     elif n is None:  # ("task") all of them
-        if kind != "task":
-            raise click.UsageError(f"{kind}: every text only for the task's own")
         path = folder / f"{task}-calib-all.jsonl"
         texts = task_texts(None)
     else:
