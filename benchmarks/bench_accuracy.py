@@ -99,12 +99,12 @@ def _hf_model(gguf: Path, device: torch.device, qlora: bool):
 
 def _init_like_pact(model, seed: int) -> int:
     """PEFT's adapters started where pact's start for ``seed``: every lora_A drawn as `bind` draws it (one
-    generator seeded with ``seed``, layer by layer, q k v o gate up down; B stays zero). Without it PEFT
+    generator seeded with ``seed``, layer by layer, in `bind`'s DRAW_ORDER; B stays zero). Without it PEFT
     draws A from the process's global generator when the adapters are made, so a seed's run depends on
     what ran before it in that process. Returns how many A it set."""
-    from pact.runtime.bind import lora_init_A
+    from pact.runtime.bind import DRAW_ORDER, lora_init_A
 
-    order = {name: i for i, name in enumerate(TARGETS)}
+    order = {name: i for i, name in enumerate(DRAW_ORDER)}
     found = []
     for name, mod in model.named_modules():
         parts = name.split(".")

@@ -54,6 +54,11 @@ class Bound:
     adapters: dict[str, Lora] = field(default_factory=dict)
 
 
+# the order `bind` walks a layer's groups in, and so the order it draws their adapters' A from the generator
+GROUP_ORDER = ("qkv", "o", "gate_up", "down")
+DRAW_ORDER = tuple(m for group in GROUP_ORDER for m in GROUPS[group])  # q k v o gate up down
+
+
 def bind(artifact: Artifact, n_layers: int, lora: LoraConfig | None, device: torch.device, *, seed: int = 0,
          resident=None, spec: FamilySpec | None = None, backward_layout: bool = True) -> Bound:
     """Bind ``n_layers`` decoder layers of ``artifact`` on ``device``, their norms named as the family's
@@ -80,7 +85,7 @@ def bind(artifact: Artifact, n_layers: int, lora: LoraConfig | None, device: tor
     for i in range(n_layers):
         lp = f"{p}layers.{i}"
         groups = {}
-        for group in ("qkv", "o", "gate_up", "down"):
+        for group in GROUP_ORDER:
             sub = "self_attn" if group in ("qkv", "o") else "mlp"
             members = [f"{lp}.{sub}.{m}.weight" for m in GROUPS[group]]
             groups[group] = _bind_group(artifact, members, names, device, lora if i in adapted else None, gen, out,
@@ -100,7 +105,7 @@ def bind(artifact: Artifact, n_layers: int, lora: LoraConfig | None, device: tor
 def lora_init_A(r: int, k: int, gen: torch.Generator) -> torch.Tensor:
     """One adapter's A (r x k, fp32) drawn from ``gen``: PEFT's init, kaiming-uniform with a = sqrt(5) (B
     starts at zero, so training starts at the base model). `bind` draws every adapted projection's A from
-    one generator seeded with ``seed``, layer by layer, in the order q, k, v, o, gate, up, down."""
+    one generator seeded with ``seed``, layer by layer, in DRAW_ORDER."""
     bound = math.sqrt(6.0 / ((1 + 5.0) * k))
     return torch.empty(r, k).uniform_(-bound, bound, generator=gen)
 
