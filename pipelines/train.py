@@ -25,10 +25,10 @@ from .common import cli_errors, config_from, config_options, main_rank, with_con
                    "pact-calibrate --prompts does) into OUT/calibrated/ (a second artifact of the same size), and "
                    "train on that: on 9 tasks it trained 1.2-2.1 points better on the mean than the uncalibrated "
                    "artifact at three learning rates (a task's gain moves by about a point with the texts it "
-                   "calibrates on; BENCHMARKS.md). About a minute for a 1B model on one GPU; needs the artifact's source "
-                   "model. Default: done when ARTIFACT is not calibrated and its source model is on this machine "
-                   "(said when not); --calibrate insists, --no-calibrate trains on ARTIFACT as it is. Evaluate and "
-                   "export the adapter with OUT/calibrated/ as the artifact.")
+                   "calibrates on; BENCHMARKS.md). About a minute for a 1B model on one GPU; needs the artifact's "
+                   "source model. Default: done when ARTIFACT is not calibrated and its source model is on this "
+                   "machine (said when not); --calibrate insists, --no-calibrate trains on ARTIFACT as it is. Evaluate "
+                   "and export the adapter with OUT/calibrated/ as the artifact.")
 @click.option("--calibrate-samples", type=int, default=128, show_default=True,
               help="Calibration: how many training records (each at most min(--max-len, 512) tokens).")
 @click.option("--resume", is_flag=True, help="Continue the run in --out from its latest checkpoint.")
