@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from pact.formats import PactError, default_cache
-from pact.formats.files import read_json, sha256_file, sweep_leftovers, work_path
+from pact.formats.files import check_regular, read_json, sha256_file, sweep_leftovers, work_path
 from pact.formats.interop import CT_IGNORED, CT_NVFP4_FORMAT, CT_PARTS, MO_PARTS
 from pact.formats.layout import SIDE_FILES
 from pact.formats.nvfp4 import NVFP4Tensor, dequantize
@@ -61,7 +61,9 @@ class SafetensorsFile:
 
     def __init__(self, path: Path):
         self.path = path
-        size = path.stat().st_size
+        st = path.stat()
+        check_regular(path, st.st_mode, "remove it from the model folder or re-download it", PactError)
+        size = st.st_size
         try:
             with open(path, "rb") as f:
                 (n,) = struct.unpack("<Q", f.read(8))
@@ -200,6 +202,8 @@ class Source:
             raise PactError(f"{p}: a link to {target}, outside the model folder{where}: refusing it (pact-convert "
                             "copies only the model's own files into an artifact made to be shared); replace the "
                             "link with the file itself if you trust it")
+        if target.exists() and not target.is_dir():
+            check_regular(p, target.stat().st_mode, "remove it from the model folder", PactError)
         return p
 
     def _json(self, f: Path):

@@ -45,9 +45,11 @@ from .families import PROJECTIONS, check_config, classify, text_config
 from .files import (  # noqa: F401 (re-exported: pact.formats.artifact.<helper> keeps working)
     JSON_DEPTH,
     JSON_MAX,
+    check_regular,
     default_cache,
     pid_alive,
     read_json,
+    recover_aside,
     replace_by_rename,
     save_safetensors,
     sha256_file,
@@ -99,11 +101,11 @@ def check_output(out: str | os.PathLike, overwrite: bool) -> Path:
     The folder it goes in must be writable. Called before long work, and again by the writer;
     removes what an interrupted run left beside it."""
     out = Path(out)
+    recover_aside(out, "the artifact", _is_artifact)  # (a run killed between its two renames left it aside)
     if out.exists() and not overwrite:
         raise ArtifactError(f"output {out} already exists: pass --overwrite to replace it")
-    if out.exists() and not _is_artifact(out):
-        raise ArtifactError(f"output {out} exists and is not a pact artifact: --overwrite only replaces an "
-                            "artifact (nothing else is deleted); choose another output folder")
+    if out.exists():
+        check_replaceable(out, "--overwrite", ArtifactError)
     probe = out.parent / f".{out.name}.probe-{os.getpid()}"
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -114,6 +116,33 @@ def check_output(out: str | os.PathLike, overwrite: bool) -> Path:
                             "folder") from None
     sweep_leftovers(out)
     return out
+
+
+def check_replaceable(out: Path, flag: str, error: type[PactError] = PactError) -> None:
+    """``out`` may be replaced (``flag`` asks for it): a pact artifact holding only what its manifest
+    lists. A folder that is not an artifact, or an artifact a user keeps other files in (notes, a
+    training run), is refused: replacing it would delete them."""
+    from .remote import _plan
+
+    if not _is_artifact(out):
+        raise error(f"output {out} exists and is not a pact artifact: {flag} only replaces an artifact (nothing "
+                    "else is deleted); choose another output folder")
+    try:
+        meta = read_json(out / "zarr.json", "", error)["attributes"]["pact"]
+        listed = {rel for rel, _, _ in _plan(meta)} | {"zarr.json", "tensors/zarr.json"}
+    except (PactError, KeyError, TypeError):
+        raise error(f"output {out}: its manifest cannot be read, so what {flag} would delete cannot be told; "
+                    "remove the folder yourself or choose another output folder") from None
+    extra = []
+    for dirpath, dirnames, filenames in os.walk(out):
+        for n in filenames + [d for d in dirnames if (Path(dirpath) / d).is_symlink()]:
+            rel = (Path(dirpath) / n).relative_to(out).as_posix()
+            if rel not in listed:
+                extra.append(rel)
+    if extra:
+        shown = ", ".join(sorted(extra)[:3]) + (f" and {len(extra) - 3} more" if len(extra) > 3 else "")
+        raise error(f"output {out} is an artifact that also holds files its manifest does not list ({shown}): "
+                    f"{flag} would delete them; move them out of it, or choose another output folder")
 
 
 def check_apart(out: str | os.PathLike, sources: dict[str, Path], tool: str) -> None:
@@ -506,7 +535,8 @@ def _check_dense_entry(name: str, e: dict, bad: Callable[[str], ArtifactError]) 
 
 def _inside(rel: Any, what: str, path: Path) -> None:
     """``rel`` names a place inside the artifact: a relative path without '..'."""
-    if not isinstance(rel, str) or not rel or Path(rel).is_absolute() or ".." in Path(rel).parts:
+    if (not isinstance(rel, str) or not rel or Path(rel).is_absolute() or ".." in Path(rel).parts
+            or "\0" in rel or "\\" in rel):  # (a NUL no path holds; a backslash a separator elsewhere)
         raise ArtifactError(f"{path}: {what} {rel!r} points outside the artifact: refusing it (an artifact "
                             "only names files inside its folder); re-run pact-convert on a trusted model")
 
@@ -530,6 +560,8 @@ def _check_contained(path: Path, meta: dict) -> None:
                 raise ArtifactError(f"{p}: a symbolic link inside the artifact: refusing it (links can lead "
                                     "outside the folder); copy the artifact without links (cp -rL) from a "
                                     "source you trust, or re-run pact-convert")
+            if not p.is_dir():
+                check_regular(p, p.stat().st_mode, "remove it, or re-copy the artifact from a source you trust")
             if n.endswith((".py", ".pyc", ".so")):
                 raise ArtifactError(f"{p}: the artifact ships code: refusing it (pact never runs code from an "
                                     "artifact); remove the file or re-run pact-convert on a trusted model")

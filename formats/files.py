@@ -11,6 +11,7 @@ import logging
 import os
 import re
 import shutil
+import stat
 import uuid
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -44,12 +45,21 @@ def _depth(doc: Any, limit: int) -> int:
     return deepest
 
 
+def check_regular(path: Path, mode: int, fix: str, error: type[PactError] = ArtifactError) -> None:
+    """``mode`` (``path``'s st_mode) is a regular file's: a named pipe, device or socket is refused (opening
+    one can block forever, and tar carries them)."""
+    if not stat.S_ISREG(mode):
+        raise error(f"{path}: not a regular file (a named pipe, device or socket): {fix}")
+
+
 def read_json(path: Path, fix: str, error: type[PactError] = ArtifactError) -> Any:
     """``path`` parsed as JSON, or one ``error`` naming the file and ``fix``: a file larger than
     JSON_MAX, not UTF-8, not JSON (NUL bytes included) or nested deeper than JSON_DEPTH is refused
     here, not left to a RecursionError or a parser's traceback in whoever reads it next."""
     try:
-        size = path.stat().st_size
+        st = path.stat()
+        check_regular(path, st.st_mode, fix, error)
+        size = st.st_size
         data = path.read_bytes() if size <= JSON_MAX else None
     except OSError as e:
         raise error(f"{path}: unreadable ({e.strerror or e}): {fix}") from None

@@ -12,7 +12,7 @@ import shutil
 from pathlib import Path
 
 from . import remote
-from .artifact import open_artifact
+from .artifact import check_replaceable, open_artifact
 from .errors import PactError, write_error
 from .files import atomic_folder, sweep_leftovers
 from .layout import FORMAT_NAME
@@ -69,6 +69,7 @@ def _local_dest(src: Path, dst: Path, dest: str, overwrite: bool) -> Path:
                             "new or empty folder, or with --overwrite over an artifact; choose another destination")
         if not overwrite:
             raise PactError(f"{dest} already holds an artifact: choose another destination or pass --overwrite")
+        check_replaceable(d, "--overwrite")
     return d
 
 

@@ -56,6 +56,16 @@ def open_session(artifact: str, *, device: str | None = None, tool: str = "pact-
     if art.meta["family"] not in TRAINABLE_FAMILIES:
         raise PactError(f"{art.path}: {tool} supports {', '.join(TRAINABLE_FAMILIES)} artifacts; "
                         f"this one is {art.meta['family']}")
+    return Session(dev, art, load_tokenizer(art))
+
+
+def load_tokenizer(art: Artifact):
+    """The artifact's tokenizer (never its code), or one error naming its folder: a tokenizer file that is
+    valid JSON but not a tokenizer fails inside transformers with a KeyError or the like."""
     from transformers import AutoTokenizer
 
-    return Session(dev, art, AutoTokenizer.from_pretrained(art.hf_dir, trust_remote_code=False))
+    try:
+        return AutoTokenizer.from_pretrained(art.hf_dir, trust_remote_code=False)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError) as e:
+        raise PactError(f"{art.hf_dir}: the tokenizer files cannot be loaded ({type(e).__name__}: {e}): the "
+                        "artifact is damaged or crafted; re-copy it or re-run pact-convert") from None

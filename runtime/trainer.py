@@ -125,13 +125,19 @@ def check_inputs(cfg: TrainConfig, *, tokenize: bool = False) -> None:
     --calibrate, before its GPTQ): every record tokenized by the artifact's tokenizer as training will."""
     from .data import tokenize as to_examples  # (the flag's name hides the function here)
 
+    if "://" not in str(cfg.artifact):  # a run inside the artifact would be deleted by pact-convert --overwrite
+        o, a = Path(cfg.out).resolve(), Path(cfg.artifact).resolve()
+        if o == a or o.is_relative_to(a):
+            raise PactError(f"--out {cfg.out} is {'the' if o == a else 'inside the'} artifact {cfg.artifact}: a run "
+                            "never goes into the artifact it trains on (replacing the artifact would delete it); "
+                            "choose an --out outside it")
     tokenizer = None
     if tokenize:
-        from transformers import AutoTokenizer
-
         from pact.formats import open_artifact
 
-        tokenizer = AutoTokenizer.from_pretrained(open_artifact(cfg.artifact).hf_dir, trust_remote_code=False)
+        from .session import load_tokenizer
+
+        tokenizer = load_tokenizer(open_artifact(cfg.artifact))
     for path, flag, split in ((cfg.data, "--data", cfg.data_split), (cfg.eval_data, "--eval-data", cfg.eval_split)):
         if path is not None:
             records = read_records(path, flag, split)  # a missing or malformed file fails now

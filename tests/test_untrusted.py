@@ -58,10 +58,12 @@ def test_symlinked_chunk_is_refused(base, tmp_path):
         open_artifact(art)
 
 
-@pytest.mark.parametrize("where", ["file-dotdot", "file-absolute", "array-dotdot", "array-absolute"])
+@pytest.mark.parametrize("where", ["file-dotdot", "file-absolute", "array-dotdot", "array-absolute", "array-nul",
+                                   "file-backslash"])
 def test_paths_outside_are_refused(base, tmp_path, where):
     art = _copy(base, tmp_path)
-    bad = "../../x/PWNED" if where.endswith("dotdot") else "/etc/hostname"
+    bad = {"dotdot": "../../x/PWNED", "absolute": "/etc/hostname", "nul": "tensors/model.norm\0x.weight/data",
+           "backslash": "..\\..\\x"}[where.split("-")[1]]
 
     def edit(meta):
         if where.startswith("file"):
@@ -72,6 +74,27 @@ def test_paths_outside_are_refused(base, tmp_path, where):
     edit_manifest(art, edit)
     with pytest.raises(ArtifactError, match="points outside the artifact"):
         open_artifact(art)
+
+
+@pytest.mark.parametrize("where", ["hf/evil.json", "tensors/zarr.json"])
+def test_named_pipe_is_refused_not_waited_on(base, tmp_path, where):
+    """A FIFO (tar carries them) would block whoever opens it forever: refused by its type, never opened."""
+    art = _copy(base, tmp_path)
+    (art / where).unlink(missing_ok=True)
+    os.mkfifo(art / where)
+    with pytest.raises(ArtifactError, match="not a regular file"):
+        open_artifact(art)
+
+
+def test_named_pipe_in_a_model_folder_is_refused(base, tmp_path):
+    from pact.formats import PactError
+
+    src = tmp_path / "model"
+    shutil.copytree(base / "src", src, symlinks=True)
+    (src / "hostname.txt").unlink()
+    os.mkfifo(src / "extra.safetensors")
+    with pytest.raises(PactError, match="extra.safetensors: not a regular file"):
+        convert(str(src), tmp_path / "art", progress=False)
 
 
 def test_code_in_an_artifact_is_refused(base, tmp_path):
@@ -142,6 +165,42 @@ def test_overwrite_never_deletes_what_is_not_an_artifact(base, tmp_path):
     convert(str(src), art, progress=False)
     convert(str(src), art, overwrite=True, progress=False)  # an artifact is replaced, as asked
     open_artifact(art).verify()
+
+
+def test_overwrite_never_deletes_files_kept_in_an_artifact(base, tmp_path):
+    """--overwrite replaces what the manifest lists and nothing else: notes or a run a user keeps in the
+    artifact folder make pact-convert, pact-push and pact-train refuse, and stay."""
+    from pact.formats import PactError
+    from pact.formats.push import push_artifact
+    from pact.runtime.trainer import check_inputs
+
+    art = _copy(base, tmp_path)
+    (art / "NOTES.txt").write_text("what this artifact is for")
+    (art / "myrun").mkdir()
+    (art / "myrun" / "adapter_model.safetensors").write_bytes(b"weeks of training")
+    with pytest.raises(PactError, match=r"holds files its manifest does not list \(NOTES.txt, "
+                                        r"myrun/adapter_model.safetensors\): --overwrite would delete them"):
+        convert(str(base / "src"), art, overwrite=True, progress=False)
+    with pytest.raises(PactError, match="NOTES.txt"):
+        push_artifact(base / "art", str(art), overwrite=True)
+    assert (art / "NOTES.txt").is_file() and (art / "myrun" / "adapter_model.safetensors").is_file()
+    with pytest.raises(PactError, match="is inside the artifact"):  # where such a run would come from
+        check_inputs(_cfg(base, tmp_path, artifact=str(art), out=str(art / "run2")))
+    shutil.rmtree(art / "myrun")
+    (art / "NOTES.txt").unlink()
+    convert(str(base / "src"), art, overwrite=True, progress=False)  # only the artifact: replaced, as asked
+    open_artifact(art).verify()
+
+
+def test_killed_between_renames_the_artifact_is_restored(base, tmp_path):
+    """A run killed between replace_by_rename's two renames left no OUT and the old artifact aside: the
+    next write to OUT renames it back (never sweeps it away as a leftover)."""
+    out = tmp_path / "art"
+    shutil.copytree(base / "art", tmp_path / ".art.old-999999999-deadbeef")
+    with pytest.raises(ArtifactError, match="already exists: pass --overwrite"):
+        convert(str(base / "src"), out, progress=False)
+    open_artifact(out).verify()
+    assert not (tmp_path / ".art.old-999999999-deadbeef").exists()
 
 
 # ---- a run never loses what it made, and a damaged input never trains
