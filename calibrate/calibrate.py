@@ -179,6 +179,10 @@ def calibrate(
         raise SourceError(f"{src_name}: not the GGUF file this artifact was converted from (sha256 differs): "
                         "pass --source with the original model")
     workdir = work_path(out, "src") if gguf else None
+    if source is None:  # said before it is read or fetched: the artifact, maybe a stranger's, named it
+        kind = "a local path" if Path(src_name).is_absolute() or Path(src_name).exists() else "a hub id"
+        log.info("reading the source model the artifact names, %s (%s%s): pass --source to choose it", src_name,
+                    kind, f", revision {prov['revision']}" if prov.get("revision") else "")
     try:
         try:
             src = open_source(src_name, revision=prov.get("revision"), workdir=workdir)

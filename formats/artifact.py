@@ -583,7 +583,7 @@ def _config_error(source: str, key: str, value: Any, why: str) -> PactError:
                      "the model's own config.json")
 
 
-def _text_sizes(tc: dict, source: str) -> dict[str, int]:
+def _text_sizes(tc: dict, source: str) -> dict[str, int | None]:
     """The sizes the forward is built from, each valid: optional sizes positive integers, epsilons and
     RoPE bases finite and > 0, head counts that divide (check_config has checked the required ones)."""
     for key in ("num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings"):
@@ -610,10 +610,10 @@ def _text_sizes(tc: dict, source: str) -> dict[str, int]:
     if nh % nkv:
         raise _config_error(source, "num_key_value_heads", nkv, f"which does not divide num_attention_heads {nh}")
     return {"hidden_size": h, "heads": nh, "kv_heads": nkv, "head_dim": hd,
-            "intermediate_size": tc["intermediate_size"]}
+            "intermediate_size": tc["intermediate_size"], "vocab_size": tc.get("vocab_size")}
 
 
-def _expected_shape(name: str, shapes: dict, z: dict[str, int]) -> tuple[list[int], str] | None:
+def _expected_shape(name: str, shapes: dict, z: dict[str, int | None]) -> tuple[list[int], str] | None:
     """The shape the config gives tensor ``name`` and the keys it comes from; None where it gives none."""
     h, q, kv, i = z["hidden_size"], z["heads"] * z["head_dim"], z["kv_heads"] * z["head_dim"], z["intermediate_size"]
     heads, kv_heads = "num_attention_heads x head_dim", "num_key_value_heads x head_dim"
@@ -629,6 +629,8 @@ def _expected_shape(name: str, shapes: dict, z: dict[str, int]) -> tuple[list[in
         (rows, _), keys = projections[name.split(".")[-2]]
         return [rows], keys.split(", ")[0]
     if r.role in ("embedding", "lm_head") and len(shapes[name]) == 2:
+        if z.get("vocab_size"):  # (a table far larger than the vocabulary: memory a crafted artifact would cost)
+            return [z["vocab_size"], h], "vocab_size, hidden_size"
         return [shapes[name][0], h], "hidden_size"  # rows: the vocabulary (the tokenizer is checked at load)
     if r.role == "norm":
         per_head = name.endswith(("q_norm.weight", "k_norm.weight"))  # Qwen3: RMSNorm over each head

@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save
 
 from .errors import PactError
 from .families import PROJECTIONS
+from .files import check_regular, read_json
 
 ALL_TARGETS = tuple(PROJECTIONS)  # q_proj k_proj v_proj o_proj gate_proj up_proj down_proj
 
@@ -170,10 +171,12 @@ def load_peft_adapter(
     if not cfg_path.is_file() or not w_path.is_file():
         raise PactError(f"{d} is not a PEFT LoRA adapter (needs adapter_config.json + adapter_model.safetensors)")
     fix = "re-save it with PEFT or pact-train"
-    try:
-        c = json.loads(cfg_path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise PactError(f"{cfg_path}: not valid JSON ({e}): {fix}") from None
+    for p in (cfg_path, w_path):  # an adapter from anyone: its files are its own, not links to elsewhere
+        if p.is_symlink():
+            raise PactError(f"{p}: a symbolic link: refusing it (an adapter's files are read from its folder only); "
+                            "copy the adapter without links (cp -rL) if you trust its source")
+        check_regular(p, p.stat().st_mode, fix, PactError)
+    c = read_json(cfg_path, fix, PactError)
     if not isinstance(c, dict):
         raise PactError(f"{cfg_path}: expected a JSON object: {fix}")
     for key, ok in (("r", lambda v: isinstance(v, int) and v >= 1),
@@ -189,7 +192,10 @@ def load_peft_adapter(
             isinstance(v, int) for v in layers))):
         raise PactError(f"{cfg_path}: 'layers_to_transform' is invalid ({layers!r}): {fix}")
     layers = "all" if layers is None else ",".join(map(str, [layers] if isinstance(layers, int) else layers))
-    cfg = LoraConfig(r=c["r"], alpha=c["lora_alpha"], dropout=c.get("lora_dropout", 0.0),
+    dropout = c.get("lora_dropout", 0.0)
+    if not (isinstance(dropout, (int, float)) and not isinstance(dropout, bool) and 0 <= dropout < 1):
+        raise PactError(f"{cfg_path}: 'lora_dropout' is invalid ({dropout!r}; a number in [0, 1)): {fix}")
+    cfg = LoraConfig(r=c["r"], alpha=c["lora_alpha"], dropout=dropout,
                      targets=tuple(c["target_modules"]), layers=layers)
     try:
         tensors = load_file(w_path)

@@ -114,6 +114,9 @@ def _run_data(adapter: str) -> str:
         where = f"the run's --data ({data}) is not there" if data else f"{cfg} does not name the training data"
         raise PactError(f"--merge-method gptq needs texts like the training data and {where}: pass --merge-data FILE, "
                         "or --merge-method rtn")
+    # said, not silent: a run folder from elsewhere names a path on this machine that GPTQ will read
+    click.echo(f"merge: GPTQ texts from {data} (the run's --data, recorded in {cfg}; --merge-data FILE to "
+               "choose others)", err=True)
     return data
 
 

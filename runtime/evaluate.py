@@ -3,7 +3,6 @@ exact match and token F1 of greedy generations otherwise (``generate``)."""
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 import string
@@ -12,6 +11,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from pact.formats import PactError
+from pact.formats.files import read_json
 
 from .autorecipe import parse_auto
 from .checkpoints import CALIBRATED
@@ -234,11 +236,13 @@ def run_record(adapter: str) -> dict:
     """A pact-train run's train_config.json ({} when there is none; an unreadable one is said once and
     read as none: an adapter folder copied without it, or damaged, still loads)."""
     f = Path(adapter) / "train_config.json"
-    if not f.is_file():
+    if not f.is_file() and not f.is_symlink():
         return {}
     try:
-        record = json.loads(f.read_text())
-    except (OSError, ValueError) as e:
+        if f.is_symlink():
+            raise PactError("a symbolic link (a run's record is read from its folder only)")
+        record = read_json(f, "its recorded settings are not used", PactError)
+    except PactError as e:
         record = e
     if not isinstance(record, dict):
         log.warning("%s: unreadable (%s); the run's recorded settings are not used", f,

@@ -41,7 +41,13 @@ def _rotary(spec, cfg):
     import importlib
 
     module, name = spec.rotary
-    return getattr(importlib.import_module(f"transformers.models.{module}.modeling_{module}"), name)(cfg)
+    rotary = getattr(importlib.import_module(f"transformers.models.{module}.modeling_{module}"), name)
+    try:
+        return rotary(cfg)
+    except (KeyError, ValueError, TypeError, AttributeError, ZeroDivisionError) as e:
+        raise PactError(f"config.json: RoPE settings transformers cannot build a rotary embedding from "
+                        f"({type(e).__name__}: {e}): the artifact is damaged or crafted; re-copy it or re-run "
+                        "pact-convert") from None
 
 
 def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -65,7 +71,11 @@ def load_text_config(artifact: Artifact):
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise PactError(f"{cfg_file}: unreadable ({e}): the artifact is damaged; "
                         "re-copy it or re-run pact-convert") from None
-    return AutoConfig.from_pretrained(artifact.hf_dir, trust_remote_code=False).get_text_config()
+    try:
+        return AutoConfig.from_pretrained(artifact.hf_dir, trust_remote_code=False).get_text_config()
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise PactError(f"{cfg_file}: transformers cannot read it ({type(e).__name__}: {e}): the artifact is damaged "
+                        "or crafted; re-copy it or re-run pact-convert") from None
 
 
 class PactModel(nn.Module):

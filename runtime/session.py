@@ -67,5 +67,6 @@ def load_tokenizer(art: Artifact):
     try:
         return AutoTokenizer.from_pretrained(art.hf_dir, trust_remote_code=False)
     except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError) as e:
-        raise PactError(f"{art.hf_dir}: the tokenizer files cannot be loaded ({type(e).__name__}: {e}): the "
-                        "artifact is damaged or crafted; re-copy it or re-run pact-convert") from None
+        raise PactError(f"{art.hf_dir}: the tokenizer cannot be loaded from its files and config.json "
+                        f"({type(e).__name__}: {e}): the artifact is damaged or crafted; re-copy it or re-run "
+                        "pact-convert") from None
