@@ -2,6 +2,7 @@
 folder, never runs code it ships, and the converter ships only the files a model needs."""
 
 import errno
+import functools
 import json
 import os
 import shutil
@@ -423,6 +424,9 @@ def test_non_utf8_data_names_the_line(base, tmp_path):
     (lambda c: c.pop("r"), "'r' is missing or invalid"),
     (lambda c: c.update(lora_alpha=0), "'lora_alpha' is missing or invalid"),
     (lambda c: c.update(use_dora=True), "pact applies plain LoRA only"),
+    (lambda c: c.update(lora_dropout="x"), "'lora_dropout' is invalid"),
+    (lambda c: c.update(notes=functools.reduce(lambda a, _: [a], range(100), [])), "nested deeper"),
+    ("link", "adapter_config.json: a symbolic link"),
 ])
 def test_bad_adapter_config(base, tmp_path, edit, match):
     from pact.formats import PactError
@@ -432,8 +436,12 @@ def test_bad_adapter_config(base, tmp_path, edit, match):
     train(_cfg(base, tmp_path), progress=False)
     f = tmp_path / "run" / "adapter_config.json"
     c = json.loads(f.read_text())
-    edit(c)
-    f.write_text(json.dumps(c))
+    if edit == "link":  # the file itself elsewhere: a link out of the adapter's folder is not followed
+        f.rename(tmp_path / "elsewhere.json")
+        os.symlink(tmp_path / "elsewhere.json", f)
+    else:
+        edit(c)
+        f.write_text(json.dumps(c))
     with pytest.raises(PactError, match=match):
         evaluate_artifact(str(base / "art"), str(_data(tmp_path)), adapter=str(tmp_path / "run"), max_len=32)
 
@@ -442,6 +450,7 @@ def test_bad_adapter_config(base, tmp_path, edit, match):
     (lambda c: c.pop("hidden_size"), "'hidden_size' is missing"),
     (lambda c: c.update(num_hidden_layers=c["num_hidden_layers"] + 1), "num_hidden_layers is 3 but the weights hold"),
     (lambda c: c.update(num_hidden_layers=c["num_hidden_layers"] - 1), "num_hidden_layers is 1 but the weights hold"),
+    (lambda c: c.update(vocab_size=c["vocab_size"] + 7), "but the config's vocab_size, hidden_size give"),
 ])
 def test_config_that_does_not_fit_the_weights(base, tmp_path, edit, match):
     from pact.formats import PactError
@@ -456,6 +465,29 @@ def test_config_that_does_not_fit_the_weights(base, tmp_path, edit, match):
         convert(str(src), tmp_path / "art", progress=False)
     art = _copy(base, tmp_path / "b")  # the same config inside an artifact (consistent checksums)
     (art / "hf" / "config.json").write_text(json.dumps(c))
+    rehash_artifact(art)
+    with pytest.raises(PactError, match=match):
+        train(_cfg(base, tmp_path, artifact=str(art)), progress=False)
+
+
+@pytest.mark.parametrize("edit,match", [
+    (lambda c: c.update(rope_parameters={"rope_type": "nonsense", "rope_theta": 10000.0}), "RoPE settings"),
+    (lambda c: c.update(dtype="nonsense"), "config.json"),
+    ("tokenizer", "the tokenizer cannot be loaded"),
+])
+def test_config_transformers_cannot_use_is_one_error(base, tmp_path, edit, match):
+    """Values transformers fails on with a KeyError or AttributeError deep inside (an unknown RoPE type, a
+    dtype torch lacks, a tokenizer.json that is JSON but no tokenizer): one error naming the artifact."""
+    from pact.formats import PactError
+    from pact.runtime.trainer import train
+
+    art = _copy(base, tmp_path)
+    if edit == "tokenizer":
+        (art / "hf" / "tokenizer.json").write_text(json.dumps({"model": {"type": "BPE"}}))
+    else:
+        c = json.loads((art / "hf" / "config.json").read_text())
+        edit(c)
+        (art / "hf" / "config.json").write_text(json.dumps(c))
     rehash_artifact(art)
     with pytest.raises(PactError, match=match):
         train(_cfg(base, tmp_path, artifact=str(art)), progress=False)
