@@ -8,7 +8,7 @@ from dataclasses import MISSING, asdict, dataclass, field
 from pathlib import Path
 
 from pact.formats import PactError
-from pact.formats.peft import ALL_TARGETS, LoraConfig, parse_layers
+from pact.formats.peft import ALL_TARGETS, LoraConfig
 
 from .autorecipe import auto_spec, parse_auto
 from .data import looks_like_hub_id
@@ -153,7 +153,7 @@ class TrainConfig:
             resolve_backward_weights(self.backward_weights, compute)
         factor = parse_auto(self.activations)  # canonical spellings: resume compares them
         self.activations = auto_spec(factor) if factor is not None else parse_recipe(self.activations).spec()
-        parse_layers(self.lora_layers, None)
+        self.lora()  # --targets, --lora-r, --lora-dropout and --lora-layers' syntax
         for name in PATH_FIELDS:  # absolute: --out ./run/ and --out run are the same run
             setattr(self, name, _absolute(getattr(self, name)))
 

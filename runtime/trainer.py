@@ -132,20 +132,29 @@ def check_inputs(cfg: TrainConfig, *, tokenize: bool = False) -> None:
                             "never goes into the artifact it trains on (replacing the artifact would delete it); "
                             "choose an --out outside it")
     tokenizer = None
-    if tokenize:
+    device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if tokenize:  # what _setup refuses once the model is loaded, refused before a minute of GPTQ instead
         from pact.formats import open_artifact
+        from pact.formats.families import text_config
 
+        from .ops import resolve_kernels
         from .session import load_tokenizer
 
-        tokenizer = load_tokenizer(open_artifact(cfg.artifact))
+        art = open_artifact(cfg.artifact)
+        tokenizer = load_tokenizer(art)
+        n_layers = (text_config(art.meta["hf_config"]) or {}).get("num_hidden_layers")
+        if isinstance(n_layers, int):
+            cfg.lora().layer_ids(n_layers)  # --lora-layers against the model's depth
+        resolve_kernels(cfg.kernels, torch.device(device))
     for path, flag, split in ((cfg.data, "--data", cfg.data_split), (cfg.eval_data, "--eval-data", cfg.eval_split)):
         if path is not None:
             records = read_records(path, flag, split)  # a missing or malformed file fails now
             if tokenizer is not None:  # types, empty completions, chat templates: what _setup would refuse
-                to_examples(records, tokenizer, max_len=cfg.max_len, overlong=cfg.overlong)
+                examples = to_examples(records, tokenizer, max_len=cfg.max_len, overlong=cfg.overlong)
+                if flag == "--eval-data" and cfg.metric_for_best == "eval_accuracy":
+                    _check_label_data(examples, cfg)
     check_available(parse_report_to(cfg.report_to))
-    why = settings_refusal(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"), cfg.lora_dropout,
-                           cfg.kernels)
+    why = settings_refusal(device, cfg.lora_dropout, cfg.kernels)
     if cfg.cuda_graphs == "on" and why:  # (the model says the same later; this is before any GPTQ)
         raise PactError(f"--cuda-graphs on: {why}; use --cuda-graphs auto (eager where graphs cannot run) or off")
 
@@ -270,11 +279,16 @@ def _setup(cfg: TrainConfig, run: Path, resume: bool, dist: Dist, device: str | 
         held = tokenize(held_records, ses.tokenizer,
                         max_len=cfg.max_len, overlong=cfg.overlong,
                         vocab_size=vocab)
-        if cfg.metric_for_best == "eval_accuracy" and label_candidates(held) is None:
-            raise PactError(f"--metric-for-best eval_accuracy: {cfg.eval_data} is not label data (its completions are "
-                            "not a small set of answers); use eval_loss")
+        if cfg.metric_for_best == "eval_accuracy":
+            _check_label_data(held, cfg)
     return _Run(model, ses.tokenizer, examples, pad_id(ses.tokenizer), total, params, opt, state, last_good, dist,
                 held)
+
+
+def _check_label_data(held: list, cfg: TrainConfig) -> None:
+    if label_candidates(held) is None:
+        raise PactError(f"--metric-for-best eval_accuracy: {cfg.eval_data} is not label data (its completions are "
+                        "not a small set of answers); use eval_loss")
 
 
 def _write_run_config(run: Path, cfg: TrainConfig, model: PactModel, dist: Dist, state: dict) -> None:

@@ -743,6 +743,13 @@ def test_train_calibrate_refusals_and_recovery(tmp_path, caplog):
             "--max-len", "64", "--quiet", "--calibrate", "--calibrate-samples", "8"]
     r = CliRunner().invoke(train_cli, [*args, "--lora-layers", "top:99"])
     assert r.exit_code != 0 and sorted(p.name for p in run.iterdir() if p.name != ".lock") == ["calibrated"]
+    # settings the model refuses are refused before GPTQ: a new --out gets no calibrated/ for them
+    for bad, said in (("--lora-layers=top:99", "the model has 2 decoder blocks"),
+                      ("--kernels=triton", "TRITON_INTERPRET"), ("--targets=q_proj,bogus_proj", "--targets: unknown")):
+        env = {"TRITON_INTERPRET": "0"} if "triton" in bad else {}
+        r = CliRunner().invoke(train_cli, [*args[:4], str(tmp_path / "run2"), *args[5:], bad], env=env)
+        assert r.exit_code != 0 and said in r.output, r.output
+        assert not (tmp_path / "run2" / "calibrated").exists()
     stamp = (run / "calibrated" / "zarr.json").stat().st_mtime_ns
     r = CliRunner().invoke(train_cli, [*args, "--save-every", "1"])
     assert r.exit_code == 0, r.output
