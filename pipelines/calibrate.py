@@ -10,11 +10,11 @@ from pact.calibrate import calibrate
 from pact.calibrate.calibrate import BACKWARD_LAYOUTS
 from pact.formats import open_artifact
 
-from .common import cli_errors
+from .common import ARTIFACT, OUT, cli_errors
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.argument("artifact", type=click.Path(file_okay=False))
+@click.argument("artifact", type=ARTIFACT)
 @click.option("--prompts", default=None,
               help="Calibration prompts: .jsonl (text | messages | prompt+completion), .txt, or a folder of "
               "images (png/jpg/webp; vision-language artifacts; a <image>.txt beside an image is its request).")
@@ -23,7 +23,7 @@ from .common import cli_errors
               "samples itself from its BOS token (no data needed). Measured downstream it is not safe: -5.8 points "
               "on one of nine tasks where --prompts with the task's texts lost nothing (BENCHMARKS.md).")
 @click.option("--seed", type=int, default=None, help="--model-texts: the sampling seed (default 0).")
-@click.option("--out", required=True, type=click.Path(file_okay=False), help="Where the calibrated artifact goes.")
+@click.option("--out", required=True, type=OUT, help="Where the calibrated artifact goes.")
 @click.option("--source", default=None, help="The original model (default: the artifact's recorded source).")
 @click.option("--max-samples", default=128, show_default=True)
 @click.option("--seq-len", default=512, show_default=True, help="Longest prompt in tokens (images are resized to fit).")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import os
 import types
 import typing
 from typing import Any, Callable
@@ -55,10 +56,31 @@ def config_options(cls, only: tuple[str, ...] | None = None, required: bool = Tr
     return decorate
 
 
+class Folder(click.Path):
+    """A folder argument or option: a file given there is one error with ``hint`` (what goes there and how
+    to make it), not click's bare "is a file"."""
+
+    def __init__(self, hint: str, **kw):
+        super().__init__(file_okay=False, **kw)
+        self.hint = hint
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, (str, os.PathLike)) and os.path.isfile(value):
+            self.fail(f"{os.fspath(value)!r} is a file, not a folder: {self.hint}", param, ctx)
+        return super().convert(value, param, ctx)
+
+
+ARTIFACT = Folder("an artifact is the folder pact-convert writes; convert a model file (.gguf) or folder first: "
+                  "pact-convert MODEL ARTIFACT/")
+ADAPTER = Folder("--adapter takes the run folder pact-train wrote (or a PEFT adapter folder: adapter_config.json "
+                 "and adapter_model.safetensors)")
+OUT = Folder("give the path of a folder to write (it is created)")
+
+
 def _option(f: dataclasses.Field, hint, required: bool = True) -> Callable:
     meta = f.metadata
     if meta.get("argument"):
-        return click.argument(f.name, type=click.Path(file_okay=False), required=required)
+        return click.argument(f.name, type=ARTIFACT, required=required)
     if typing.get_origin(hint) in (typing.Union, types.UnionType):  # X | None: X
         hint = next(a for a in typing.get_args(hint) if a is not type(None))
     kind = typing.get_origin(hint) or hint
@@ -72,7 +94,7 @@ def _option(f: dataclasses.Field, hint, required: bool = True) -> Callable:
     if "choices" in meta:
         kw["type"] = click.Choice(list(meta["choices"]))
     elif meta.get("path"):
-        kw["type"] = click.Path(file_okay=False)
+        kw["type"] = OUT if f.name == "out" else ADAPTER if f.name == "adapter" else click.Path(file_okay=False)
     elif kind in (int, float):
         kw["type"] = kind
     required = required and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING

@@ -7,12 +7,12 @@ import click
 from pact.convert import convert
 from pact.formats import open_artifact
 
-from .common import cli_errors
+from .common import OUT, cli_errors
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("src")
-@click.argument("out", type=click.Path(file_okay=False))
+@click.argument("out", type=OUT)
 @click.option("--scaling", type=click.Choice(["1d", "2d"]), default="1d", show_default=True,
               help="NVFP4 weight scale blocks: 1d = 1x16 (W and W^T each quantized along their contraction dim; "
                    "smaller error, learns as BF16 LoRA does: BENCHMARKS.md), 2d = 16x16 (forward and backward "

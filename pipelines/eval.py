@@ -10,13 +10,13 @@ import click
 from pact.runtime.evaluate import collapse_note, evaluate_artifact
 from pact.runtime.trainer import TrainConfig
 
-from .common import cli_errors, config_options
+from .common import ADAPTER, ARTIFACT, cli_errors, config_options
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.argument("artifact", type=click.Path(file_okay=False))
+@click.argument("artifact", type=ARTIFACT)
 @click.option("--data", required=True, help="Held-out .jsonl (prompt/completion, messages, Alpaca or ShareGPT).")
-@click.option("--adapter", default=None, type=click.Path(file_okay=False),
+@click.option("--adapter", default=None, type=ADAPTER,
               help="A pact-train run folder (PEFT adapter); none = zero-shot.")
 @config_options(TrainConfig, only=("max_len", "batch_size", "activations", "compute", "device"))  # as pact-train's
 @click.option("--generate/--no-generate", default=None,

@@ -11,16 +11,16 @@ import click
 
 from pact.convert.export import FORMATS, export
 
-from .common import cli_errors
+from .common import ADAPTER, ARTIFACT, OUT, cli_errors
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.argument("artifact", type=click.Path(file_okay=False))
-@click.option("--out", required=True, type=click.Path(file_okay=False), help="The checkpoint folder to write.")
+@click.argument("artifact", type=ARTIFACT)
+@click.option("--out", required=True, type=OUT, help="The checkpoint folder to write.")
 @click.option("--format", "fmt", type=click.Choice(list(FORMATS)), default="compressed-tensors", show_default=True,
               help="compressed-tensors: NVFP4 weights as vLLM / SGLang load them (nvfp4-pack-quantized, "
                    "weight-only); bf16: dequantized weights for transformers.")
-@click.option("--adapter", default=None, type=click.Path(file_okay=False),
+@click.option("--adapter", default=None, type=ADAPTER,
               help="A pact-train run (PEFT adapter): beside the NVFP4 weights in adapter/ (vLLM serves LoRA on "
                    "quantized bases), or merged (bf16, or --merge).")
 @click.option("--merge", is_flag=True, help="Fold the adapter into the weights and re-quantize them to NVFP4 "

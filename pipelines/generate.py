@@ -11,12 +11,12 @@ import click
 from pact.formats import PactError
 from pact.runtime.trainer import TrainConfig
 
-from .common import cli_errors, config_options
+from .common import ADAPTER, ARTIFACT, cli_errors, config_options
 
 
 def _sampling(fn):
     for opt in reversed((
-        click.option("--adapter", default=None, type=click.Path(file_okay=False),
+        click.option("--adapter", default=None, type=ADAPTER,
                      help="A pact-train run folder, or its best/ (PEFT adapter); none = the base model."),
         click.option("--max-new-tokens", type=int, default=256, show_default=True),
         click.option("--temperature", type=float, default=0.0, show_default=True, help="0: greedy."),
@@ -62,7 +62,7 @@ def _stops(tokenizer) -> set[int]:
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.argument("artifact", type=click.Path(file_okay=False))
+@click.argument("artifact", type=ARTIFACT)
 @click.option("--prompt", required=True, help="The text to continue ('-': read it from standard input).")
 @click.option("--chat", "use_chat", is_flag=True,
               help="Wrap --prompt as a user message in the artifact's chat template (as pact-train renders messages).")
@@ -96,7 +96,7 @@ def _chat_ids(tok, messages: list[dict], command: str = "pact generate --chat") 
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.argument("artifact", type=click.Path(file_okay=False))
+@click.argument("artifact", type=ARTIFACT)
 @click.option("--system", default=None, help="A system message first.")
 @_sampling
 @cli_errors

@@ -12,12 +12,12 @@ import click
 from pact.formats import PactError, require
 from pact.runtime.trainer import TrainConfig
 
-from .common import cli_errors, config_options
+from .common import ADAPTER, ARTIFACT, cli_errors, config_options
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.argument("artifact", type=click.Path(file_okay=False))
-@click.option("--adapter", default=None, type=click.Path(file_okay=False),
+@click.argument("artifact", type=ARTIFACT)
+@click.option("--adapter", default=None, type=ADAPTER,
               help="A pact-train run folder (PEFT adapter); none = the base model.")
 @click.option("--tasks", required=True, help="Comma-separated lm-eval task names (or groups).")
 @click.option("--include-path", default=None, type=click.Path(exists=True, file_okay=False),

@@ -9,11 +9,11 @@ import click
 
 from pact.formats.push import push_artifact
 
-from .common import cli_errors
+from .common import ARTIFACT, cli_errors
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.argument("artifact", type=click.Path(file_okay=False))
+@click.argument("artifact", type=ARTIFACT)
 @click.argument("dest")
 @click.option("--overwrite", is_flag=True, help="Replace a pact artifact already at DEST (never any other files).")
 @cli_errors
