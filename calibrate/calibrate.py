@@ -289,10 +289,11 @@ def _warn_few_tokens(hessians) -> None:
     (a smoke test on a few texts is legitimate)."""
     tokens, widest = min(h.nsamples for h in hessians), max(h.columns for h in hessians)
     if tokens < widest:
-        log.warning("pact-calibrate: %d calibration tokens, fewer than the widest projection's %d input "
-                    "columns: the Hessian is rank-deficient and the result stays near round-to-nearest; "
-                    "use more --prompts texts, a larger --max-samples / --seq-len, or --min-tokens N (128 x 128 "
-                    "tokens is what BENCHMARKS.md measured)", tokens, widest)
+        log.warning("calibration: %d tokens, fewer than the widest projection's %d input columns: the Hessian is "
+                    "rank-deficient and the result stays near round-to-nearest; calibrate on more or longer texts "
+                    "(pact-calibrate: more --prompts texts, --max-samples / --seq-len or --min-tokens N; pact-train: "
+                    "more --data records, --calibrate-samples or --max-len; 128 x 128 tokens is what BENCHMARKS.md "
+                    "measured)", tokens, widest)
 
 
 def _units(model: PactModel, art, samples) -> list[Unit]:

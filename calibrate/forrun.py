@@ -15,6 +15,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 from pact.formats import PactError, check_apart, default_cache, open_artifact
 from pact.formats.files import sha256_file, sweep_leftovers
@@ -59,8 +60,10 @@ def calibration_texts(data: str, split: str | None, samples: int) -> tuple[str, 
 
 def calibrate_for_run(artifact: str, data: str, run: str | os.PathLike, *, split: str | None = None,
                       samples: int = SAMPLES, seq_len: int = SEQ_LEN, resume: bool = False,
-                      device: str | None = None, progress: bool = True) -> Path:
+                      device: str | None = None, progress: bool = True,
+                      announce: Callable[[], None] | None = None) -> Path:
     """RUN/calibrated/: ``artifact`` calibrated with GPTQ on the first ``samples`` records of ``data``
+    (``announce``: called when GPTQ starts, not on a reuse)
     (reused as it is when it was made from the same artifact's weights, texts and settings and is
     intact). With ``resume``, a run that has trained keeps its calibrated/ or is refused."""
     check_samples(samples)
@@ -91,6 +94,8 @@ def calibrate_for_run(artifact: str, data: str, run: str | os.PathLike, *, split
                 sweep_leftovers(out)  # what a killed recalibration left beside it
                 log.info("calibration: reusing %s (same artifact, texts and settings)", out)
                 return out
+            if announce is not None:  # said when GPTQ really starts, not before a reuse
+                announce()
             with tempfile.TemporaryDirectory(prefix="pact-calibration-texts-") as tmp:
                 texts = Path(tmp) / "train-texts.jsonl"
                 texts.write_text(body, encoding="utf-8")

@@ -146,7 +146,8 @@ def with_config_file(path: str, params: dict) -> dict:
 
             near = difflib.get_close_matches(key, [k for k in by_key if "-" not in k], n=1)
             raise PactError(f"--config {path}: unknown key {key!r}" + (f" (did you mean {near[0]!r}?)" if near else "")
-                            + f": the keys are {ctx.command.name}'s options, e.g. lr or learning_rate")
+                            + f": the keys are {ctx.find_root().info_name or ctx.command.name}'s options, e.g. lr or "
+                            "learning_rate")
         if ctx.get_parameter_source(p.name) not in (None, click.core.ParameterSource.DEFAULT):
             continue  # given on the command line: it wins
         out[p.name] = _convert(p, key, value, path, ctx)

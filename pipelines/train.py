@@ -27,8 +27,8 @@ from .common import cli_errors, config_from, config_options, main_rank, with_con
                    "artifact at three learning rates (a task's gain moves by about a point with the texts it "
                    "calibrates on; BENCHMARKS.md). About a minute for a 1B model on one GPU; needs the artifact's "
                    "source model. Default: done when ARTIFACT is not calibrated and its source model is on this "
-                   "machine (said when not); --calibrate insists, --no-calibrate trains on ARTIFACT as it is. Evaluate "
-                   "and export the adapter with OUT/calibrated/ as the artifact.")
+                   "machine (said when not); --calibrate insists, --no-calibrate trains on ARTIFACT as it is. "
+                   "pact-eval and pact-export given ARTIFACT and the run use OUT/calibrated/ themselves.")
 @click.option("--calibrate-samples", type=int, default=128, show_default=True,
               help="Calibration: how many training records (each at most min(--max-len, 512) tokens).")
 @click.option("--resume", is_flag=True, help="Continue the run in --out from its latest checkpoint.")
@@ -61,13 +61,15 @@ def main(config: str | None, **params) -> None:
         from pact.calibrate.forrun import calibrate_for_run
 
         check_inputs(cfg, tokenize=True)  # a bad record in --data / --eval-data fails before GPTQ, not after
+        announce = None
         if auto and not quiet and not resume:
-            click.echo(f"calibrating {cfg.artifact} on --data's first records (up to {samples}) into "
-                       f"{Path(cfg.out) / 'calibrated'} before training (--no-calibrate skips it)", err=True)
+            msg = (f"calibrating {cfg.artifact} on --data's first records (up to {samples}) into "
+                   f"{Path(cfg.out) / 'calibrated'} before training (--no-calibrate skips it)")
+            announce = lambda: click.echo(msg, err=True)  # noqa: E731
         try:
             cfg.artifact = str(calibrate_for_run(cfg.artifact, cfg.data, cfg.out, split=cfg.data_split,
                                                  samples=samples, seq_len=min(cfg.max_len, 512), resume=resume,
-                                                 device=cfg.device, progress=not quiet))
+                                                 device=cfg.device, progress=not quiet, announce=announce))
         except SourceError as e:  # the source is there but not the model converted: never a mix of two models
             fix = (f"calibrate with pact-calibrate {cfg.artifact} --source ORIGINAL_MODEL --prompts {cfg.data} "
                    "--out CALIBRATED/ and train on CALIBRATED/")
