@@ -5,6 +5,7 @@ transformers (bf16) load. Every export carries pact_export.json (what --overwrit
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import click
@@ -115,8 +116,8 @@ def _run_data(adapter: str) -> str:
         raise PactError(f"--merge-method gptq needs texts like the training data and {where}: pass --merge-data FILE, "
                         "or --merge-method rtn")
     # said, not silent: a run folder from elsewhere names a path on this machine that GPTQ will read
-    click.echo(f"merge: GPTQ texts from {data} (the run's --data, recorded in {cfg}; --merge-data FILE to "
-               "choose others)", err=True)
+    logging.getLogger(__name__).info("merge: GPTQ texts from %s (the run's --data, recorded in %s; --merge-data FILE "
+                                     "to choose others)", data, cfg)
     return data
 
 
