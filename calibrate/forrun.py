@@ -168,8 +168,8 @@ def _cannot_calibrate(artifact: str, prov: dict, data: str, split: str | None) -
     except (PactError, OSError, ValueError, TypeError):
         return None  # (--data's error is said by the checks before calibration)
     if n < MIN_RECORDS:
-        return (f"--data has {n} records, fewer than the {MIN_RECORDS} the default calibrates on (--calibrate "
-                "calibrates on them anyway)")
+        return (f"--data has {n} record{'s' if n != 1 else ''}, fewer than the {MIN_RECORDS} the default "
+                "calibrates on (--calibrate calibrates on them anyway)")
     return None
 
 

@@ -678,6 +678,9 @@ def _not_an_artifact(path: Path) -> str:
     if inside:
         return (f"{path} is not a pact artifact (no zarr.json) but holds {'some' if len(inside) > 1 else 'one'}: "
                 f"give {' or '.join(inside)}")
+    if is_file(path / "adapter_config.json") or is_file(path / "train_config.json"):
+        return (f"{path} is not a pact artifact (no zarr.json); it is a LoRA adapter or pact-train run: give the "
+                f"artifact it was trained on, and this folder as --adapter {path}")
     if is_file(path / "config.json"):
         return (f"{path} is not a pact artifact (no zarr.json); it looks like a Hugging Face model folder: "
                 f"convert it first, `pact-convert {path} ARTIFACT`, and give ARTIFACT")

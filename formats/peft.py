@@ -168,6 +168,8 @@ def load_peft_adapter(
         adapter_dir: str | os.PathLike) -> tuple[LoraConfig, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
     d = Path(adapter_dir)
     cfg_path, w_path = d / "adapter_config.json", d / "adapter_model.safetensors"
+    if not d.exists():
+        raise PactError(f"--adapter {d}: no such folder (give the run folder pact-train wrote, or a PEFT adapter)")
     if not cfg_path.is_file() or not w_path.is_file():
         raise PactError(f"{d} is not a PEFT LoRA adapter (needs adapter_config.json + adapter_model.safetensors)")
     fix = "re-save it with PEFT or pact-train"

@@ -38,7 +38,7 @@ def main(src: str, out: str, scaling: str, block_scales: str, keep_bf16: float, 
     art = open_artifact(path)
     kept = art.meta["provenance"]["kept_bf16"]
     imported = sum(art.entry(n).get("imported") not in (None, "requantized") for n in art.names("nvfp4"))
-    how = (f"{imported} imported as stored, W^T re-blocked" if imported else
+    how = (f"({imported} imported as stored, W^T re-blocked)" if imported else
            f"({scaling}){' with searched block scales' if block_scales == 'mse' else ''}")
     click.echo(f"wrote {path}: {art.meta['architecture']}, {len(art.names('nvfp4'))} NVFP4 projections "
                f"{how}, {len(kept)} kept bf16, {len(art.names('dense'))} dense tensors")

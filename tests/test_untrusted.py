@@ -140,12 +140,22 @@ def test_not_an_artifact_says_what_it_is(base, tmp_path):
     cases = {tmp_path / "missing": "missing: no such artifact folder: create one with `pact-convert MODEL",
              cache: f"holds one: give {cache / 'model-nvfp4'}",
              base / "src": "looks like a Hugging Face model folder: convert it first, `pact-convert"}
+    adapter = tmp_path / "someone-run"  # a run (or PEFT adapter) folder given as the artifact
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text("{}")
+    cases[adapter] = f"it is a LoRA adapter or pact-train run: give the artifact it was trained on, and this " \
+                     f"folder as --adapter {adapter}"
     for folder, want in cases.items():
         r = CliRunner().invoke(train_cli, [str(folder), "--data", str(data), "--out", str(tmp_path / "run"),
                                            "--steps", "1"])
         assert r.exit_code != 0 and want in r.output and "Traceback" not in r.output, r.output
         assert len(r.output.strip().splitlines()) == 1, r.output
         assert not (tmp_path / "run").exists()
+    from pact.formats import PactError
+    from pact.formats.peft import load_peft_adapter
+
+    with pytest.raises(PactError, match="--adapter .*nope: no such folder"):
+        load_peft_adapter(tmp_path / "nope")
 
 
 def test_overwrite_never_deletes_what_is_not_an_artifact(base, tmp_path):
