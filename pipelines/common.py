@@ -37,20 +37,22 @@ def cli_errors(fn: Callable) -> Callable:
     return wrapper
 
 
-def config_options(cls, only: tuple[str, ...] | None = None, required: bool = True) -> Callable:
+def config_options(cls, only: tuple[str, ...] | None = None, required: bool = True,
+                   helps: dict[str, str] | None = None) -> Callable:
     """Click options (and arguments) made from the fields of the config dataclass ``cls``: one
     place for each setting's name, type, default, help and choices (their ``_opt`` metadata).
     ``only``: those fields, in that order. ``--snake-case`` names (plus any ``aliases`` in the
     metadata: TRL/transformers spellings); bools are flags; tuples are comma-separated strings
     (config_from splits them). ``required=False``: no option is required by click (a --config file
-    may give them; config_from names what is still missing)."""
+    may give them; config_from names what is still missing). ``helps``: a command's own help for a field
+    (what it means there, e.g. --activations in a command that does not train)."""
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     chosen = [fields[n] for n in only] if only else list(fields.values())
 
     def decorate(fn: Callable) -> Callable:
         for f in reversed(chosen):  # decorators apply bottom-up: keep the dataclass's order in --help
-            fn = _option(f, hints[f.name], required)(fn)
+            fn = _option(f, hints[f.name], required, (helps or {}).get(f.name))(fn)
         return fn
 
     return decorate
@@ -77,7 +79,7 @@ ADAPTER = Folder("--adapter takes the run folder pact-train wrote (or a PEFT ada
 OUT = Folder("give the path of a folder to write (it is created)")
 
 
-def _option(f: dataclasses.Field, hint, required: bool = True) -> Callable:
+def _option(f: dataclasses.Field, hint, required: bool = True, help: str | None = None) -> Callable:
     meta = f.metadata
     if meta.get("argument"):
         return click.argument(f.name, type=ARTIFACT, required=required)
@@ -85,7 +87,7 @@ def _option(f: dataclasses.Field, hint, required: bool = True) -> Callable:
         hint = next(a for a in typing.get_args(hint) if a is not type(None))
     kind = typing.get_origin(hint) or hint
     default = meta.get("cli_default", None if f.default is dataclasses.MISSING else f.default)
-    kw: dict = {"help": meta.get("help"), "metavar": meta.get("metavar")}
+    kw: dict = {"help": help or meta.get("help"), "metavar": meta.get("metavar")}
     names = (f"--{f.name.replace('_', '-')}", *meta.get("aliases", ()), f.name)  # the field's name, then aliases
     if kind is bool:
         return click.option(*names, is_flag=True, **kw)
@@ -117,6 +119,13 @@ def config_from(cls, params: dict):
             name = f.name.upper() if f.metadata.get("argument") else f"--{f.name.replace('_', '-')}"
             raise PactError(f"{name} is required: give it on the command line or in the --config file")
     return cls(**kw)
+
+
+# --activations where nothing trains: only what the forward reads matters
+SCORING_HELPS = {"activations": "Precision recipe of the forward's activations, as pact-train's --activations "
+                                "(only what the GEMMs and LoRA read matters here: nothing is saved for backward). "
+                                "Default: the recipe the --adapter's run trained with (its train_config.json), "
+                                "else 'mixed'."}
 
 
 # what train_config.json adds to the options; --config ignores them

@@ -10,7 +10,7 @@ import click
 from pact.runtime.evaluate import collapse_note, evaluate_artifact
 from pact.runtime.trainer import TrainConfig
 
-from .common import ADAPTER, ARTIFACT, cli_errors, config_options
+from .common import ADAPTER, ARTIFACT, SCORING_HELPS, cli_errors, config_options
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -18,7 +18,8 @@ from .common import ADAPTER, ARTIFACT, cli_errors, config_options
 @click.option("--data", required=True, help="Held-out .jsonl (prompt/completion, messages, Alpaca or ShareGPT).")
 @click.option("--adapter", default=None, type=ADAPTER,
               help="A pact-train run folder (PEFT adapter); none = zero-shot.")
-@config_options(TrainConfig, only=("max_len", "batch_size", "activations", "compute", "device"))  # as pact-train's
+@config_options(TrainConfig, only=("max_len", "batch_size", "activations", "compute", "device"),  # as pact-train's
+                helps=SCORING_HELPS)
 @click.option("--generate/--no-generate", default=None,
               help="Score greedy generations (exact match, token F1). Default: when completions are not class labels.")
 @click.option("--max-new-tokens", type=int, default=None, help="Generation length (default: longest completion + 8).")

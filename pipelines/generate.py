@@ -11,7 +11,7 @@ import click
 from pact.formats import PactError
 from pact.runtime.trainer import TrainConfig
 
-from .common import ADAPTER, ARTIFACT, cli_errors, config_options
+from .common import ADAPTER, ARTIFACT, SCORING_HELPS, cli_errors, config_options
 
 
 def _sampling(fn):
@@ -24,7 +24,7 @@ def _sampling(fn):
         click.option("--seed", type=int, default=None, help="Sampling seed (default: a fresh one)."),
     )):
         fn = opt(fn)
-    return config_options(TrainConfig, only=("activations", "compute", "device"))(fn)
+    return config_options(TrainConfig, only=("activations", "compute", "device"), helps=SCORING_HELPS)(fn)
 
 
 class _Printer:

@@ -12,7 +12,7 @@ import click
 from pact.formats import PactError, require
 from pact.runtime.trainer import TrainConfig
 
-from .common import ADAPTER, ARTIFACT, cli_errors, config_options
+from .common import ADAPTER, ARTIFACT, SCORING_HELPS, cli_errors, config_options
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -28,7 +28,7 @@ from .common import ADAPTER, ARTIFACT, cli_errors, config_options
 @click.option("--max-length", type=int, default=None, help="Context tokens (default: the model's, at most 4096).")
 @click.option("--output", "output", default=None, type=click.Path(dir_okay=False),
               help="Write the results as JSON here (temp file + rename).")
-@config_options(TrainConfig, only=("activations", "compute", "device"))
+@config_options(TrainConfig, only=("activations", "compute", "device"), helps=SCORING_HELPS)
 @cli_errors
 def main(artifact, adapter, tasks, include_path, num_fewshot, limit, batch_size, max_length, output, activations,
          compute, device) -> None:
