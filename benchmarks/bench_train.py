@@ -123,10 +123,10 @@ def _annotate(ops):
     return dataclasses.replace(ops, **{name: wrap(name, getattr(ops, name)) for name in OP_CATEGORIES})
 
 
-def profile_pact(art_path: Path, bs: int, seq: int, compute: str, checkpoint: bool, top: int = 15
-                 ) -> tuple[list[tuple[str, float]], list[tuple[str, str, float, int]]]:
+def profile_pact(art_path: Path, bs: int, seq: int, compute: str, checkpoint: bool, top: int = 40
+                 ) -> tuple[list[tuple[str, float]], list[tuple[str, str, float, int, str]]]:
     """CUDA time of one training step by category, ms (after two warm-up steps), and the
-    ``top`` kernels (category, name, ms, calls)."""
+    ``top`` kernels by (kernel, launching op) (category, name, ms, calls, launching op)."""
     from torch.profiler import ProfilerActivity, profile
 
     model = _pact(art_path, compute, checkpoint)
@@ -150,22 +150,25 @@ def profile_pact(art_path: Path, bs: int, seq: int, compute: str, checkpoint: bo
     kernels: dict[tuple[str, str], list] = {}
     for ev in prof.events():
         for k in getattr(ev, "kernels", ()):  # kernels launched by this CPU op
-            cat, e = None, ev
+            cat, e, owner = None, ev, None
             while e is not None and cat is None:
                 if e.name.startswith("pact::"):
-                    cat = OP_CATEGORIES[e.name[6:]]
-                e = e.cpu_parent
+                    cat, owner = OP_CATEGORIES[e.name[6:]], e.name
+                root, e = e, e.cpu_parent
             if cat is None:
                 name = k.name.lower()
                 cat = next((c for c, keys in KERNEL_CATEGORIES if any(w in name for w in keys)),
                            "elementwise / copies / other")
+                # who launched it: the CPU op itself and the outermost one (an autograd node's name in
+                # backward, a module's op in forward), so "other" GEMMs and copies can be told apart
+                owner = ev.name if root is ev else f"{root.name[-48:]} > {ev.name}"
             sums[cat] = sums.get(cat, 0.0) + k.duration / 1e3
-            acc = kernels.setdefault((cat, k.name[:90]), [0.0, 0])
+            acc = kernels.setdefault((cat, k.name[:90], owner[:90]), [0.0, 0])
             acc[0] += k.duration / 1e3
             acc[1] += 1
     if not sums:
         raise RuntimeError("the profiler attached no CUDA kernels to CPU ops (torch version?)")
-    tops = sorted(((c, n, ms, calls) for (c, n), (ms, calls) in kernels.items()), key=lambda r: -r[2])[:top]
+    tops = sorted(((c, n, ms, calls, o) for (c, n, o), (ms, calls) in kernels.items()), key=lambda r: -r[2])[:top]
     return sorted(sums.items(), key=lambda kv: -kv[1]), tops
 
 
@@ -357,8 +360,8 @@ def main(shape, batches, methods, memory_cap_gib, seq, workdir, warmup, iters, c
             for cat, ms in parts:
                 print(f"  {cat:<48}{ms:>9.1f} ms {100 * ms / total:>5.1f}%")
             print("  top kernels:")
-            for cat, name, ms, calls in tops:
-                print(f"    {ms:>8.2f} ms {calls:>5}x  {name}  [{cat.split(' ')[0]}]")
+            for cat, name, ms, calls, owner in tops:
+                print(f"    {ms:>8.2f} ms {calls:>5}x  {name}  [{cat.split(' ')[0]}]  <- {owner}")
 
 
 if __name__ == "__main__":
