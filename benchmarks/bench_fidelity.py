@@ -958,10 +958,18 @@ def prepare(workdir, bigbench, tasks, methods, shard, convert_only, cells) -> No
 @click.option("--wide", is_flag=True, help="One row per (task, lr), one column per method.")
 @click.option("--ref", default="peft", show_default=True,
               help="With --wide: the method paired differences are taken to.")
-def table(csvs, stuck_margin, collapse_share, repeats, wide, ref) -> None:
+@click.option("--draw-sd", default=0.0, show_default=True,
+              help="With --wide: also a mean row whose standard error reads the cells as given plus, for each "
+                   "calibrated side of a difference (a method naming gptq), a draw of calibration texts' variance "
+                   "(this sd, in points: BENCHMARKS.md \"The draw of calibration texts\" measured ~0.9).")
+@click.option("--tasks", "only", default=None, help="Comma-separated: only these tasks' rows.")
+@click.option("--lrs", default=None, help="Comma-separated: only these learning rates' rows.")
+def table(csvs, stuck_margin, collapse_share, repeats, wide, ref, draw_sd, only, lrs) -> None:
     """Mean +- std over seeds, paired difference to PEFT (mean +- standard error), stuck seeds (accuracy
     near the majority class's) and collapsed runs (predicting the majority label nearly always)."""
-    rows = [r for c in csvs for r in csv.DictReader(open(c))]
+    rows = [r for c in csvs for r in csv.DictReader(open(c))
+            if (only is None or r["task"] in only.split(",")) and (lrs is None or float(r["lr"]) in
+                                                                   {float(x) for x in lrs.split(",")})]
     by: dict[tuple, dict[int, float]] = {}
     shares: dict[tuple, dict[int, float]] = {}  # predicts_majority, where the rows have it
     maj: dict[str, float] = {}
@@ -980,7 +988,7 @@ def table(csvs, stuck_margin, collapse_share, repeats, wide, ref) -> None:
         return f"{sum(x >= collapse_share for x in got.values())}/{len(got)}" if got else "-"
 
     if wide:
-        _wide(by, maj, stuck_margin, ref, collapsed)
+        _wide(by, maj, stuck_margin, ref, collapsed, draw_sd)
         return
     click.echo("| task (majority) | lr | method | mean +- std | vs PEFT (paired) | stuck seeds | collapsed |")
     click.echo("|---|---|---|---|---|---|---|")
@@ -1049,14 +1057,22 @@ def _paired(csvs, method: str, ref: str) -> dict[tuple, list[float]]:
     return cells
 
 
-def _wide(by: dict, maj: dict, margin: float, ref: str, collapsed) -> None:
+def _draws(method: str) -> int:
+    """How many draws of calibration texts a method's artifact is (1 for a calibrated one)."""
+    return int("gptq" in method)
+
+
+def _wide(by: dict, maj: dict, margin: float, ref: str, collapsed, draw_sd: float = 0.0) -> None:
     """The reference's mean +- std, then per method: mean, paired difference to the reference,
     stuck seeds, collapsed runs (``collapsed(cell)``: "k/n" of the runs that recorded predictions);
-    a last row with each method's paired difference averaged over the cells, +- its standard error."""
+    a last row with each method's paired difference averaged over the cells, +- its standard error
+    (the spread over the cells); with ``draw_sd``, one more whose standard error is the cells' own
+    (seeds) plus a draw's variance per calibrated side, the cells taken as given."""
     methods = sorted({m for _, _, m in by if m != ref}, key=lambda m: (not m.startswith("peft"), m))
     click.echo(f"| task (majority) | lr | {ref} | " + " | ".join(methods) + " |")
     click.echo("|---|---|---|" + "---|" * len(methods))
     avg: dict[str, list[float]] = {m: [] for m in methods}
+    var: dict[str, list[float]] = {m: [] for m in methods}  # each cell's variance, seeds + draws (fractions^2)
     for task, lr in sorted({(t, lr) for t, lr, _ in by}):
         base = by.get((task, lr, ref), {})
         bv = list(base.values())
@@ -1072,6 +1088,9 @@ def _wide(by: dict, maj: dict, margin: float, ref: str, collapsed) -> None:
             se = f" +- {100 * statistics.stdev(d) / len(d) ** 0.5:.1f}" if len(d) > 1 else ""
             paired = f"{100 * statistics.mean(d):+.1f}{se}" if d else "?"
             avg[m].extend([statistics.mean(d)] if d else [])
+            if d:  # (one seed: no seed variance known; the draw term alone)
+                var[m].append((statistics.variance(d) / len(d) if len(d) > 1 else 0.0)
+                              + (_draws(m) + _draws(ref)) * (draw_sd / 100) ** 2)
             fell = collapsed((task, lr, m))
             cells.append(f"{100 * statistics.mean(accs.values()):.1f} ({paired})"
                          f"{' stuck ' + str(stuck) if stuck else ''}{' collapsed ' + fell if fell != '-' else ''}")
@@ -1080,6 +1099,11 @@ def _wide(by: dict, maj: dict, margin: float, ref: str, collapsed) -> None:
         f"**{100 * statistics.mean(v):+.2f}**" + (f" +- {100 * statistics.stdev(v) / len(v) ** 0.5:.2f}"
                                                    if len(v) > 1 else "") if v else "-"
         for v in avg.values()) + " |")
+    if draw_sd:
+        click.echo(f"| **mean paired difference** (+- standard error of the cells as given, a draw sd {draw_sd:g}) "
+                   "| | | " + " | ".join(
+                       f"**{100 * statistics.mean(avg[m]):+.2f}** +- {100 * sum(var[m]) ** 0.5 / len(var[m]):.2f}"
+                       if avg[m] else "-" for m in methods) + " |")
 
 
 if __name__ == "__main__":

@@ -100,6 +100,23 @@ def test_table_counts_collapsed_runs(tmp_path):
     assert "55.0 (-2.5 +- 2.5) stuck 2 collapsed 1/2" in wide
 
 
+def test_table_mean_with_a_draw_term(tmp_path):
+    """--draw-sd: the mean over cells with a standard error of the cells as given, each cell's seed
+    variance plus a draw's variance for its calibrated side (sqrt(sum) / n)."""
+    from click.testing import CliRunner
+
+    f = tmp_path / "rows.csv"
+    rows = [("t1", "pact=mixed", 0, 0.50), ("t1", "pact=mixed", 1, 0.50), ("t1", "pact=mixed:1d-mse+gptq", 0, 0.52),
+            ("t1", "pact=mixed:1d-mse+gptq", 1, 0.54), ("t2", "pact=mixed", 0, 0.60), ("t2", "pact=mixed", 1, 0.60),
+            ("t2", "pact=mixed:1d-mse+gptq", 0, 0.60), ("t2", "pact=mixed:1d-mse+gptq", 1, 0.62)]
+    f.write_text("task,method,lr,seed,accuracy,majority\n" + "".join(f"{t},{m},0.0005,{s},{a},0.5\n"
+                                                                       for t, m, s, a in rows))
+    out = CliRunner().invoke(bf.cli, ["table", "--wide", "--ref", "pact=mixed", "--draw-sd", "1", str(f)]).output
+    # diffs 2, 4 and 0, 2 points: cell variances 1 + 1 (seeds) and 1 + 1 (a draw of sd 1): sqrt(4) / 2
+    assert "a draw sd 1) | | | **+2.00** +- 1.00 |" in out, out
+    assert "draw sd" not in CliRunner().invoke(bf.cli, ["table", "--wide", "--ref", "pact=mixed", str(f)]).output
+
+
 def test_table_repeats_last_or_mean(tmp_path):
     from click.testing import CliRunner
 
