@@ -38,21 +38,22 @@ def cli_errors(fn: Callable) -> Callable:
 
 
 def config_options(cls, only: tuple[str, ...] | None = None, required: bool = True,
-                   helps: dict[str, str] | None = None) -> Callable:
+                   helps: dict[str, str] | None = None, aliases: dict[str, tuple[str, ...]] | None = None) -> Callable:
     """Click options (and arguments) made from the fields of the config dataclass ``cls``: one
     place for each setting's name, type, default, help and choices (their ``_opt`` metadata).
     ``only``: those fields, in that order. ``--snake-case`` names (plus any ``aliases`` in the
     metadata: TRL/transformers spellings); bools are flags; tuples are comma-separated strings
     (config_from splits them). ``required=False``: no option is required by click (a --config file
     may give them; config_from names what is still missing). ``helps``: a command's own help for a field
-    (what it means there, e.g. --activations in a command that does not train)."""
+    (what it means there, e.g. --activations in a command that does not train); ``aliases``: its own
+    aliases for a field (pact-eval's batch is no --per-device-train-batch-size)."""
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     chosen = [fields[n] for n in only] if only else list(fields.values())
 
     def decorate(fn: Callable) -> Callable:
         for f in reversed(chosen):  # decorators apply bottom-up: keep the dataclass's order in --help
-            fn = _option(f, hints[f.name], required, (helps or {}).get(f.name))(fn)
+            fn = _option(f, hints[f.name], required, (helps or {}).get(f.name), (aliases or {}).get(f.name))(fn)
         return fn
 
     return decorate
@@ -79,7 +80,8 @@ ADAPTER = Folder("--adapter takes the run folder pact-train wrote (or a PEFT ada
 OUT = Folder("give the path of a folder to write (it is created)")
 
 
-def _option(f: dataclasses.Field, hint, required: bool = True, help: str | None = None) -> Callable:
+def _option(f: dataclasses.Field, hint, required: bool = True, help: str | None = None,
+            aliases: tuple[str, ...] | None = None) -> Callable:
     meta = f.metadata
     if meta.get("argument"):
         return click.argument(f.name, type=ARTIFACT, required=required)
@@ -88,7 +90,8 @@ def _option(f: dataclasses.Field, hint, required: bool = True, help: str | None 
     kind = typing.get_origin(hint) or hint
     default = meta.get("cli_default", None if f.default is dataclasses.MISSING else f.default)
     kw: dict = {"help": help or meta.get("help"), "metavar": meta.get("metavar")}
-    names = (f"--{f.name.replace('_', '-')}", *meta.get("aliases", ()), f.name)  # the field's name, then aliases
+    names = (f"--{f.name.replace('_', '-')}", *(meta.get("aliases", ()) if aliases is None else aliases),
+             f.name)  # the field's name, then aliases
     if kind is bool:
         return click.option(*names, is_flag=True, **kw)
     if kind is tuple:

@@ -19,7 +19,7 @@ from .common import ADAPTER, ARTIFACT, SCORING_HELPS, cli_errors, config_options
 @click.option("--adapter", default=None, type=ADAPTER,
               help="A pact-train run folder (PEFT adapter); none = zero-shot.")
 @config_options(TrainConfig, only=("max_len", "batch_size", "activations", "compute", "device"),  # as pact-train's
-                helps=SCORING_HELPS)
+                helps=SCORING_HELPS, aliases={"batch_size": ("--per-device-eval-batch-size",)})
 @click.option("--generate/--no-generate", default=None,
               help="Score greedy generations (exact match, token F1). Default: when completions are not class labels.")
 @click.option("--max-new-tokens", type=int, default=None, help="Generation length (default: longest completion + 8).")
