@@ -14,7 +14,7 @@ from pathlib import Path
 from . import remote
 from .artifact import check_replaceable, open_artifact
 from .errors import PactError, write_error
-from .files import atomic_folder, sweep_leftovers
+from .files import atomic_folder, recover_aside, sweep_leftovers
 from .layout import FORMAT_NAME
 from .layout import is_artifact as _is_artifact
 from .remote import _META_MAX, PUSH_SCHEMES, _plan, _why
@@ -58,6 +58,7 @@ def _push_failed(dest: str, scheme: str, e: Exception) -> str:
 def _local_dest(src: Path, dst: Path, dest: str, overwrite: bool) -> Path:
     """The resolved folder a local push may write, or one error (checked before anything is written)."""
     s, d = src.resolve(), dst.resolve()
+    recover_aside(d, "the artifact", _is_artifact)  # (a push killed between its two renames left it aside)
     if d == s or s in d.parents or d in s.parents:
         raise PactError(f"{dest} is the artifact {src} itself, inside it or a folder holding it: pushing there would "
                         "destroy it; choose a destination outside it")

@@ -212,6 +212,14 @@ def test_killed_between_renames_the_artifact_is_restored(base, tmp_path):
         convert(str(base / "src"), out, progress=False)
     open_artifact(out).verify()
     assert not (tmp_path / ".art.old-999999999-deadbeef").exists()
+    from pact.formats import PactError
+    from pact.formats.push import push_artifact
+
+    pushed = tmp_path / "pushed"  # the same for pact-push's local destination
+    shutil.copytree(base / "art", tmp_path / ".pushed.old-999999999-deadbeef")
+    with pytest.raises(PactError, match="already holds an artifact"):
+        push_artifact(base / "art", str(pushed))
+    open_artifact(pushed).verify()
 
 
 # ---- a run never loses what it made, and a damaged input never trains
