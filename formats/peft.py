@@ -182,7 +182,7 @@ def load_peft_adapter(
     if not isinstance(c, dict):
         raise PactError(f"{cfg_path}: expected a JSON object: {fix}")
     for key, ok in (("r", lambda v: isinstance(v, int) and v >= 1),
-                    ("lora_alpha", lambda v: isinstance(v, (int, float)) and v > 0),
+                    ("lora_alpha", lambda v: isinstance(v, (int, float)) and 0 < v < float("inf")),
                     ("target_modules", lambda v: isinstance(v, list) and v and all(isinstance(t, str) for t in v))):
         if not ok(c.get(key)):
             raise PactError(f"{cfg_path}: '{key}' is missing or invalid ({c.get(key)!r}): {fix}")

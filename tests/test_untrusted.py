@@ -441,6 +441,7 @@ def test_non_utf8_data_names_the_line(base, tmp_path):
 @pytest.mark.parametrize("edit,match", [
     (lambda c: c.pop("r"), "'r' is missing or invalid"),
     (lambda c: c.update(lora_alpha=0), "'lora_alpha' is missing or invalid"),
+    (lambda c: c.update(lora_alpha=float("inf")), "'lora_alpha' is missing or invalid"),
     (lambda c: c.update(use_dora=True), "pact applies plain LoRA only"),
     (lambda c: c.update(lora_dropout="x"), "'lora_dropout' is invalid"),
     (lambda c: c.update(notes=functools.reduce(lambda a, _: [a], range(100), [])), "nested deeper"),
