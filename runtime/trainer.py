@@ -133,19 +133,20 @@ def check_inputs(cfg: TrainConfig, *, tokenize: bool = False) -> None:
                             "choose an --out outside it")
     tokenizer = None
     device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if tokenize:  # what _setup refuses once the model is loaded, refused before a minute of GPTQ instead
-        from pact.formats import open_artifact
-        from pact.formats.families import text_config
+    # what _setup refuses once the model is loaded, refused before it loads (and before a minute of GPTQ)
+    from pact.formats import open_artifact
+    from pact.formats.families import text_config
 
-        from .ops import resolve_kernels
-        from .session import load_tokenizer
+    from .ops import resolve_kernels
+    from .session import load_tokenizer
 
-        art = open_artifact(cfg.artifact)
+    resolve_kernels(cfg.kernels, torch.device(device))
+    art = open_artifact(cfg.artifact)
+    n_layers = (text_config(art.meta["hf_config"]) or {}).get("num_hidden_layers")
+    if isinstance(n_layers, int):
+        cfg.lora().layer_ids(n_layers)  # --lora-layers against the model's depth
+    if tokenize:
         tokenizer = load_tokenizer(art)
-        n_layers = (text_config(art.meta["hf_config"]) or {}).get("num_hidden_layers")
-        if isinstance(n_layers, int):
-            cfg.lora().layer_ids(n_layers)  # --lora-layers against the model's depth
-        resolve_kernels(cfg.kernels, torch.device(device))
     for path, flag, split in ((cfg.data, "--data", cfg.data_split), (cfg.eval_data, "--eval-data", cfg.eval_split)):
         if path is not None:
             records = read_records(path, flag, split)  # a missing or malformed file fails now
