@@ -170,7 +170,7 @@ def test_eval_cli(tmp_path):
     assert out["adapter"] is None and 0 <= out["eval_accuracy"] <= 1 and out["eval_loss"] > 0
     r = CliRunner().invoke(eval_cli, [str(tmp_path / "art"), "--data", str(tmp_path / "test.jsonl"), "--adapter",
                                       str(tmp_path / "nope")])
-    assert r.exit_code == 1 and "is not a PEFT LoRA adapter" in r.output
+    assert r.exit_code == 1 and "nope: no such folder" in r.output
     r = CliRunner().invoke(eval_cli, [str(tmp_path / "art"), "--data", str(tmp_path / "test.jsonl"),
                                       "--max-new-tokens", "0"])
     assert r.exit_code == 2 and "--max-new-tokens" in r.output
