@@ -629,8 +629,9 @@ def _expected_shape(name: str, shapes: dict, z: dict[str, int | None]) -> tuple[
         (rows, _), keys = projections[name.split(".")[-2]]
         return [rows], keys.split(", ")[0]
     if r.role in ("embedding", "lm_head") and len(shapes[name]) == 2:
-        if z.get("vocab_size"):  # (a table far larger than the vocabulary: memory a crafted artifact would cost)
-            return [z["vocab_size"], h], "vocab_size, hidden_size"
+        v = z.get("vocab_size")  # a table far larger than the vocabulary is memory a crafted artifact would cost;
+        if v and shapes[name][0] > v + max(v // 8, 128):  # (real tables pad the vocabulary by far less)
+            return [v, h], "vocab_size, hidden_size"
         return [shapes[name][0], h], "hidden_size"  # rows: the vocabulary (the tokenizer is checked at load)
     if r.role == "norm":
         per_head = name.endswith(("q_norm.weight", "k_norm.weight"))  # Qwen3: RMSNorm over each head
