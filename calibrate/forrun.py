@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Callable
 
 from pact.formats import PactError, check_apart, default_cache, open_artifact
-from pact.formats.files import sha256_file, sweep_leftovers
+from pact.formats.files import recover_aside, sha256_file, sweep_leftovers
+from pact.formats.layout import is_artifact
 from pact.runtime.data import parse_record, read_records
 from pact.runtime.distributed import env_world
 from pact.runtime.evaluate import run_record, trained_on_own_calibrated
@@ -80,6 +81,7 @@ def calibrate_for_run(artifact: str, data: str, run: str | os.PathLike, *, split
     digest = texts_sha256(body)
     want = {"artifact_fingerprint": art.fingerprint(), "records": n, "seq_len": seq_len}
     _check_source(art, artifact, data)
+    recover_aside(out, "the run's calibrated artifact", is_artifact)  # (before overwrite= is decided from it)
     _check_ours(out)
     created = not run.exists()
     _prepare_run(run, resume)  # a finished run is refused before a minute of GPTQ, not after

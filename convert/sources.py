@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from pact.formats import PactError, default_cache
-from pact.formats.files import check_regular, read_json, sha256_file, sweep_leftovers, work_path
+from pact.formats.files import check_regular, own_roots, read_json, sha256_file, sweep_leftovers, work_path
 from pact.formats.interop import CT_IGNORED, CT_NVFP4_FORMAT, CT_PARTS, MO_PARTS
 from pact.formats.layout import SIDE_FILES
 from pact.formats.nvfp4 import NVFP4Tensor, dequantize
@@ -154,7 +154,7 @@ class Source:
 
 
     def __post_init__(self) -> None:
-        self._roots = _own_roots(self.folder)
+        self._roots = own_roots(self.folder)
         cfg = self.folder / "config.json"
         if not cfg.is_file():
             raise PactError(
@@ -194,7 +194,7 @@ class Source:
 
     def _own(self, p: Path) -> Path:
         """``p``, a file of the model's own: a link is followed only into the folder or, for a
-        hub-cache snapshot, its repo's blobs/ (_own_roots); anything else is refused, so no host file
+        hub-cache snapshot, its repo's blobs/ (files.own_roots); anything else is refused, so no host file
         (/etc/..., ~/.ssh/...) is copied into an artifact made to be shared."""
         target = p.resolve()
         if p.is_symlink() and not any(target.is_relative_to(r) for r in self._roots):
@@ -353,18 +353,6 @@ class Source:
         for st in sorted(set(self._index.values()), key=lambda st: st.path.name):
             h.update(f"{st.path.name}\0{sha256_file(st.path)}\n".encode())
         return h.hexdigest()
-
-
-def _own_roots(folder: Path) -> list[Path]:
-    """Where a model's files may really live: the folder itself and, for a Hugging Face cache snapshot
-    (<repo>/snapshots/<rev>/, whose files link to <repo>/blobs/), that blobs/ folder, if it is a real
-    folder inside the repo (a blobs/ that is itself a link could lead anywhere: it is not trusted)."""
-    real = folder.resolve()
-    roots = [real]
-    blobs = real.parent.parent / "blobs"
-    if real.parent.name == "snapshots" and blobs.is_dir() and not blobs.is_symlink():
-        roots.append(blobs)
-    return roots
 
 
 def _from_hub(repo_id: str, revision: str | None) -> tuple[Path, dict]:

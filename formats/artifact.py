@@ -118,6 +118,9 @@ def check_output(out: str | os.PathLike, overwrite: bool) -> Path:
     return out
 
 
+_OS_FILES = (".DS_Store", "Thumbs.db", "desktop.ini")  # what file browsers leave: nobody's data
+
+
 def check_replaceable(out: Path, flag: str, error: type[PactError] = PactError) -> None:
     """``out`` may be replaced (``flag`` asks for it): a pact artifact holding only what its manifest
     lists. A folder that is not an artifact, or an artifact a user keeps other files in (notes, a
@@ -137,7 +140,7 @@ def check_replaceable(out: Path, flag: str, error: type[PactError] = PactError) 
     for dirpath, dirnames, filenames in os.walk(out):
         for n in filenames + [d for d in dirnames if (Path(dirpath) / d).is_symlink()]:
             rel = (Path(dirpath) / n).relative_to(out).as_posix()
-            if rel not in listed:
+            if rel not in listed and n not in _OS_FILES:
                 extra.append(rel)
     if extra:
         shown = ", ".join(sorted(extra)[:3]) + (f" and {len(extra) - 3} more" if len(extra) > 3 else "")

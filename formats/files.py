@@ -52,6 +52,18 @@ def check_regular(path: Path, mode: int, fix: str, error: type[PactError] = Arti
         raise error(f"{path}: not a regular file (a named pipe, device or socket): {fix}")
 
 
+def own_roots(folder: Path) -> list[Path]:
+    """Where a model's or adapter's files may really live: the folder itself and, for a Hugging Face cache
+    snapshot (<repo>/snapshots/<rev>/, whose files link to <repo>/blobs/), that blobs/ folder, if it is a
+    real folder inside the repo (a blobs/ that is itself a link could lead anywhere: it is not trusted)."""
+    real = folder.resolve()
+    roots = [real]
+    blobs = real.parent.parent / "blobs"
+    if real.parent.name == "snapshots" and blobs.is_dir() and not blobs.is_symlink():
+        roots.append(blobs)
+    return roots
+
+
 def read_json(path: Path, fix: str, error: type[PactError] = ArtifactError) -> Any:
     """``path`` parsed as JSON, or one ``error`` naming the file and ``fix``: a file larger than
     JSON_MAX, not UTF-8, not JSON (NUL bytes included) or nested deeper than JSON_DEPTH is refused

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save
 
 from .errors import PactError
 from .families import PROJECTIONS
-from .files import check_regular, read_json
+from .files import check_regular, own_roots, read_json
 
 ALL_TARGETS = tuple(PROJECTIONS)  # q_proj k_proj v_proj o_proj gate_proj up_proj down_proj
 
@@ -173,10 +173,12 @@ def load_peft_adapter(
     if not cfg_path.is_file() or not w_path.is_file():
         raise PactError(f"{d} is not a PEFT LoRA adapter (needs adapter_config.json + adapter_model.safetensors)")
     fix = "re-save it with PEFT or pact-train"
+    roots = own_roots(d)
     for p in (cfg_path, w_path):  # an adapter from anyone: its files are its own, not links to elsewhere
-        if p.is_symlink():
-            raise PactError(f"{p}: a symbolic link: refusing it (an adapter's files are read from its folder only); "
-                            "copy the adapter without links (cp -rL) if you trust its source")
+        if p.is_symlink() and not any(p.resolve().is_relative_to(r) for r in roots):
+            raise PactError(f"{p}: a symbolic link to {p.resolve()}, outside the adapter's folder (or its hub "
+                            "cache's blobs/): refusing it; copy the adapter without links (cp -rL) if you trust "
+                            "its source")
         check_regular(p, p.stat().st_mode, fix, PactError)
     c = read_json(cfg_path, fix, PactError)
     if not isinstance(c, dict):

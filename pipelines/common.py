@@ -45,8 +45,8 @@ def config_options(cls, only: tuple[str, ...] | None = None, required: bool = Tr
     metadata: TRL/transformers spellings); bools are flags; tuples are comma-separated strings
     (config_from splits them). ``required=False``: no option is required by click (a --config file
     may give them; config_from names what is still missing). ``helps``: a command's own help for a field
-    (what it means there, e.g. --activations in a command that does not train); ``aliases``: its own
-    aliases for a field (pact-eval's batch is no --per-device-train-batch-size)."""
+    (what it means there, e.g. --activations in a command that does not train); ``aliases``: more
+    aliases for a field there (pact-eval's --per-device-eval-batch-size)."""
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     chosen = [fields[n] for n in only] if only else list(fields.values())
@@ -90,7 +90,7 @@ def _option(f: dataclasses.Field, hint, required: bool = True, help: str | None 
     kind = typing.get_origin(hint) or hint
     default = meta.get("cli_default", None if f.default is dataclasses.MISSING else f.default)
     kw: dict = {"help": help or meta.get("help"), "metavar": meta.get("metavar")}
-    names = (f"--{f.name.replace('_', '-')}", *(meta.get("aliases", ()) if aliases is None else aliases),
+    names = (f"--{f.name.replace('_', '-')}", *meta.get("aliases", ()), *(aliases or ()),
              f.name)  # the field's name, then aliases
     if kind is bool:
         return click.option(*names, is_flag=True, **kw)

@@ -132,12 +132,13 @@ def check_inputs(cfg: TrainConfig, *, tokenize: bool = False) -> None:
                             "never goes into the artifact it trains on (replacing the artifact would delete it); "
                             "choose an --out outside it")
     tokenizer = None
-    device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    from .ops import resolve_device, resolve_kernels
+
+    device = str(resolve_device(cfg.device))  # a bad --device: its one-line error, not torch's
     # what _setup refuses once the model is loaded, refused before it loads (and before a minute of GPTQ)
     from pact.formats import open_artifact
     from pact.formats.families import text_config
 
-    from .ops import resolve_kernels
     from .session import load_tokenizer
 
     resolve_kernels(cfg.kernels, torch.device(device))

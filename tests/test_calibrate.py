@@ -738,6 +738,11 @@ def test_train_calibrate_refusals_and_recovery(tmp_path, caplog):
     with caplog.at_level(logging.WARNING):
         fixed = calibrate_for_run(str(tmp_path / "art"), str(data), run, samples=8, seq_len=64, progress=False)
     assert any("is damaged" in m for m in caplog.messages) and open_artifact(fixed).verify() > 0
+    # killed between the two renames of a recalibration: calibrated/ aside, renamed back and reused
+    stamp = (run / "calibrated" / "zarr.json").stat().st_mtime_ns
+    (run / "calibrated").rename(run / ".calibrated.old-999999999-deadbeef")
+    assert calibrate_for_run(str(tmp_path / "art"), str(data), run, samples=8, seq_len=64, progress=False) == fixed
+    assert (run / "calibrated" / "zarr.json").stat().st_mtime_ns == stamp
     # a failure after calibration, before the first step: only calibrated/ stays; the fixed rerun reuses it
     args = [str(tmp_path / "art"), "--data", str(data), "--out", str(run), "--steps", "2", "--batch-size", "8",
             "--max-len", "64", "--quiet", "--calibrate", "--calibrate-samples", "8"]

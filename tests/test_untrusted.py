@@ -199,8 +199,32 @@ def test_overwrite_never_deletes_files_kept_in_an_artifact(base, tmp_path):
         check_inputs(_cfg(base, tmp_path, artifact=str(art), out=str(art / "run2")))
     shutil.rmtree(art / "myrun")
     (art / "NOTES.txt").unlink()
+    (art / "hf" / ".DS_Store").write_bytes(b"\0")  # what a file browser leaves is nobody's data
     convert(str(base / "src"), art, overwrite=True, progress=False)  # only the artifact: replaced, as asked
     open_artifact(art).verify()
+
+
+def test_adapter_in_a_hub_cache_snapshot_loads(base, tmp_path):
+    """A PEFT adapter in the Hugging Face cache (snapshots/<rev>/ files linking to the repo's blobs/) loads;
+    a link out of that repo is refused."""
+    from pact.formats import PactError
+    from pact.formats.peft import load_peft_adapter
+    from pact.runtime.trainer import train
+
+    train(_cfg(base, tmp_path), progress=False)
+    repo = tmp_path / "hub" / "models--someone--adapter"
+    snap, blobs = repo / "snapshots" / "rev1", repo / "blobs"
+    snap.mkdir(parents=True)
+    blobs.mkdir()
+    for i, name in enumerate(("adapter_config.json", "adapter_model.safetensors")):
+        shutil.copyfile(tmp_path / "run" / name, blobs / f"blob{i}")
+        os.symlink(f"../../blobs/blob{i}", snap / name)
+    cfg, weights = load_peft_adapter(snap)
+    assert cfg.r == 4 and weights
+    (snap / "adapter_config.json").unlink()
+    os.symlink(tmp_path / "run" / "adapter_config.json", snap / "adapter_config.json")  # outside the repo
+    with pytest.raises(PactError, match="a symbolic link to .* outside the adapter's folder"):
+        load_peft_adapter(snap)
 
 
 def test_killed_between_renames_the_artifact_is_restored(base, tmp_path):
@@ -393,6 +417,14 @@ def test_bad_train_flags(base, tmp_path, flag, value, match):
 
     with pytest.raises(PactError, match=match):
         _cfg(base, tmp_path, **{flag: value})
+
+
+def test_bad_device_is_one_error_before_anything_loads(base, tmp_path):
+    from pact.formats import PactError
+    from pact.runtime.trainer import check_inputs
+
+    with pytest.raises(PactError, match="--device 'gpu': not a device name"):
+        check_inputs(_cfg(base, tmp_path, device="gpu"))
 
 
 def test_bad_flags_on_the_cli_are_one_line(base, tmp_path):
