@@ -147,7 +147,7 @@ def profile_pact(art_path: Path, bs: int, seq: int, compute: str, checkpoint: bo
         step()
         torch.cuda.synchronize()
     sums: dict[str, float] = {}
-    kernels: dict[tuple[str, str], list] = {}
+    kernels: dict[tuple[str, str, str], list] = {}
     for ev in prof.events():
         for k in getattr(ev, "kernels", ()):  # kernels launched by this CPU op
             cat, e, owner = None, ev, None
