@@ -94,9 +94,12 @@ def bench_pact(art_path: Path, bs: int, seq: int, warmup: int, iters: int, compu
 
 # Our launchers, annotated while profiling: every CUDA kernel they launch (cuBLAS included)
 # is counted in their category; other kernels are classified by name.
-OP_CATEGORIES = {"nvfp4_gemm": "frozen GEMMs (incl. operand decode/re-encode)"}
-NORM_OPS = ("rmsnorm_quant", "silu_mul_quant", "quant_rows", "dequant_rows", "rmsnorm_backward", "silu_mul_h",
-            "silu_mul_backward")
+# (dgrad_gemm: the input-gradient GEMMs, which a name match would file under "other GEMMs")
+OP_CATEGORIES = {"nvfp4_gemm": "frozen GEMMs (incl. operand decode/re-encode)",
+                 "dgrad_gemm": "frozen GEMMs (incl. operand decode/re-encode)",
+                 "ce_grad_": "softmax / cross-entropy", "rope": "elementwise / copies / other"}
+NORM_OPS = ("rmsnorm_quant", "silu_mul_quant", "rmsnorm_rows", "silu_mul_rows", "quant_rows", "quant_saved",
+            "quant_saved_sr", "e4m3_rows", "dequant_rows", "rmsnorm_backward", "silu_mul_h", "silu_mul_backward")
 OP_CATEGORIES.update({op: "RMSNorm / SiLU-mul / NVFP4 (de)quantize" for op in NORM_OPS})
 KERNEL_CATEGORIES = (  # Triton launches are not attached to the annotated op: matched by kernel name
     ("frozen GEMMs (incl. operand decode/re-encode)", ("_fp8_rows", "_nvfp4_gemm", "_nvfp4_native")),
@@ -146,9 +149,14 @@ def profile_pact(art_path: Path, bs: int, seq: int, compute: str, checkpoint: bo
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
+    return _attribute(prof.events(), top)
+
+
+def _attribute(events, top: int) -> tuple[list[tuple[str, float]], list[tuple[str, str, float, int, str]]]:
+    """A profile's events -> CUDA ms by category, and the ``top`` (kernel, launching op) pairs."""
     sums: dict[str, float] = {}
     kernels: dict[tuple[str, str, str], list] = {}
-    for ev in prof.events():
+    for ev in events:
         for k in getattr(ev, "kernels", ()):  # kernels launched by this CPU op
             cat, e, owner = None, ev, None
             while e is not None and cat is None:

@@ -1,7 +1,7 @@
 """The accuracy benches' descriptions (benchmarks/bench_fidelity.py: cells files and method names;
 benchmarks/bench_merge.py: its amplified-adapter variant). Their figures are the project's accuracy
 claims, so what a cells file or a method name means is tested here; the runs themselves need the GGUF
-and a GPU (benchmarks/run_h200_fidelity.sh)."""
+and a GPU (benchmarks/run_h200_fidelity.sh). Also bench_train's profile attribution."""
 
 import sys
 from pathlib import Path
@@ -185,3 +185,29 @@ def test_weights_compares_calibration_draws(tmp_path):
     assert got["a-a2"] == {"differ": 0.0, "rel_to_a_minus_rtn": 0.0}
     assert all(got[k]["rel_to_a_minus_rtn"] == 1.0 and 0 < got[k]["differ"] < 1 for k in ("a-rtn", "b-rtn"))
     assert 0 < got["a-b"]["differ"] < 1 and got["a-b"]["rel_to_a_minus_rtn"] > 0  # two draws, two weight sets
+
+
+def test_profile_attributes_kernels_to_their_launching_op():
+    """bench_train --profile: a kernel under a pact op takes that op's category and name; one no pact op
+    claims is matched by its name and named by its outermost op and its own (backward: the autograd node)."""
+    from types import SimpleNamespace as NS
+
+    import bench_train
+
+    node = NS(name="autograd::engine::evaluate_function: MLPBackward", cpu_parent=None)
+    mm = NS(name="aten::mm", cpu_parent=node, kernels=[NS(name="nvjet_sm90_gemm", duration=3000.0)])
+    op = NS(name="pact::silu_mul_rows", cpu_parent=None)
+    inner = NS(name="aten::empty", cpu_parent=op, kernels=[NS(name="_silu_mul_rows_kernel", duration=1000.0)])
+    lone = NS(name="aten::copy_", cpu_parent=None, kernels=[NS(name="elementwise_copy", duration=500.0)])
+    parts, tops = bench_train._attribute([node, mm, op, inner, lone], top=10)
+    assert dict(parts) == {"other GEMMs (LoRA, lm_head CE chunks)": 3.0,
+                           "RMSNorm / SiLU-mul / NVFP4 (de)quantize": 1.0, "elementwise / copies / other": 0.5}
+    owners = {t[1]: t[4] for t in tops}
+    from pact.runtime.ops import get_ops
+    from pact.runtime.recipe import parse_recipe
+
+    ops = get_ops(parse_recipe("mixed").on("bf16-decode"), "torch", "per-call", None)
+    annotated = bench_train._annotate(ops)  # every labelled launcher is one of Ops' and is wrapped
+    assert all(getattr(annotated, n) is not getattr(ops, n) for n in bench_train.OP_CATEGORIES)
+    assert owners == {"nvjet_sm90_gemm": "autograd::engine::evaluate_function: MLPBackward > aten::mm",
+                      "_silu_mul_rows_kernel": "pact::silu_mul_rows", "elementwise_copy": "aten::copy_"}
