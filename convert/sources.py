@@ -21,7 +21,15 @@ from pathlib import Path
 import torch
 
 from pact.formats import PactError, default_cache
-from pact.formats.files import check_regular, own_roots, read_json, sha256_file, sweep_leftovers, work_path
+from pact.formats.files import (
+    check_regular,
+    link_outside,
+    own_roots,
+    read_json,
+    sha256_file,
+    sweep_leftovers,
+    work_path,
+)
 from pact.formats.interop import CT_IGNORED, CT_NVFP4_FORMAT, CT_PARTS, MO_PARTS
 from pact.formats.layout import SIDE_FILES
 from pact.formats.nvfp4 import NVFP4Tensor, dequantize
@@ -197,7 +205,7 @@ class Source:
         hub-cache snapshot, its repo's blobs/ (files.own_roots); anything else is refused, so no host file
         (/etc/..., ~/.ssh/...) is copied into an artifact made to be shared."""
         target = p.resolve()
-        if p.is_symlink() and not any(target.is_relative_to(r) for r in self._roots):
+        if link_outside(p, self._roots) is not None:
             where = " or its hub cache's blobs/" if len(self._roots) > 1 else ""
             raise PactError(f"{p}: a link to {target}, outside the model folder{where}: refusing it (pact-convert "
                             "copies only the model's own files into an artifact made to be shared); replace the "

@@ -64,6 +64,13 @@ def own_roots(folder: Path) -> list[Path]:
     return roots
 
 
+def link_outside(p: Path, roots: list[Path]) -> Path | None:
+    """Where ``p`` leads when it is a symbolic link to somewhere outside every one of ``roots``
+    (own_roots: a folder's own files, or its hub-cache blobs/); None for a file of its own."""
+    target = p.resolve()
+    return target if p.is_symlink() and not any(target.is_relative_to(r) for r in roots) else None
+
+
 def read_json(path: Path, fix: str, error: type[PactError] = ArtifactError) -> Any:
     """``path`` parsed as JSON, or one ``error`` naming the file and ``fix``: a file larger than
     JSON_MAX, not UTF-8, not JSON (NUL bytes included) or nested deeper than JSON_DEPTH is refused

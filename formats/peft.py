@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save
 
 from .errors import PactError
 from .families import PROJECTIONS
-from .files import check_regular, own_roots, read_json
+from .files import check_regular, link_outside, own_roots, read_json
 
 ALL_TARGETS = tuple(PROJECTIONS)  # q_proj k_proj v_proj o_proj gate_proj up_proj down_proj
 
@@ -175,11 +175,11 @@ def load_peft_adapter(
     fix = "re-save it with PEFT or pact-train"
     roots = own_roots(d)
     for p in (cfg_path, w_path):  # an adapter from anyone: its files are its own, not links to elsewhere
-        if p.is_symlink() and not any(p.resolve().is_relative_to(r) for r in roots):
-            raise PactError(f"{p}: a symbolic link to {p.resolve()}, outside the adapter's folder (or its hub "
+        if (target := link_outside(p, roots)) is not None:
+            raise PactError(f"{p}: a symbolic link to {target}, outside the adapter's folder (or its hub "
                             "cache's blobs/): refusing it; copy the adapter without links (cp -rL) if you trust "
                             "its source")
-        check_regular(p, p.stat().st_mode, fix, PactError)
+    check_regular(w_path, w_path.stat().st_mode, fix, PactError)  # (read_json checks the config's)
     c = read_json(cfg_path, fix, PactError)
     if not isinstance(c, dict):
         raise PactError(f"{cfg_path}: expected a JSON object: {fix}")

@@ -236,14 +236,15 @@ def run_record(adapter: str) -> dict:
     """A pact-train run's train_config.json ({} when there is none; an unreadable one is said once and
     read as none: an adapter folder copied without it, or damaged, still loads)."""
     f = Path(adapter) / "train_config.json"
-    if not f.is_file() and not f.is_symlink():
+    if f.is_symlink():
+        record = PactError("a symbolic link (a run's record is read from its folder only)")
+    elif not f.is_file():
         return {}
-    try:
-        if f.is_symlink():
-            raise PactError("a symbolic link (a run's record is read from its folder only)")
-        record = read_json(f, "its recorded settings are not used", PactError)
-    except PactError as e:
-        record = e
+    else:
+        try:
+            record = read_json(f, "its recorded settings are not used", PactError)
+        except PactError as e:
+            record = e
     if not isinstance(record, dict):
         log.warning("%s: unreadable (%s); the run's recorded settings are not used", f,
                     record if isinstance(record, Exception) else "not a JSON object")

@@ -123,31 +123,25 @@ def _peak_memory_gb(device: torch.device) -> float:
 def check_inputs(cfg: TrainConfig, *, tokenize: bool = False) -> None:
     """The data files and the --report-to backends, before any model loads; ``tokenize`` (pact-train
     --calibrate, before its GPTQ): every record tokenized by the artifact's tokenizer as training will."""
+    from pact.formats import check_apart, open_artifact
+    from pact.formats.families import text_config
+
     from .data import tokenize as to_examples  # (the flag's name hides the function here)
+    from .ops import resolve_device, resolve_kernels
+    from .session import load_tokenizer
 
     if "://" not in str(cfg.artifact):  # a run inside the artifact would be deleted by pact-convert --overwrite
         o, a = Path(cfg.out).resolve(), Path(cfg.artifact).resolve()
-        if o == a or o.is_relative_to(a):
-            raise PactError(f"--out {cfg.out} is {'the' if o == a else 'inside the'} artifact {cfg.artifact}: a run "
-                            "never goes into the artifact it trains on (replacing the artifact would delete it); "
-                            "choose an --out outside it")
-    tokenizer = None
-    from .ops import resolve_device, resolve_kernels
-
-    device = str(resolve_device(cfg.device))  # a bad --device: its one-line error, not torch's
+        if a == o or not a.is_relative_to(o):  # (an --out may hold its own calibrated/ artifact)
+            check_apart(o, {"artifact": a}, "pact-train")
     # what _setup refuses once the model is loaded, refused before it loads (and before a minute of GPTQ)
-    from pact.formats import open_artifact
-    from pact.formats.families import text_config
-
-    from .session import load_tokenizer
-
-    resolve_kernels(cfg.kernels, torch.device(device))
+    device = resolve_device(cfg.device)  # a bad --device: its one-line error, not torch's
+    resolve_kernels(cfg.kernels, device)
     art = open_artifact(cfg.artifact)
     n_layers = (text_config(art.meta["hf_config"]) or {}).get("num_hidden_layers")
     if isinstance(n_layers, int):
         cfg.lora().layer_ids(n_layers)  # --lora-layers against the model's depth
-    if tokenize:
-        tokenizer = load_tokenizer(art)
+    tokenizer = load_tokenizer(art) if tokenize else None
     for path, flag, split in ((cfg.data, "--data", cfg.data_split), (cfg.eval_data, "--eval-data", cfg.eval_split)):
         if path is not None:
             records = read_records(path, flag, split)  # a missing or malformed file fails now
@@ -156,7 +150,7 @@ def check_inputs(cfg: TrainConfig, *, tokenize: bool = False) -> None:
                 if flag == "--eval-data" and cfg.metric_for_best == "eval_accuracy":
                     _check_label_data(examples, cfg)
     check_available(parse_report_to(cfg.report_to))
-    why = settings_refusal(device, cfg.lora_dropout, cfg.kernels)
+    why = settings_refusal(str(device), cfg.lora_dropout, cfg.kernels)
     if cfg.cuda_graphs == "on" and why:  # (the model says the same later; this is before any GPTQ)
         raise PactError(f"--cuda-graphs on: {why}; use --cuda-graphs auto (eager where graphs cannot run) or off")
 
