@@ -142,9 +142,14 @@ convert('/tmp/pact-bench/src-llama-1b', '/tmp/pact-bench/art-llama-1b-2d', progr
     timeout 150 python3 bench_train.py --model llama-1b --memory-cap-gib 16 --warmup 1 --iters 5 --methods liger \
       --cap-batches 6,8 --csv-out /tmp/rows/cap16-liger.csv 2>&1 | grep "^{"
   fi
-  if [ "${PROFILE:-0}" = 1 ]; then  # where a small-batch step goes (CUDA time by kernel category)
-    timeout 120 python3 bench_train.py --model llama-1b --warmup 1 --iters 3 --batch 6 --methods pact-bf16 --profile \
-      2>&1 | sed -n '/CUDA time of one step/,$p' | head -40 | tee $OUT/profile_bs6.txt
+  if [ "${PROFILE:-0}" = 1 ]; then  # where a step goes (CUDA time by kernel category and launching op), at
+    # batch PROFILE_BS (default 6) with each recipe of PROFILE_RECIPES (';'-separated; default: the default)
+    IFS=';' read -ra precipes <<< "${PROFILE_RECIPES:-mixed}"
+    for r in "${precipes[@]}"; do
+      tag=$(echo "$r" | tr ',=.*:' '+__a_')
+      timeout 150 python3 bench_train.py --model llama-1b --warmup 2 --iters 5 --batch ${PROFILE_BS:-6} --methods pact-bf16 \
+        --activations "$r" --profile 2>&1 | sed -n '/CUDA time of one step/,$p' | head -80 | tee $OUT/profile_bs${PROFILE_BS:-6}-$tag.txt
+    done
   fi
   if [ "${CALIB_1B:-0}" = 1 ]; then  # GPTQ of the 1B shapes on 128 texts of 512 tokens (Rotten Tomatoes snippets joined)
     python3 -c "

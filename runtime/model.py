@@ -25,7 +25,7 @@ from .bind import Layer, bind
 from .functions import Lora, MlpFn, NormProjectionFn, ProjectionFn, RopeFn
 from .graphs import GraphBuffers, GraphedLayersFn, LayerGraphs, graphable
 from .loss import target_cross_entropy
-from .ops import get_ops, resolve_compute, resolve_kernels
+from .ops import check_dgrad, get_ops, resolve_compute, resolve_kernels
 from .recipe import Recipe, parse_recipe
 
 log = logging.getLogger(__name__)
@@ -102,6 +102,7 @@ class PactModel(nn.Module):
         self.kernels = resolve_kernels(kernels, self.device)
         # per site: GEMM input, LoRA input, saved; and the backend (runtime/recipe.py)
         self.recipe = parse_recipe(activations).on(resolve_compute(compute, self.device))
+        check_dgrad(self.recipe.dgrad, self.device)
         self._no_backward = self.recipe.forward_only()  # under torch.no_grad: no saved copies encoded
         self.compute = self.recipe.compute
         self.ops = get_ops(self.recipe, self.kernels, fp8_weights, backward_weights)

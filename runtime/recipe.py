@@ -17,8 +17,10 @@ rows encoded straight from the bf16 values on
 `fp8` (no detour through E2M1), and NVFP4 rows made on the fly on `nvfp4-native`.
 
 Beside the sites, ``dgrad`` says what the input-gradient GEMMs (dY @ W) read: "auto" (the compute
-backend's own: E4M3 dY on `fp8`, NVFP4 dY on `nvfp4-native`, bf16 on `bf16-decode`) or "bf16"
-(dY unquantized, multiplied with the decoded NVFP4 weight: the bf16-decode GEMM on any backend).
+backend's own: E4M3 dY on `fp8`, NVFP4 dY on `nvfp4-native`, bf16 on `bf16-decode`), "bf16"
+(dY unquantized, multiplied with the decoded NVFP4 weight: the bf16-decode GEMM on any backend) or
+"fp8" (the `fp8` backend's GEMM for the input gradients only: dY and the backward layout re-encoded as
+E4M3 rows; the forward GEMMs stay the compute backend's, so the model trained through is the artifact's).
 
 `--activations` takes a preset name, optionally followed by overrides:
 ``nvfp4,qkv.saved=bf16,down.gemm=bf16,dgrad=bf16`` (``*.field=value`` sets a field on every site).
@@ -35,7 +37,7 @@ SITES = ("qkv", "o", "gate_up", "down")
 FIELDS = ("gemm", "lora", "saved")
 PRECISIONS = ("nvfp4", "bf16")  # gemm and lora
 SAVED = ("nvfp4", "nvfp4-sr", "fp8", "bf16")  # saved
-DGRAD = ("auto", "bf16")
+DGRAD = ("auto", "bf16", "fp8")
 
 
 @dataclass(frozen=True)
@@ -61,7 +63,7 @@ class Recipe:
     o: Site = Site()
     gate_up: Site = Site()
     down: Site = Site()
-    dgrad: str = "auto"  # the input-gradient GEMMs' dY: the backend's own format, or bf16
+    dgrad: str = "auto"  # the input-gradient GEMMs: the backend's own, bf16 dY, or the fp8 backend's GEMM
     compute: str = "bf16-decode"  # the frozen GEMMs' backend (`--compute`, resolved for the device)
 
     def site(self, name: str) -> Site:
@@ -143,7 +145,7 @@ def parse_recipe(spec: str | Recipe | None, flag: str = "--activations") -> Reci
                 or value not in (SAVED if fld == "saved" else PRECISIONS)):
             raise PactError(f"{flag} {spec!r}: {item!r} is not SITE.FIELD=VALUE with SITE in *, {', '.join(SITES)}; "
                             f"FIELD in {', '.join(FIELDS)}; VALUE in {', '.join(PRECISIONS)} (saved also "
-                            f"{', '.join(v for v in SAVED if v not in PRECISIONS)}); or dgrad=auto|bf16")
+                            f"{', '.join(v for v in SAVED if v not in PRECISIONS)}); or dgrad=auto|bf16|fp8")
         for s in SITES if site == "*" else (site,):
             sites[s] = dataclasses.replace(sites[s], **{fld: value})
     return Recipe(**sites, dgrad=dgrad)

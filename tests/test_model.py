@@ -123,6 +123,46 @@ def test_backward_weights_checked(tmp_path):
         PactModel(art, LoraConfig(r=R, alpha=ALPHA), compute="nvfp4-native", backward_weights="forward")
 
 
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+def test_dgrad_fp8_only_the_input_gradients(tmp_path, kernels):
+    """`--activations ...,dgrad=fp8`: the input-gradient GEMMs are the fp8 backend's (dY and the backward
+    layout as E4M3 rows), nothing else: the forward, so the loss, is bf16-decode's to the bit, and the
+    LoRA gradients stay close to bf16-decode's (E4M3 keeps 3 mantissa bits of dY and of W^T)."""
+    from pact.runtime.ops import reference
+    from pact.runtime.ops.triton import fp8 as triton_fp8
+
+    art = _artifact(tmp_path, "llama")
+    ids, labels = _batch(b=2, s=24)
+    out = []
+    for spec in ("mixed", "mixed,dgrad=fp8"):
+        model = PactModel(art, LoraConfig(r=R, alpha=ALPHA), kernels=kernels, activations=spec)
+        assert model.compute == "bf16-decode"
+        fp8_gemm = reference.nvfp4_gemm_fp8 if kernels == "torch" else triton_fp8.nvfp4_gemm_fp8
+        assert (model.ops.dgrad_gemm is fp8_gemm) == spec.endswith("fp8")
+        assert model.ops.nvfp4_gemm is not fp8_gemm
+        _random_adapters(model)
+        loss, n = model(ids, labels)
+        (loss / n).backward()
+        out.append((loss.item(), {k: p.grad.clone() for k, p in model.lora_params.items()}))
+    assert out[0][0] == out[1][0]
+    cos = sorted(F.cosine_similarity(out[0][1][k].flatten(), out[1][1][k].flatten(), dim=0).item() for k in out[0][1])
+    # the top layer's adapters see no input gradient from above the loss: the same to the bit; below it, close
+    assert cos[0] >= 0.995 and cos[-1] > 0.9999 and cos[len(cos) // 2] < 1, cos
+    with pytest.raises(PactError, match="dgrad=fp8 re-encodes the backward layout.*use one of the two"):
+        PactModel(art, LoraConfig(r=R, alpha=ALPHA), activations="mixed,dgrad=fp8", backward_weights="forward")
+
+
+def test_dgrad_fp8_needs_fp8_tensor_cores(monkeypatch):
+    from pact.runtime.ops import build
+
+    monkeypatch.setattr(build, "_capability", lambda device: (8, 0))
+    with pytest.raises(PactError, match=r"dgrad=fp8 needs FP8 tensor cores .* sm_80: drop dgrad=fp8"):
+        build.check_dgrad("fp8", torch.device("cuda"))
+    build.check_dgrad("auto", torch.device("cuda"))
+    monkeypatch.setattr(build, "_capability", lambda device: (9, 0))
+    build.check_dgrad("fp8", torch.device("cuda"))
+
+
 def test_mistral_sliding_window_as_transformers(tmp_path):
     """A Mistral whose sliding window (16) is shorter than the sequence (48): the loss and LoRA
     gradients are transformers' (which masks the same band); without the window they are not."""
@@ -223,7 +263,7 @@ def test_saved_activation_bytes_per_token(tmp_path, recipe):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 @pytest.mark.parametrize("seq,path", [(48, "fused"), (128, "cublas"), (128, "fp8")])
-@pytest.mark.parametrize("recipe", ["nvfp4-saved", "nvfp4", "nvfp4-saved,*.saved=fp8"])
+@pytest.mark.parametrize("recipe", ["nvfp4-saved", "nvfp4", "nvfp4-saved,*.saved=fp8", "mixed,dgrad=fp8"])
 def test_gpu_triton_matches_torch_twins(tmp_path, family, seq, path, recipe):
     """The whole model on the GPU: Triton kernels against the torch twins (same GPU, same SDPA).
 

@@ -15,6 +15,8 @@ def test_presets_and_overrides_round_trip():
     assert parse_recipe("bf16,*.saved=nvfp4").spec() == "nvfp4-saved"  # canonical: the preset's name
     # the default: NVFP4 copies saved, the MLP's RMSNorm output as E4M3 rows
     assert parse_recipe("nvfp4-saved,gate_up.saved=fp8").spec() == "mixed"
+    r = parse_recipe("mixed,dgrad=fp8")
+    assert r.dgrad == "fp8" and r.gate_up == PRESETS["mixed"].gate_up and r.spec() == "mixed,dgrad=fp8"
     r = parse_recipe("mixed,*.saved=nvfp4-sr,o.saved=bf16")
     assert r.qkv.saved == "nvfp4-sr" and r.o.saved == "bf16" and parse_recipe(r.spec()) == r
 
@@ -27,7 +29,7 @@ def test_presets_and_overrides_round_trip():
     ("nvfp4,qkv.gemm=fp8", "not SITE.FIELD=VALUE"),  # E4M3 / stochastic rounding: saved copies only
     ("nvfp4,o.lora=nvfp4-sr", "not SITE.FIELD=VALUE"),
     ("nvfp4,o.saved=fp4", "not SITE.FIELD=VALUE"),
-    ("nvfp4,dgrad=fp8", "dgrad must be one of auto, bf16"),
+    ("nvfp4,dgrad=e5m2", "dgrad must be one of auto, bf16, fp8"),
 ])
 def test_bad_specs_one_clear_error(spec, match):
     with pytest.raises(PactError, match=match) as e:

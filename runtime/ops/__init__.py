@@ -11,6 +11,7 @@ from .build import (
     FP8_WEIGHTS,
     KERNELS,
     Ops,
+    check_dgrad,
     get_ops,
     resolve_backward_weights,
     resolve_compute,
@@ -21,5 +22,5 @@ from .build import (
 from .rows import DenseRows, E4M3Rows, NVFP4RowsFP8, NVFP4TensorFP8
 
 __all__ = ["BACKWARD_WEIGHTS", "COMPUTE", "FP8_WEIGHTS", "KERNELS", "DenseRows", "E4M3Rows", "NVFP4RowsFP8",
-           "NVFP4TensorFP8", "Ops", "get_ops", "resolve_backward_weights", "resolve_compute", "resolve_device",
-           "resolve_fp8_weights", "resolve_kernels"]
+           "NVFP4TensorFP8", "Ops", "check_dgrad", "get_ops", "resolve_backward_weights", "resolve_compute",
+           "resolve_device", "resolve_fp8_weights", "resolve_kernels"]

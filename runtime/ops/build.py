@@ -8,7 +8,9 @@ Compute backends (how the frozen NVFP4 GEMMs run), `--compute`:
 - `fp8` (sm_89 / sm_90, Ada and Hopper; opt-in speed): both operands re-encoded as E4M3 rows
   (W decoded per call from NVFP4), FP8 tensor cores via cuBLAS `_scaled_mm` with rowwise
   scales. Not exact: E4M3 keeps 3 of q * s_b's up to 5 mantissa bits (runtime/ops/triton/fp8.py);
-  ~11% shorter steps on the H200 for a measured accuracy cost.
+  ~11% shorter steps on the H200 for a measured accuracy cost. `--activations ...,dgrad=fp8` runs
+  this GEMM for the input gradients only (dX = dY W^T through the backward layout), the forward
+  GEMMs staying the backend's.
 - `nvfp4-native` (sm_100 / sm_120, Blackwell; opt-in): FP4 tensor cores via `tl.dot_scaled`,
   both operands NVFP4 (dY quantized for the input gradient). UNVERIFIED ON HARDWARE: compiled
   for sm_100 and sm_120 in the tests, never run (no Blackwell GPU here).
@@ -124,6 +126,15 @@ def resolve_compute(name: str | None, device: torch.device) -> str:
     return name
 
 
+def check_dgrad(dgrad: str, device: torch.device) -> None:
+    """`--activations ...,dgrad=fp8` runs the input-gradient GEMMs on FP8 tensor cores: one error on a GPU
+    without them (on the CPU it runs as the fp8 GEMM's PyTorch twin)."""
+    cap = _capability(device)
+    if dgrad == "fp8" and cap is not None and cap < (8, 9):
+        raise PactError(f"--activations ...,dgrad=fp8 needs FP8 tensor cores (sm_89 or newer); this GPU is "
+                        f"sm_{cap[0]}{cap[1]}: drop dgrad=fp8")
+
+
 @dataclass(frozen=True)
 class Ops:
     """The launchers a model runs (runtime/functions.py calls nothing else): one implementation's
@@ -203,6 +214,9 @@ def get_ops(recipe: Recipe, kernels: str, fp8_weights: str = "per-call", backwar
     fp8_weights = resolve_fp8_weights(fp8_weights, recipe.compute)
     dgrad_reads = resolve_backward_weights(backward_weights, recipe.compute)
     name, compute, dgrad = kernels, recipe.compute, recipe.dgrad
+    if dgrad == "fp8" and dgrad_reads == "forward":
+        raise PactError("--activations ...,dgrad=fp8 re-encodes the backward layout as E4M3, and --backward-weights "
+                        "forward multiplies the forward layout in bf16 instead: use one of the two")
     if name == "torch":
         from . import reference as mod
 
@@ -216,7 +230,7 @@ def get_ops(recipe: Recipe, kernels: str, fp8_weights: str = "per-call", backwar
             from .triton.native import nvfp4_gemm_native
 
             gemms["nvfp4-native"] = nvfp4_gemm_native
-        elif compute == "fp8":
+        if compute == "fp8" or dgrad == "fp8":
             from .triton.fp8 import nvfp4_gemm_fp8
 
             gemms["fp8"] = nvfp4_gemm_fp8
@@ -230,7 +244,8 @@ def get_ops(recipe: Recipe, kernels: str, fp8_weights: str = "per-call", backwar
     if dgrad_reads == "forward":  # the forward layout, decoded to bf16: dY's format does not enter
         ops["dgrad_gemm"] = mod.nvfp4_dgrad_fwd
     else:
-        ops["dgrad_gemm"] = ops["nvfp4_gemm"] if dgrad == "bf16" else gemms.get(compute, ops["nvfp4_gemm"])
+        ops["dgrad_gemm"] = (ops["nvfp4_gemm"] if dgrad == "bf16" else gemms["fp8"] if dgrad == "fp8"
+                             else gemms.get(compute, ops["nvfp4_gemm"]))
     ops["nvfp4_gemm"] = gemms.get(compute, ops["nvfp4_gemm"])
     fp8 = compute == "fp8"
     if fp8:  # the quantizing kernels also write the E4M3 copy the next GEMM reads
