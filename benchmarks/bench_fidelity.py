@@ -36,7 +36,11 @@ with `--backward-weights forward` (the input gradients through the forward layou
 `WEIGHT_VARIANTS` (scaling, then `-mse` for searched block scales): the same on an artifact
 converted that way (`pact-convert --scaling 2d --block-scales amax` is `:2d`); without it, the
 converter's defaults (`:1d-mse`); `-keepPCT` after it keeps PCT% of the projections in bf16
-(`--keep-bf16`, `:1d-mse-keep10`). A pact method's weights may end in `+CALIBRATION` (`CALIBRATIONS`):
+(`--keep-bf16`, `:1d-mse-keep10`); `-jitN` converts the source weights after a seeded jitter (`jitter_folder`:
+seed N, JITTER of each 16-block's NVFP4 scale): another round-to-nearest artifact, whose codes differ where a
+weight lay near a rounding midpoint (its error a little above RTN's, the same for every seed; `:1d-mse-jit1`,
+`:1d-mse-jit2`: how far a round-to-nearest artifact's own realization moves a cell, the control for
+calibration's draw of texts). A pact method's weights may end in `+CALIBRATION` (`CALIBRATIONS`):
 `:1d-mse+gptq` is that artifact after `pact-calibrate` on 128 of the task's own training texts
 (prompt + completion, <= 128 tokens) with the artifact's block-scale rule, `+gptq-amax` the same
 with amax block scales, `+gptq-actorder` with act-order (static scales), `+gptq-generic` calibrated on
@@ -77,7 +81,9 @@ BIGBENCH = ("hyperbaton", "winowhy", "logical_fallacy_detection", "navigate", "e
             "vitaminc_fact_verification", "sports_understanding", "strategyqa", "movie_dialog_same_or_different")
 KEY = ("task", "method", "lr", "seed", "steps")
 WEIGHT_VARIANTS = ("2d", "1d", "2d-mse", "1d-mse")  # -> pact-convert --scaling S --block-scales amax|mse
-# a variant may end in -keepPCT: pact-convert --keep-bf16 PCT/100 (that share of projections, largest error first)
+# a variant may end in -keepPCT: pact-convert --keep-bf16 PCT/100 (that share of projections, largest error first),
+# or in -jitN: the source's projections jittered first (seed N; noise sd JITTER x each 16-block's amax / 6)
+JITTER = 0.05
 DEFAULT_VARIANT = "1d-mse"  # pact-convert's defaults
 # a weight variant may end in +CALIBRATION: pact-calibrate on CALIB_SAMPLES texts of <= CALIB_LEN tokens
 CALIBRATIONS = {  # -> (calibration texts, --block-scales, --act-order[, other calibrate() keywords]);
@@ -391,7 +397,8 @@ def weights(rtn, artifacts, json_out) -> None:
     base = open_artifact(rtn)
     arts = {name: open_artifact(path) for name, _, path in (a.partition("=") for a in artifacts)}
     first = next(iter(arts.values()))
-    names = [n for n in first.names() if first.entry(n).get("calibrated") == "gptq"]
+    # the projections GPTQ changed (every NVFP4 projection when none was calibrated: jittered artifacts)
+    names = [n for n in first.names() if first.entry(n).get("calibrated") == "gptq"] or list(first.names("nvfp4"))
     arts["rtn"] = base
     pairs = list(itertools.combinations(arts, 2))
     sums = {p: [0, 0, 0.0, 0.0] for p in pairs}  # differing weights, weights, ||A - B||^2, ||A - RTN||^2
@@ -543,11 +550,61 @@ def split_method(m: str) -> tuple[str, str]:
 def split_variant(weights: str) -> tuple[str, str | None]:
     """'1d-mse+gptq' -> ('1d-mse', 'gptq'); '' -> (DEFAULT_VARIANT, None). Unknown parts: ValueError."""
     conv, _, calib = (weights or DEFAULT_VARIANT).partition("+")
-    base, _, keep = conv.partition("-keep")
-    if base not in WEIGHT_VARIANTS or (keep and not (keep.isdigit() and 0 < int(keep) < 100)) or (
+    base, keep, jit = _variant_parts(conv)
+    def pct(v):
+        return v.isdigit() and 0 < int(v) < 100
+
+    if base not in WEIGHT_VARIANTS or (keep and not pct(keep)) or (jit and not pct(jit)) or (keep and jit) or (
             calib and calib not in CALIBRATIONS):
         raise ValueError(weights)
     return conv, calib or None
+
+
+def _variant_parts(conv: str) -> tuple[str, str, str]:
+    """'1d-mse-keep10' -> ('1d-mse', '10', ''); '1d-mse-jit2' -> ('1d-mse', '', '2')."""
+    base, _, jit = conv.partition("-jit")
+    base, _, keep = base.partition("-keep")
+    return base, keep, jit
+
+
+def jitter_folder(workdir: Path, gguf: Path, seed: int) -> Path:
+    """The GGUF's bf16 folder with every projection (what pact-convert quantizes) jittered once: Gaussian
+    noise of sd JITTER x its 16-block's amax / 6 (the block's NVFP4 scale before FP8 rounding), seeded, the
+    block's largest magnitude left as it is (so the tensor's amax and the amax block scales stay). Round to
+    nearest of it is another realization of the same rounding: codes move only where a weight lay within a
+    few hundredths of a step of a midpoint, each to the farther of its two neighbours (so its error is a
+    little above round-to-nearest's, alike for every seed)."""
+    import os
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from bench_accuracy import _bf16_folder
+
+    folder = workdir / f"smollm2-135m-bf16-jit{seed}"
+    if folder.is_dir():
+        return folder
+    src = _bf16_folder(gguf)
+    tmp = workdir / f".{folder.name}.{os.getpid()}"
+    shutil.copytree(src, tmp)
+    g = torch.Generator().manual_seed(seed)
+    for f in sorted(tmp.glob("*.safetensors")):
+        sd = load_file(f)
+        for n in sorted(sd):
+            w = sd[n]
+            if not (n.endswith("_proj.weight") and w.ndim == 2 and w.shape[1] % 16 == 0):
+                continue
+            blocks = w.float().reshape(w.shape[0], -1, 16)
+            amax = blocks.abs().amax(-1, keepdim=True)
+            noise = torch.randn(blocks.shape, generator=g) * amax / 6 * JITTER
+            noise[blocks.abs() == amax] = 0  # each block's amax (so the tensor's) kept: the same scales to start from
+            sd[n] = (blocks + noise).reshape(w.shape).to(w.dtype)
+        save_file(sd, f, metadata={"format": "pt"})
+    try:
+        tmp.rename(folder)  # complete or absent
+    except OSError:  # another worker made it first
+        shutil.rmtree(tmp)
+    return folder
 
 
 def calibration_prompts(workdir: Path, task: str, kind: str, bigbench: Path | None = None,
@@ -697,10 +754,11 @@ def variant_artifact(workdir: Path, gguf: Path, variant: str) -> Path:
     from pact.assets.sentiment import cached_artifact
     from pact.convert import convert
 
-    base, _, keep = variant.partition("-keep")
+    base, keep, jit = _variant_parts(variant)
     scaling, _, rule = base.partition("-")
+    src = jitter_folder(workdir, gguf, int(jit)) if jit else gguf
     return Path(cached_artifact(workdir / f"smollm2-135m-nvfp4-{variant}", lambda p: convert(
-        str(gguf), p, scaling=scaling, block_scales=rule or "amax", keep_bf16=int(keep or 0) / 100,
+        str(src), p, scaling=scaling, block_scales=rule or "amax", keep_bf16=int(keep or 0) / 100,
         overwrite=p.exists(), progress=False)))
 
 

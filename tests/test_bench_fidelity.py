@@ -8,6 +8,7 @@ from pathlib import Path
 
 import click
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import bench_fidelity as bf  # noqa: E402
@@ -47,6 +48,12 @@ def test_method_names():
     assert bf.split_variant("1d-mse+gptq") == ("1d-mse", "gptq")
     with pytest.raises(ValueError):
         bf.split_variant("1d-mse+nope")
+    assert bf.split_variant("1d-mse-jit2") == ("1d-mse-jit2", None)
+    assert bf._variant_parts("1d-mse-jit2") == ("1d-mse", "", "2")
+    assert bf._variant_parts("1d-mse-keep10") == ("1d-mse", "10", "")
+    for bad in ("1d-mse-jit0", "1d-mse-jitx", "1d-mse-keep10-jit1", "3d-jit1"):
+        with pytest.raises(ValueError):
+            bf.split_variant(bad)
     # PEFT on a calibrated artifact's weights is a method; PEFT on the source weights takes no variant
     bf._check_methods(["peft", "peft@nvfp4", "peft@nvfp4:1d-mse+gptq", "pact=mixed:1d-mse+gptq", "pact%top8=mixed",
                         "pact~bwfwd=mixed:1d-mse+gptq", "pact~eager=mixed"])
@@ -185,6 +192,43 @@ def test_weights_compares_calibration_draws(tmp_path):
     assert got["a-a2"] == {"differ": 0.0, "rel_to_a_minus_rtn": 0.0}
     assert all(got[k]["rel_to_a_minus_rtn"] == 1.0 and 0 < got[k]["differ"] < 1 for k in ("a-rtn", "b-rtn"))
     assert 0 < got["a-b"]["differ"] < 1 and got["a-b"]["rel_to_a_minus_rtn"] > 0  # two draws, two weight sets
+
+
+def test_jittered_round_to_nearest(tmp_path, monkeypatch):
+    """`:1d-mse-jitN`: the source's projections jittered (seeded) before conversion: another round-to-nearest
+    artifact, its codes moved where a weight lay near a midpoint; the same seed gives the same folder."""
+    from safetensors.torch import load_file
+
+    import bench_accuracy
+    from conftest import make_model, make_realistic
+    from pact.convert import convert
+    from pact.formats import open_artifact
+
+    src = tmp_path / "src"
+    make_model(src, "llama", num_hidden_layers=2)
+    make_realistic(src)
+    monkeypatch.setattr(bench_accuracy, "_bf16_folder", lambda gguf: src)
+    work = tmp_path / "work"
+    work.mkdir()
+    folders = [bf.jitter_folder(work, Path("unused.gguf"), seed) for seed in (1, 1, 2)]
+    assert folders[0] == folders[1] == work / "smollm2-135m-bf16-jit1" and folders[2] == work / "smollm2-135m-bf16-jit2"
+    assert not list(work.glob(".*"))  # no temp folder left
+    base, j1, j2 = (load_file(f / "model.safetensors") for f in (src, folders[0], folders[2]))
+    for n in base:
+        moved = not n.endswith("_proj.weight")
+        assert torch.equal(base[n], j1[n]) == moved, n  # only the projections are jittered
+    arts = [open_artifact(convert(str(f), tmp_path / f"art{i}", progress=False)) for i, f in
+            enumerate((src, folders[0], folders[2]))]
+    names = list(arts[0].names("nvfp4"))
+    w = [{n: a.dequantize(n).float() for n in names} for a in arts]
+    ref = {n: base[n].float() for n in names}
+    err = [sum(float((x[n] - ref[n]).pow(2).sum()) for n in names) for x in w]
+    differ = [sum(int((x[n] != w[0][n]).sum()) for n in names) / sum(w[0][n].numel() for n in names) for x in w[1:]]
+    assert all(0.05 < d < 0.25 for d in differ), differ  # (15% here)
+    # the error a little above round-to-nearest's (a moved code is the farther of its two neighbours: +10-13%
+    # here), alike for both seeds: another realization at one error level
+    assert all(1 < e / err[0] < 1.2 for e in err[1:]) and abs(err[1] / err[2] - 1) < 0.1, err
+    assert sum(int((w[1][n] != w[2][n]).sum()) for n in names) > 0
 
 
 def test_profile_attributes_kernels_to_their_launching_op():
