@@ -1102,6 +1102,32 @@ def plan(csvs, method, ref, target_se) -> None:
     click.echo(f"\n{total} more runs in all")
 
 
+@cli.command()
+@click.argument("csvs", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
+@click.option("--pair", "pairs", multiple=True, required=True, metavar="A,B[,draws]",
+              help="Two methods; ',draws' when A and B are two draws of one kind (two calibrations, two jitters): "
+                   "each deviates from their common mean, so the excess is split between them.")
+@click.option("--min-seeds", default=3, show_default=True)
+def spread(csvs, pairs, min_seeds) -> None:
+    """Whether A - B moves cells more than their seeds' noise does: over the (task, lr) cells both ran, the spread
+    of the cells' mean paired differences against their standard errors. Excess = sqrt(var(d) - mean(SE^2)) (per
+    artifact with ',draws': / sqrt 2): a persistent per-cell shift no seed count removes (0: the cells differ by
+    their seeds' noise only; negative variances are written as 0)."""
+    for spec in pairs:
+        a, b, *kind = spec.split(",")
+        cells = {c: [100 * x for x in d] for c, d in _paired(csvs, a, b).items() if len(d) >= min_seeds}
+        if len(cells) < 2:
+            click.echo(f"{a} - {b}: {len(cells)} cell(s) with {min_seeds}+ paired seeds: too few")
+            continue
+        means = [statistics.mean(d) for d in cells.values()]
+        se2 = [statistics.variance(d) / len(d) for d in cells.values()]
+        excess = statistics.variance(means) - statistics.mean(se2)
+        excess /= 2 if kind == ["draws"] else 1
+        click.echo(f"{a} - {b}: {len(cells)} cells, mean {statistics.mean(means):+.2f}, sd of the cells' means "
+                   f"{statistics.stdev(means):.2f}, rms SE {statistics.mean(se2) ** 0.5:.2f}, excess sd "
+                   f"{max(excess, 0) ** 0.5:.2f}{' per draw' if kind == ['draws'] else ''}")
+
+
 def _paired(csvs, method: str, ref: str) -> dict[tuple, list[float]]:
     """(task, lr) -> accuracy of ``method`` minus ``ref``'s, per seed both ran (rows of ``csvs``; a later
     row of the same run replaces an earlier one)."""

@@ -124,6 +124,26 @@ def test_table_mean_with_a_draw_term(tmp_path):
     assert "draw sd" not in CliRunner().invoke(bf.cli, ["table", "--wide", "--ref", "pact=mixed", str(f)]).output
 
 
+def test_spread_excess_over_seed_noise(tmp_path):
+    """`spread`: a per-cell shift shows as excess over the seeds' standard errors; noise alone does not."""
+    from click.testing import CliRunner
+
+    f = tmp_path / "rows.csv"
+    rows = []
+    for task, shift in (("t1", 0.04), ("t2", -0.04), ("t3", 0.0)):  # B - A: +4, -4 and 0 points, seeds +-1
+        for seed, noise in enumerate((0.01, -0.01, 0.01, -0.01)):
+            rows += [(task, "A", seed, 0.5), (task, "B", seed, 0.5 + shift + noise), (task, "C", seed, 0.5 + noise)]
+    f.write_text("task,method,lr,seed,accuracy,majority\n" + "".join(f"{t},{m},0.0005,{s},{a},0.5\n"
+                                                                       for t, m, s, a in rows))
+    out = CliRunner().invoke(bf.cli, ["spread", "--pair", "B,A", "--pair", "C,A", "--pair", "B,A,draws",
+                                      "--pair", "B,D", str(f)]).output.splitlines()
+    # cell means +4, -4, 0: variance 16; each cell's SE^2 = 4/3 / 4 = 1/3: excess sqrt(16 - 1/3) = 3.96
+    assert out[0].startswith("B - A: 3 cells, mean +0.00") and out[0].endswith("excess sd 3.96"), out
+    assert out[1].endswith("excess sd 0.00"), out  # seed noise only
+    assert out[2].endswith("excess sd 2.80 per draw"), out  # split between two draws: sqrt(15.67 / 2)
+    assert "too few" in out[3]
+
+
 def test_table_repeats_last_or_mean(tmp_path):
     from click.testing import CliRunner
 
