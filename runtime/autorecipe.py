@@ -39,8 +39,11 @@ PROBE_STEP_MAX = 20  # the probe runs at step min(20, steps // 10): an adapter t
 
 def parse_auto(spec, flag: str = "--activations") -> float | None:
     """The budget factor of ``auto`` / ``auto:F`` (F > 0); None for any other recipe."""
-    if not isinstance(spec, str) or spec.split(":", 1)[0].strip() != "auto":
+    if not isinstance(spec, str) or spec.split(":", 1)[0].split(",", 1)[0].strip() != "auto":
         return None
+    if "," in spec:
+        raise PactError(f"{flag} {spec!r}: auto takes no overrides (auto or auto:F alone: the probe picks the saved "
+                        "copies); for dgrad or a site's precision name a preset, e.g. mixed,dgrad=fp8")
     _, colon, tail = spec.partition(":")
     if not colon:
         return 1.0

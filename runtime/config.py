@@ -13,7 +13,15 @@ from pact.formats.peft import ALL_TARGETS, LoraConfig
 from .autorecipe import auto_spec, parse_auto
 from .data import looks_like_hub_id
 from .graphs import GRAPH_WORK
-from .ops import BACKWARD_WEIGHTS, COMPUTE, FP8_WEIGHTS, KERNELS, resolve_backward_weights, resolve_fp8_weights
+from .ops import (
+    BACKWARD_WEIGHTS,
+    COMPUTE,
+    FP8_WEIGHTS,
+    KERNELS,
+    check_dgrad_flags,
+    resolve_backward_weights,
+    resolve_fp8_weights,
+)
 from .recipe import HELP as RECIPE_HELP
 from .recipe import parse_recipe
 from .reporting import parse_report_to
@@ -86,7 +94,8 @@ class TrainConfig:
         "auto", "What the input-gradient GEMMs (dX = dY W) multiply: layout (the artifact's backward layout, W^T "
                 "rounded along the other dimension) or forward (the forward layout's own weights, transposed: the "
                 "exact gradient of the model's forward, a bf16 GEMM on either backend; the backward layouts are not "
-                "loaded, about half the frozen weights' memory; bf16-decode and fp8 only). auto = layout.",
+                "loaded, about half the frozen weights' memory; bf16-decode and fp8 only; not with --activations "
+                "...,dgrad=fp8). auto = layout.",
         choices=BACKWARD_WEIGHTS)
     activations: str | None = _opt(None, RECIPE_HELP, metavar="RECIPE")
     checkpoint: bool = _opt(False, "Recompute each decoder layer in backward (less memory, ~1/3 more compute).",
@@ -153,6 +162,8 @@ class TrainConfig:
             resolve_backward_weights(self.backward_weights, compute)
         factor = parse_auto(self.activations)  # canonical spellings: resume compares them
         self.activations = auto_spec(factor) if factor is not None else parse_recipe(self.activations).spec()
+        if compute in COMPUTE and factor is None:
+            check_dgrad_flags(parse_recipe(self.activations).dgrad, compute, self.backward_weights)
         self.lora()  # --targets, --lora-r, --lora-dropout and --lora-layers' syntax
         for name in PATH_FIELDS:  # absolute: --out ./run/ and --out run are the same run
             setattr(self, name, _absolute(getattr(self, name)))

@@ -102,7 +102,10 @@ class PactModel(nn.Module):
         self.kernels = resolve_kernels(kernels, self.device)
         # per site: GEMM input, LoRA input, saved; and the backend (runtime/recipe.py)
         self.recipe = parse_recipe(activations).on(resolve_compute(compute, self.device))
-        check_dgrad(self.recipe.dgrad, self.device)
+        if backward:
+            check_dgrad(self.recipe.dgrad, self.device)
+        else:  # no input-gradient GEMM runs: a run's recorded dgrad is nothing to check or build
+            self.recipe = dataclasses.replace(self.recipe, dgrad="auto")
         self._no_backward = self.recipe.forward_only()  # under torch.no_grad: no saved copies encoded
         self.compute = self.recipe.compute
         self.ops = get_ops(self.recipe, self.kernels, fp8_weights, backward_weights)

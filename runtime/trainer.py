@@ -58,6 +58,7 @@ from .evaluate import evaluate, label_candidates
 from .graphs import bucket_length, layer_weights, settings_refusal, use_graphs
 from .model import PactModel
 from .recipe import DEFAULT as DEFAULT_RECIPE
+from .recipe import parse_recipe
 from .reporting import Reporter, check_available, parse_report_to
 from .runfolder import _clear_new_run, _is_new, _prepare_run, _trained, data_fingerprint, run_lock  # noqa: F401
 from .session import open_session
@@ -426,7 +427,8 @@ def _probe(r: _Run, cfg: TrainConfig, run: Path, factor: float) -> None:
 def _out_of_memory(cfg: TrainConfig, where: str) -> PactError:
     """The error of a run out of GPU memory: the flags that lower it (--backward-weights forward where the run
     loads the backward layouts and its backend can do without them)."""
-    more = "" if cfg.backward_weights == "forward" or cfg.compute == "nvfp4-native" else (
+    dgrad_fp8 = parse_auto(cfg.activations) is None and parse_recipe(cfg.activations).dgrad == "fp8"
+    more = "" if cfg.backward_weights == "forward" or cfg.compute == "nvfp4-native" or dgrad_fp8 else (
         ", or --backward-weights forward (the backward layouts stay on disk: about half the frozen weights' "
         "memory; BENCHMARKS.md measures what it costs)")
     return PactError(f"out of GPU memory {where}: lower --batch-size (raise --grad-accum to keep the effective "

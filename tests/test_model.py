@@ -150,17 +150,31 @@ def test_dgrad_fp8_only_the_input_gradients(tmp_path, kernels):
     assert cos[0] >= 0.995 and cos[-1] > 0.9999 and cos[len(cos) // 2] < 1, cos
     with pytest.raises(PactError, match="dgrad=fp8 re-encodes the backward layout.*use one of the two"):
         PactModel(art, LoraConfig(r=R, alpha=ALPHA), activations="mixed,dgrad=fp8", backward_weights="forward")
+    with pytest.raises(PactError, match="dgrad=fp8 with --compute fp8"):
+        PactModel(art, LoraConfig(r=R, alpha=ALPHA), activations="mixed,dgrad=fp8", compute="fp8")
 
 
-def test_dgrad_fp8_needs_fp8_tensor_cores(monkeypatch):
+def test_dgrad_fp8_needs_fp8_tensor_cores(tmp_path, monkeypatch):
+    """Refused for training on a GPU without FP8 tensor cores; a forward-only model (pact-eval, generate, the
+    merge on a run trained with dgrad=fp8) runs no input-gradient GEMM and takes the recorded recipe as it is."""
     from pact.runtime.ops import build
 
     monkeypatch.setattr(build, "_capability", lambda device: (8, 0))
     with pytest.raises(PactError, match=r"dgrad=fp8 needs FP8 tensor cores .* sm_80: drop dgrad=fp8"):
         build.check_dgrad("fp8", torch.device("cuda"))
     build.check_dgrad("auto", torch.device("cuda"))
+    art = _artifact(tmp_path, "llama")
+    with pytest.raises(PactError, match="sm_80: drop dgrad=fp8"):
+        PactModel(art, LoraConfig(r=R, alpha=ALPHA), activations="mixed,dgrad=fp8")
+    model = PactModel(art, LoraConfig(r=R, alpha=ALPHA), activations="mixed,dgrad=fp8", backward=False)
+    assert model.recipe.dgrad == "auto" and model.ops.name == "torch/bf16-decode"
     monkeypatch.setattr(build, "_capability", lambda device: (9, 0))
     build.check_dgrad("fp8", torch.device("cuda"))
+    monkeypatch.setattr(build, "_capability", lambda device: None)  # (the CPU) forward only beside --compute fp8 too
+    model = PactModel(art, LoraConfig(r=R, alpha=ALPHA), activations="mixed,dgrad=fp8", compute="fp8", backward=False)
+    assert model.recipe.dgrad == "auto" and model.ops.name == "torch/fp8"
+    trains = PactModel(art, LoraConfig(r=R, alpha=ALPHA), activations="mixed,dgrad=fp8")
+    assert trains.ops.name == "torch/bf16-decode/dgrad-fp8"
 
 
 def test_mistral_sliding_window_as_transformers(tmp_path):

@@ -183,6 +183,9 @@ def test_out_of_memory_names_the_ways_out(task, tmp_path, monkeypatch, backward)
     with pytest.raises(PactError, match="out of GPU memory while loading the model") as e:
         train(_cfg(task, tmp_path / "run2", backward_weights=backward), progress=False)
     assert ("--backward-weights forward" in str(e.value)) == (backward == "auto")
+    with pytest.raises(PactError, match="out of GPU memory while loading the model") as e:  # refused beside dgrad=fp8
+        train(_cfg(task, tmp_path / "run3", activations="mixed,dgrad=fp8"), progress=False)
+    assert "--backward-weights forward" not in str(e.value)
 
 
 def test_flag_combinations_refused_before_anything_loads(tmp_path):
@@ -196,6 +199,13 @@ def test_flag_combinations_refused_before_anything_loads(tmp_path):
     with pytest.raises(PactError, match="--fp8-weights resident"):
         TrainConfig(**base, fp8_weights="resident")
     assert TrainConfig(**base, compute="fp8", fp8_weights="resident", backward_weights="forward")
+    with pytest.raises(PactError, match="dgrad=fp8 re-encodes the backward layout.*use one of the two"):
+        TrainConfig(**base, activations="mixed,dgrad=fp8", backward_weights="forward")
+    with pytest.raises(PactError, match="dgrad=fp8 with --compute fp8: .* drop dgrad=fp8"):
+        TrainConfig(**base, activations="mixed,dgrad=fp8", compute="fp8")
+    with pytest.raises(PactError, match="auto takes no overrides"):
+        TrainConfig(**base, activations="auto:1.5,dgrad=fp8")
+    assert TrainConfig(**base, activations="mixed,dgrad=fp8").activations == "mixed,dgrad=fp8"
 
 
 def test_backward_weights_recorded(task, tmp_path, monkeypatch):

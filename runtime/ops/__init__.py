@@ -12,6 +12,7 @@ from .build import (
     KERNELS,
     Ops,
     check_dgrad,
+    check_dgrad_flags,
     get_ops,
     resolve_backward_weights,
     resolve_compute,
@@ -22,5 +23,5 @@ from .build import (
 from .rows import DenseRows, E4M3Rows, NVFP4RowsFP8, NVFP4TensorFP8
 
 __all__ = ["BACKWARD_WEIGHTS", "COMPUTE", "FP8_WEIGHTS", "KERNELS", "DenseRows", "E4M3Rows", "NVFP4RowsFP8",
-           "NVFP4TensorFP8", "Ops", "check_dgrad", "get_ops", "resolve_backward_weights", "resolve_compute",
-           "resolve_device", "resolve_fp8_weights", "resolve_kernels"]
+           "NVFP4TensorFP8", "Ops", "check_dgrad", "check_dgrad_flags", "get_ops", "resolve_backward_weights",
+           "resolve_compute", "resolve_device", "resolve_fp8_weights", "resolve_kernels"]

@@ -128,11 +128,25 @@ def resolve_compute(name: str | None, device: torch.device) -> str:
 
 def check_dgrad(dgrad: str, device: torch.device) -> None:
     """`--activations ...,dgrad=fp8` runs the input-gradient GEMMs on FP8 tensor cores: one error on a GPU
-    without them (on the CPU it runs as the fp8 GEMM's PyTorch twin)."""
+    without them (on the CPU it runs as the fp8 GEMM's PyTorch twin). Checked where a model trains: forward-only
+    tools never run an input-gradient GEMM."""
     cap = _capability(device)
     if dgrad == "fp8" and cap is not None and cap < (8, 9):
         raise PactError(f"--activations ...,dgrad=fp8 needs FP8 tensor cores (sm_89 or newer); this GPU is "
                         f"sm_{cap[0]}{cap[1]}: drop dgrad=fp8")
+
+
+def check_dgrad_flags(dgrad: str, compute: str, backward_weights: str | None) -> None:
+    """`dgrad=fp8` beside the flags that leave it nothing to do: one error each (pact-train's settings check and
+    get_ops both ask)."""
+    if dgrad != "fp8":
+        return
+    if compute == "fp8":
+        raise PactError("--activations ...,dgrad=fp8 with --compute fp8: that backend's input gradients are FP8 "
+                        "already; drop dgrad=fp8")
+    if backward_weights == "forward":
+        raise PactError("--activations ...,dgrad=fp8 re-encodes the backward layout as E4M3, and --backward-weights "
+                        "forward multiplies the forward layout in bf16 instead: use one of the two")
 
 
 @dataclass(frozen=True)
@@ -214,9 +228,7 @@ def get_ops(recipe: Recipe, kernels: str, fp8_weights: str = "per-call", backwar
     fp8_weights = resolve_fp8_weights(fp8_weights, recipe.compute)
     dgrad_reads = resolve_backward_weights(backward_weights, recipe.compute)
     name, compute, dgrad = kernels, recipe.compute, recipe.dgrad
-    if dgrad == "fp8" and dgrad_reads == "forward":
-        raise PactError("--activations ...,dgrad=fp8 re-encodes the backward layout as E4M3, and --backward-weights "
-                        "forward multiplies the forward layout in bf16 instead: use one of the two")
+    check_dgrad_flags(dgrad, compute, dgrad_reads)
     if name == "torch":
         from . import reference as mod
 
@@ -262,7 +274,7 @@ def get_ops(recipe: Recipe, kernels: str, fp8_weights: str = "per-call", backwar
         else:
             from .triton.fp8 import fp8_rows
         ops["resident"] = functools.partial(NVFP4TensorFP8.of, fp8_rows=fp8_rows)
-    return Ops(name=f"{name}/{compute}", dgrad_reads=dgrad_reads, **ops)
+    return Ops(name=f"{name}/{compute}" + ("/dgrad-fp8" if dgrad == "fp8" else ""), dgrad_reads=dgrad_reads, **ops)
 
 
 def _gemm_input_rows(op, fp8: bool):
