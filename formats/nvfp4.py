@@ -155,8 +155,10 @@ def round_e2m1(x: torch.Tensor) -> torch.Tensor:
 
 
 def decode_packed(packed: torch.Tensor) -> torch.Tensor:
-    """[..., n] bytes -> [..., 2n] fp32 values."""
-    return _BYTE_VALUES.to(packed.device)[packed.long()].flatten(-2)
+    """[..., n] bytes -> [..., 2n] fp32 values (a 256-row table's index_select with int32 indices: several
+    times faster on the CPU than indexing it with int64 ones)."""
+    pairs = _BYTE_VALUES.to(packed.device).index_select(0, packed.reshape(-1).int())
+    return pairs.view(*packed.shape, 2).flatten(-2)
 
 
 def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:

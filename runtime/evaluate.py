@@ -18,6 +18,7 @@ from pact.formats.files import read_json
 from .autorecipe import parse_auto
 from .checkpoints import CALIBRATED
 from .data import IGNORE, Example, collate
+from .matmul import mm
 from .model import rmsnorm
 
 log = logging.getLogger(__name__)
@@ -29,7 +30,7 @@ def _target_logprobs(model, hs: torch.Tensor, targets: torch.Tensor, rows: torch
     out = torch.zeros(n, dtype=torch.float32, device=hs.device)
     step = max(1, (1 << 24) // model.lm_head.shape[0])
     for i in range(0, hs.shape[0], step):
-        logp = F.log_softmax((hs[i : i + step] @ model.lm_head.t()).float(), dim=-1)
+        logp = F.log_softmax(mm(hs[i : i + step], model.lm_head.t()).float(), dim=-1)
         out.index_add_(0, rows[i : i + step], logp.gather(1, targets[i : i + step, None]).squeeze(1))
     return out
 

@@ -32,6 +32,7 @@ import torch
 
 from pact.formats.nvfp4 import NVFP4Tensor
 
+from .matmul import addmm_, mm
 from .ops.rows import DenseRows, E4M3Rows
 from .recipe import Site, parse_recipe
 
@@ -101,7 +102,7 @@ def project(ops, g: FrozenGroup, a, x_hat: torch.Tensor, a_hat: torch.Tensor | N
         y = ops.nvfp4_gemm(a_val, g.weight, a_hat)
     else:
         dense_a = a.data if isinstance(a, DenseRows) else a_hat if a_hat is not None else ops.dequant_rows(a)
-        y = dense_a @ g.dense.t()
+        y = mm(dense_a, g.dense.t())
     if g.bias is not None:
         y = y + g.bias
     if not any(lo is not None for lo in g.loras):
@@ -109,7 +110,7 @@ def project(ops, g: FrozenGroup, a, x_hat: torch.Tensor, a_hat: torch.Tensor | N
     seeds = [_new_seed() if lo is not None and lo.dropout > 0 else None for lo in g.loras]
     xas = []
     if _batched(g):  # every member's xa from one GEMM; each member's is a column slice of it
-        xa_all, col = x_hat @ _a_cat(g, x_hat.dtype).t(), 0  # [T, sum r]
+        xa_all, col = mm(x_hat, _a_cat(g, x_hat.dtype).t()), 0  # [T, sum r]
         for lo in g.loras:
             r = 0 if lo is None else lo.A.shape[0]
             xas.append(None if lo is None else xa_all[:, col : col + r])
@@ -117,11 +118,11 @@ def project(ops, g: FrozenGroup, a, x_hat: torch.Tensor, a_hat: torch.Tensor | N
     else:
         for lo, seed in zip(g.loras, seeds):
             xd = x_hat * _dropout_mask(x_hat, lo.dropout, seed) if seed is not None else x_hat
-            xas.append(None if lo is None else xd @ lo.A.to(x_hat.dtype).t())
+            xas.append(None if lo is None else mm(xd, lo.A.to(x_hat.dtype).t()))
     off = 0
     for lora, n, xa in zip(g.loras, g.sizes, xas):
         if lora is not None:
-            y[:, off : off + n].addmm_(xa, lora.B.to(x_hat.dtype).t(), alpha=lora.scale)
+            addmm_(y[:, off : off + n], xa, lora.B.to(x_hat.dtype).t(), alpha=lora.scale)
         off += n
     return y, xas, seeds
 
@@ -133,7 +134,7 @@ def project_backward(ops, g: FrozenGroup, dy: torch.Tensor, x_hat: torch.Tensor,
     their input gradient is added onto the frozen one by one addmm (fp32 in cuBLAS's epilogue)."""
     dy = dy.to(torch.bfloat16).contiguous()
     if g.weight is None:
-        dx = dy @ g.dense
+        dx = mm(dy, g.dense)
     else:
         w = g.weight if ops.dgrad_reads == "forward" else g.weight_t
         if w is None:
@@ -152,23 +153,23 @@ def project_backward(ops, g: FrozenGroup, dy: torch.Tensor, x_hat: torch.Tensor,
             continue
         dyi = dy[:, off : off + n]
         off += n
-        dB = (dyi.t() @ xa).float() * lora.scale
-        dxa = dyi @ (lora.B * lora.scale).to(dy.dtype)
+        dB = mm(dyi.t(), xa).float() * lora.scale
+        dxa = mm(dyi, (lora.B * lora.scale).to(dy.dtype))
         if batched:
             dxas.append(dxa)
             grads.append([None, dB])
             continue
         mask = _dropout_mask(x_hat, lora.dropout, seed) if seed is not None else None
         xd = x_hat * mask if mask is not None else x_hat
-        dA = (dxa.t() @ xd).float()
-        dxl = (dxa @ lora.A.to(dy.dtype)).float()
+        dA = mm(dxa.t(), xd).float()
+        dxl = mm(dxa, lora.A.to(dy.dtype)).float()
         dx32 += dxl * mask if mask is not None else dxl
         grads.append((dA, dB))
     if not batched:
         return dx32.to(torch.bfloat16), grads
     dxa_all = torch.cat(dxas, dim=1) if len(dxas) > 1 else dxas[0]  # [T, sum r]
-    dA_all = (dxa_all.t() @ x_hat).float()  # [sum r, K]
-    dx.addmm_(dxa_all, _a_cat(g, dy.dtype))
+    dA_all = mm(dxa_all.t(), x_hat).float()  # [sum r, K]
+    addmm_(dx, dxa_all, _a_cat(g, dy.dtype))
     row = 0
     for pair, lora in zip(grads, g.loras):
         if pair is not None:

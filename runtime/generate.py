@@ -10,6 +10,7 @@ import torch
 
 from pact.formats import PactError
 
+from .matmul import mm
 from .model import rmsnorm
 
 
@@ -28,7 +29,7 @@ def _last_logits(model, ids: torch.Tensor, cache: list, pos: int) -> torch.Tenso
     for i, L in enumerate(model.layers):
         x = model.layer(L, x, cos, sin, B, S, None, cache=(cache, i))
     h = rmsnorm(x.view(B, S, model.hidden)[:, -1], model.final_norm, model.eps)
-    return (h @ model.lm_head.t()).float()
+    return mm(h, model.lm_head.t()).float()
 
 
 def truncate(cache: list, n: int) -> None:

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from .matmul import mm
+
 _CHUNK_ELEMENTS = 1 << 25  # logits per chunk (bf16: 64 MiB)
 
 
@@ -25,9 +27,9 @@ class TargetCrossEntropyFn(torch.autograd.Function):
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         dh = torch.empty_like(h)
         for i in range(0, n, step):
-            logits = h[i : i + step] @ weight.t()
+            logits = mm(h[i : i + step], weight.t())
             total += ce_grad_(logits, targets[i : i + step]).sum()
-            dh[i : i + step] = (logits.to(weight.dtype) @ weight).to(h.dtype)
+            dh[i : i + step] = mm(logits.to(weight.dtype), weight).to(h.dtype)
         ctx.save_for_backward(dh)
         return total
 

@@ -25,6 +25,7 @@ from .bind import Layer, bind
 from .functions import Lora, MlpFn, NormProjectionFn, ProjectionFn, RopeFn
 from .graphs import GraphBuffers, GraphedLayersFn, LayerGraphs, graphable
 from .loss import target_cross_entropy
+from .matmul import mm
 from .ops import check_dgrad, get_ops, resolve_compute, resolve_kernels
 from .recipe import Recipe, parse_recipe
 
@@ -354,7 +355,7 @@ class PactModel(nn.Module):
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Full logits [B, S, V] (evaluation and tests only: training never builds these)."""
         h = rmsnorm(self.hidden_states(input_ids), self.final_norm, self.eps)
-        return (h @ self.lm_head.t()).float()
+        return mm(h, self.lm_head.t()).float()
 
     def adapter_state(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         return {name: (lo.A, lo.B) for name, lo in self.adapters.items()}

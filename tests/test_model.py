@@ -468,3 +468,21 @@ def test_gemma3_every_difference_is_needed(tmp_path):
         margin = 5 if what == "GeGLU" else 10
         assert abs(loss() - ref) > margin * abs(ours - ref), what
         L0.window, model.attn_scale, model.embed_scale, L0.post_mlp_norm, model.spec, L0.attn_norm = kept
+
+
+def test_cpu_bf16_products_are_fp32_products_rounded_once():
+    """runtime/matmul.py: on the CPU a bf16 product is the fp32 product of the same operands rounded once
+    (what a GPU's bf16 GEMM computes), also in place into a column slice (a LoRA member's share of y)."""
+    from pact.runtime.matmul import addmm_, mm
+
+    g = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(s, generator=g).to(torch.bfloat16) for s in ((33, 48), (48, 20)))
+    assert mm(a, b).dtype == torch.bfloat16
+    assert torch.equal(mm(a, b), (a.float() @ b.float()).to(torch.bfloat16))
+    y = torch.randn(33, 50, generator=g).to(torch.bfloat16)
+    want = torch.addmm(y[:, 10:30].float(), a.float(), b.float(), alpha=0.5).to(torch.bfloat16)
+    rest = y[:, 30:].clone()
+    out = addmm_(y[:, 10:30], a, b, alpha=0.5)
+    assert torch.equal(y[:, 10:30], want) and torch.equal(y[:, 30:], rest) and out.data_ptr() == y[:, 10:30].data_ptr()
+    f32 = torch.randn(4, 48, generator=g)  # other dtypes: the plain product
+    assert torch.equal(mm(f32, b.float()), f32 @ b.float())

@@ -274,3 +274,19 @@ def test_stochastic_rounding_is_unbiased_and_on_the_grid():
     rtn_bias = (dequantize_rows(rtn) - x).abs().mean()
     assert (draws.mean(0) - x).abs().mean() < 0.25 * rtn_bias
 
+
+
+def test_decode_packed_every_byte_any_shape():
+    """decode_packed: each byte's two E2M1 values (low nibble first), for every byte value, on empty,
+    1-D, 3-D and non-contiguous inputs."""
+    from pact.formats.nvfp4 import E2M1_VALUES, decode_packed
+
+    every = torch.arange(256, dtype=torch.uint8)
+    want = torch.stack((E2M1_VALUES[(every & 15).long()], E2M1_VALUES[(every >> 4).long()]), -1).flatten()
+    assert torch.equal(decode_packed(every), want.float())
+    g = torch.Generator().manual_seed(0)
+    for shape in ((0, 4), (2, 3, 5), (7, 0)):
+        p = torch.randint(0, 256, shape, dtype=torch.uint8, generator=g)
+        assert decode_packed(p).shape == (*shape[:-1], 2 * shape[-1])
+    p = torch.randint(0, 256, (6, 8), dtype=torch.uint8, generator=g)[:, ::2]
+    assert torch.equal(decode_packed(p), decode_packed(p.contiguous()))
