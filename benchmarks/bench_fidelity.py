@@ -1114,7 +1114,7 @@ def spread(csvs, pairs, min_seeds) -> None:
     artifact with ',draws': / sqrt 2): a persistent per-cell shift no seed count removes (0: the cells differ by
     their seeds' noise only; negative variances are written as 0)."""
     for spec in pairs:
-        a, b, *kind = spec.split(",")
+        a, b, kind = _pair(spec)
         cells = {c: [100 * x for x in d] for c, d in _paired(csvs, a, b).items() if len(d) >= min_seeds}
         if len(cells) < 2:
             click.echo(f"{a} - {b}: {len(cells)} cell(s) with {min_seeds}+ paired seeds: too few")
@@ -1126,6 +1126,18 @@ def spread(csvs, pairs, min_seeds) -> None:
         click.echo(f"{a} - {b}: {len(cells)} cells, mean {statistics.mean(means):+.2f}, sd of the cells' means "
                    f"{statistics.stdev(means):.2f}, rms SE {statistics.mean(se2) ** 0.5:.2f}, excess sd "
                    f"{max(excess, 0) ** 0.5:.2f}{' per draw' if kind == ['draws'] else ''}")
+
+
+def _pair(spec: str) -> tuple[str, str, list[str]]:
+    """'A,B[,draws]' -> (A, B, ['draws'] or []); a method's recipe may hold commas (pact=mixed,dgrad=fp8), so B
+    starts at the first later part that names a method (pact..., peft...)."""
+    parts = spec.split(",")
+    kind = [parts.pop()] if parts[-1] == "draws" else []
+    plain = 1 if len(parts) == 2 else None  # (two names without commas: any names)
+    cut = next((i for i in range(1, len(parts)) if parts[i].startswith(("pact", "peft"))), plain)
+    if cut is None:
+        raise click.BadParameter(f"{spec!r} is not A,B[,draws]", param_hint="--pair")
+    return ",".join(parts[:cut]), ",".join(parts[cut:]), kind
 
 
 def _paired(csvs, method: str, ref: str) -> dict[tuple, list[float]]:

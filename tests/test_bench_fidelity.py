@@ -142,6 +142,8 @@ def test_spread_excess_over_seed_noise(tmp_path):
     assert out[1].endswith("excess sd 0.00"), out  # seed noise only
     assert out[2].endswith("excess sd 2.80 per draw"), out  # split between two draws: sqrt(15.67 / 2)
     assert "too few" in out[3]
+    assert bf._pair("pact=mixed,dgrad=fp8:1d-mse+gptq,pact=mixed:1d-mse+gptq,draws") == (
+        "pact=mixed,dgrad=fp8:1d-mse+gptq", "pact=mixed:1d-mse+gptq", ["draws"])
 
 
 def test_table_repeats_last_or_mean(tmp_path):
