@@ -161,9 +161,10 @@ class TrainConfig:
             resolve_fp8_weights(self.fp8_weights, compute)
             resolve_backward_weights(self.backward_weights, compute)
         factor = parse_auto(self.activations)  # canonical spellings: resume compares them
-        self.activations = auto_spec(factor) if factor is not None else parse_recipe(self.activations).spec()
-        if compute in COMPUTE and factor is None:
-            check_dgrad_flags(parse_recipe(self.activations).dgrad, compute, self.backward_weights)
+        recipe = None if factor is not None else parse_recipe(self.activations)
+        self.activations = auto_spec(factor) if recipe is None else recipe.spec()
+        if compute in COMPUTE and recipe is not None:
+            check_dgrad_flags(recipe.dgrad, compute, self.backward_weights)
         self.lora()  # --targets, --lora-r, --lora-dropout and --lora-layers' syntax
         for name in PATH_FIELDS:  # absolute: --out ./run/ and --out run are the same run
             setattr(self, name, _absolute(getattr(self, name)))
