@@ -105,6 +105,12 @@ def _capability(device: torch.device) -> tuple[int, int] | None:
     return torch.cuda.get_device_capability(device) if device.type == "cuda" else None
 
 
+def _no_fp8_cores(cap: tuple[int, int] | None) -> str | None:
+    """A GPU's "sm_XY" where it has no FP8 tensor cores (below sm_89); None on the CPU (the twins run) and
+    on GPUs that have them."""
+    return f"sm_{cap[0]}{cap[1]}" if cap is not None and cap < (8, 9) else None
+
+
 def resolve_compute(name: str | None, device: torch.device) -> str:
     """`auto`: bf16-decode on every device (the exact NVFP4 product: the backend whose training
     matches BF16 LoRA; the faster ones are opt-in). A backend the GPU cannot run is one error."""
@@ -120,7 +126,7 @@ def resolve_compute(name: str | None, device: torch.device) -> str:
     if name == "nvfp4-native" and cap is not None and cap[0] not in (10, 12):
         raise PactError(f"--compute nvfp4-native needs a Blackwell GPU (sm_100 / sm_120); this one is {sm}: "
                         "use --compute fp8 or bf16-decode")
-    if name == "fp8" and cap is not None and cap < (8, 9):
+    if name == "fp8" and _no_fp8_cores(cap):
         raise PactError(f"--compute fp8 needs FP8 tensor cores (sm_89 or newer); this GPU is {sm}: "
                         "use --compute bf16-decode")
     return name
@@ -130,10 +136,10 @@ def check_dgrad(dgrad: str, device: torch.device) -> None:
     """`--activations ...,dgrad=fp8` runs the input-gradient GEMMs on FP8 tensor cores: one error on a GPU
     without them (on the CPU it runs as the fp8 GEMM's PyTorch twin). Checked where a model trains: forward-only
     tools never run an input-gradient GEMM."""
-    cap = _capability(device)
-    if dgrad == "fp8" and cap is not None and cap < (8, 9):
-        raise PactError(f"--activations ...,dgrad=fp8 needs FP8 tensor cores (sm_89 or newer); this GPU is "
-                        f"sm_{cap[0]}{cap[1]}: drop dgrad=fp8")
+    sm = _no_fp8_cores(_capability(device))
+    if dgrad == "fp8" and sm:
+        raise PactError(f"--activations ...,dgrad=fp8 needs FP8 tensor cores (sm_89 or newer); this GPU is {sm}: "
+                        "drop dgrad=fp8")
 
 
 def check_dgrad_flags(dgrad: str, compute: str, backward_weights: str | None) -> None:
