@@ -20,6 +20,9 @@ LoRA member i (A_i [r,K], B_i [N_i,r], scale s, input X_hat = dequant(Xq) in bf1
     dxa  = s * dY_i @ B_i             [T,N_i] @ [N_i,r] -> [T,r]
     dA_i = dxa^T @ drop(X_hat)        [r,T] @ [T,K] -> [r,K]
     dX  += drop'(dxa @ A_i)           [T,r] @ [r,K] -> [T,K]
+Without dropout, on the bf16-decode backend, y_i's and dX's LoRA terms are the frozen GEMMs' ``extra``
+(an augmented K: [X | xa] @ [W | s B]^T over the group, B block diagonal; [dY | dxa] @ [W^T | A^T]^T),
+so y and dX are written once and rounded once.
 RMSNorm backward from the saved NVFP4 output Y_hat (= x * rstd * w, quantized), in fp32:
     n = Y_hat / w;  g = dY * w;  dx = rstd * (g - n * mean(g * n))
 """
