@@ -129,29 +129,15 @@ OTHER_TASK = {  # gptq-xtask's texts: a task of another kind (not two inference 
 PROBES = ("exact-dA",  # dA of gate and up reads the exact rows; the RMSNorm backward the saved copy
           "exact-norm",  # the RMSNorm backward reads the exact rows; dA the saved copy
           "eager",  # not a probe: pact-train --cuda-graphs off (the default replays graphed steps on a GPU)
-          "bwfwd",  # not a probe: pact-train --backward-weights forward
-          "fold",  # not a probe: the default as it is (the LoRA branches folded into the frozen GEMMs), under its
-          # own name, apart from the default's rows measured before the fold
-          "unfold")  # the LoRA branches added after the frozen GEMMs (Ops.gemm_extra / dgrad_extra off): the numerics
-          # before the fold, for an A/B on one machine
+          "bwfwd")  # not a probe: pact-train --backward-weights forward
 
 
 @contextlib.contextmanager
 def gate_up_probe(probe: str | None):
     """Within: MlpFn keeps the exact bf16 RMSNorm output beside its saved copy (more memory: a
     diagnostic) and hands it to the reader ``probe`` names. Nothing changes with ``probe`` None."""
-    if probe in (None, "eager", "bwfwd", "fold"):
+    if probe in (None, "eager", "bwfwd"):
         yield
-        return
-    if probe == "unfold":
-        from pact.runtime import model as pm
-
-        get = pm.get_ops
-        pm.get_ops = lambda *a, **kw: dataclasses.replace(get(*a, **kw), gemm_extra=False, dgrad_extra=False)
-        try:
-            yield
-        finally:
-            pm.get_ops = get
         return
     from pact.runtime import functions as fn
     from pact.runtime.ops import DenseRows
@@ -890,9 +876,8 @@ def tasks(workdir, bigbench, tasks, methods, lrs, seeds, steps, eval_batch, shar
             loss = statistics.mean(m["loss"] for m in metrics[-25:])
             steps_s = (metrics[-1]["elapsed_s"], metrics[0]["elapsed_s"])  # the steps alone; the first (capture)
             t_train = time.perf_counter() - t
-            with gate_up_probe("unfold" if probe == "unfold" else None):  # (the probes change backward only)
-                result = evaluate_artifact(str(art), str(test_f), adapter=str(run), max_len=MAX_LEN,
-                                           batch_size=eval_batch, activations=spec, compute=compute)
+            result = evaluate_artifact(str(art), str(test_f), adapter=str(run), max_len=MAX_LEN,
+                                       batch_size=eval_batch, activations=spec, compute=compute)
             acc, predicted = result["eval_accuracy"], result["eval_predicted"]
         row = {"task": task, "method": method, "lr": lr, "seed": seed, "steps": steps, "accuracy": round(acc, 4),
                "majority": round(maj, 4), "final_loss": round(loss, 4), "seconds": round(time.perf_counter() - t, 1),

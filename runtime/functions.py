@@ -20,9 +20,6 @@ LoRA member i (A_i [r,K], B_i [N_i,r], scale s, input X_hat = dequant(Xq) in bf1
     dxa  = s * dY_i @ B_i             [T,N_i] @ [N_i,r] -> [T,r]
     dA_i = dxa^T @ drop(X_hat)        [r,T] @ [T,K] -> [r,K]
     dX  += drop'(dxa @ A_i)           [T,r] @ [r,K] -> [T,K]
-Without dropout, on the bf16-decode backend, y_i's and dX's LoRA terms are the frozen GEMMs' ``extra``
-(an augmented K: [X | xa] @ [W | s B]^T over the group, B block diagonal; [dY | dxa] @ [W^T | A^T]^T),
-so y and dX are written once and rounded once.
 RMSNorm backward from the saved NVFP4 output Y_hat (= x * rstd * w, quantized), in fp32:
     n = Y_hat / w;  g = dY * w;  dx = rstd * (g - n * mean(g * n))
 """
@@ -92,25 +89,6 @@ def _a_cat(g: FrozenGroup, dtype) -> torch.Tensor:
     return torch.cat([lo.A for lo in g.loras if lo is not None]).to(dtype)
 
 
-def _columns(loras: list, xa_all: torch.Tensor) -> list[torch.Tensor]:
-    """Each adapted member's xa: its column slice of the batched xa_all [T, sum r], in member order."""
-    out, col = [], 0
-    for lo in loras:
-        if lo is not None:
-            r = lo.A.shape[0]
-            out.append(xa_all[:, col : col + r])
-            col += r
-    return out
-
-
-def _b_diag(g: FrozenGroup, ref: torch.Tensor) -> torch.Tensor:
-    """Every member's s * B_i as one [N, sum r] fp32 factor, block diagonal (member i's rows of the output
-    read only its own xa columns; a member without an adapter gets zero columns): y += xa_all @ this^T is
-    each member's update in its slice of y."""
-    return torch.block_diag(*(lo.B * lo.scale if lo is not None else ref.new_zeros(n, 0, dtype=torch.float32)
-                              for lo, n in zip(g.loras, g.sizes)))
-
-
 def project(ops, g: FrozenGroup, a, x_hat: torch.Tensor, a_hat: torch.Tensor | None = None
             ) -> tuple[torch.Tensor, list, list]:
     """Frozen GEMM (+bias) + LoRA per member. Returns y [T,N] bf16, saved xa's, dropout seeds.
@@ -120,14 +98,6 @@ def project(ops, g: FrozenGroup, a, x_hat: torch.Tensor, a_hat: torch.Tensor | N
     Without dropout, one GEMM computes every member's xa and each member's update is added
     into its slice of y by cuBLAS (addmm, alpha = scale): no [T, N_i] temporaries."""
     a_val = a.data if isinstance(a, DenseRows) and a.fp8 is None else a  # with an E4M3 copy: the fp8 GEMM reads it
-    adapted = any(lo is not None for lo in g.loras)
-    if g.weight is not None and adapted and ops.gemm_extra and _batched(g):
-        # the LoRA branches folded into the frozen GEMM (an augmented K): y is written once, rounded once
-        xa_all = mm(x_hat, _a_cat(g, x_hat.dtype).t())  # [T, sum r]
-        y = ops.nvfp4_gemm(a_val, g.weight, a_hat, extra=(xa_all, _b_diag(g, xa_all)))
-        if g.bias is not None:
-            y = y + g.bias
-        return y, _per_member(g.loras, _columns(g.loras, xa_all)), [None] * len(g.loras)
     if g.weight is not None:
         y = ops.nvfp4_gemm(a_val, g.weight, a_hat)
     else:
@@ -135,12 +105,16 @@ def project(ops, g: FrozenGroup, a, x_hat: torch.Tensor, a_hat: torch.Tensor | N
         y = mm(dense_a, g.dense.t())
     if g.bias is not None:
         y = y + g.bias
-    if not adapted:
+    if not any(lo is not None for lo in g.loras):
         return y, [None] * len(g.loras), [None] * len(g.loras)
     seeds = [_new_seed() if lo is not None and lo.dropout > 0 else None for lo in g.loras]
     xas = []
     if _batched(g):  # every member's xa from one GEMM; each member's is a column slice of it
-        xas = _per_member(g.loras, _columns(g.loras, mm(x_hat, _a_cat(g, x_hat.dtype).t())))
+        xa_all, col = mm(x_hat, _a_cat(g, x_hat.dtype).t()), 0  # [T, sum r]
+        for lo in g.loras:
+            r = 0 if lo is None else lo.A.shape[0]
+            xas.append(None if lo is None else xa_all[:, col : col + r])
+            col += r
     else:
         for lo, seed in zip(g.loras, seeds):
             xd = x_hat * _dropout_mask(x_hat, lo.dropout, seed) if seed is not None else x_hat
@@ -156,27 +130,22 @@ def project(ops, g: FrozenGroup, a, x_hat: torch.Tensor, a_hat: torch.Tensor | N
 def project_backward(ops, g: FrozenGroup, dy: torch.Tensor, x_hat: torch.Tensor, xas: list, seeds: list):
     """dX (bf16 [T,K]) and the LoRA grads [(dA, dB) or None per member].
 
-    Without dropout the members' dxa's are concatenated: dA for all members is one GEMM, and their
-    input gradient joins the frozen one in the frozen GEMM itself (ops.dgrad_extra: an augmented K, one
-    rounding) or by one addmm onto it (fp32 in cuBLAS's epilogue)."""
+    Without dropout the members' dxa's are concatenated: dA for all members is one GEMM and
+    their input gradient is added onto the frozen one by one addmm (fp32 in cuBLAS's epilogue)."""
     dy = dy.to(torch.bfloat16).contiguous()
-    w = None
-    if g.weight is not None:
+    if g.weight is None:
+        dx = mm(dy, g.dense)
+    else:
         w = g.weight if ops.dgrad_reads == "forward" else g.weight_t
         if w is None:
             raise RuntimeError("a backward through a model built with backward=False (no backward layouts loaded): "
                                "build it with backward=True to train")
-
-    def frozen(extra=None):
-        if w is None:
-            return mm(dy, g.dense)
-        return ops.dgrad_gemm(dy, w) if extra is None else ops.dgrad_gemm(dy, w, extra=extra)
-
+        dx = ops.dgrad_gemm(dy, w)
     if not any(lo is not None for lo in g.loras):
-        return frozen(), [None] * len(g.loras)
+        return dx, [None] * len(g.loras)
     batched = _batched(g)
     grads, dxas, off = [], [], 0
-    dx32 = None if batched else frozen().float()
+    dx32 = None if batched else dx.float()
     for lora, n, xa, seed in zip(g.loras, g.sizes, xas, seeds):
         if lora is None:
             grads.append(None)
@@ -200,11 +169,7 @@ def project_backward(ops, g: FrozenGroup, dy: torch.Tensor, x_hat: torch.Tensor,
         return dx32.to(torch.bfloat16), grads
     dxa_all = torch.cat(dxas, dim=1) if len(dxas) > 1 else dxas[0]  # [T, sum r]
     dA_all = mm(dxa_all.t(), x_hat).float()  # [sum r, K]
-    if w is not None and ops.dgrad_extra:
-        dx = frozen(extra=(dxa_all, _a_cat(g, torch.float32).t()))
-    else:
-        dx = frozen()
-        addmm_(dx, dxa_all, _a_cat(g, dy.dtype))
+    addmm_(dx, dxa_all, _a_cat(g, dy.dtype))
     row = 0
     for pair, lora in zip(grads, g.loras):
         if pair is not None:

@@ -68,7 +68,7 @@ def main(capability: int) -> None:
     for what in (C.PAIRS_QS, C.PAIRS_ROWS, C.PAIRS_E4M3_W, C.PAIRS_E4M3_ROWS):
         _compile_sm(C._decode_pairs_kernel, {"packed_ptr": "*u8", "scales_ptr": "*u8", "sc_ptr": "*fp32",
                                              "out_ptr": "*i32" if what < C.PAIRS_E4M3_W else "*i16",
-                                             "out_scale_ptr": "*fp32", "ROWS": "i32", "stride_out": "i32"},
+                                             "out_scale_ptr": "*fp32", "ROWS": "i32"},
                     {"KB": 1024, "OUT": what, "MODE": e4m3, "R": C.PAIR_ROWS, "CB": C.PAIR_BYTES, "SB": 128})
     for saved_e4m3 in (False, True):  # the saved RMSNorm output as NVFP4 rows, or as E4M3 rows (saved=fp8)
         _compile_sm(N._rmsnorm_backward_kernel, {"dy_ptr": "*bf16", "stride_dy": "i32", "yp": "*u8",
@@ -92,12 +92,11 @@ def main(capability: int) -> None:
                                              "yr": "*fp32", "rstd_ptr": "*fp32", "w_ptr": "*fp32", "dx_ptr": "*bf16",
                                              "K": "i32"}, {"BLOCK_K": 2048, "E4M3": False})
     gemm = {"a_ptr": "*u8", "a_scales_ptr": "*u8", "a_rs_ptr": "*fp32", "stride_am": "i32", "b_ptr": "*u8",
-            "b_scales_ptr": "*u8", "b_gs_ptr": "*fp32", "c_ptr": "*bf16", "stride_cm": "i32", "xe_ptr": "*bf16",
-            "stride_xe": "i32", "be_ptr": "*bf16", "R": "i32", "M": "i32", "N": "i32"}
-    for a_nvfp4, block_r in ((True, 0), (False, 0), (False, 64)):  # BLOCK_R: the LoRA branches folded in
+            "b_scales_ptr": "*u8", "b_gs_ptr": "*fp32", "c_ptr": "*bf16", "stride_cm": "i32", "M": "i32", "N": "i32"}
+    for a_nvfp4 in (True, False):
         sig = dict(gemm, a_ptr="*u8" if a_nvfp4 else "*bf16")
         _compile_sm(G._nvfp4_gemm_kernel, sig, {"K": 2048, "A_NVFP4": a_nvfp4, **G._gemm_blocks(8192, 2048, 2048),
-                                                 "BLOCK_R": block_r, "DOT_DTYPE": tl.bfloat16})
+                                                 "DOT_DTYPE": tl.bfloat16})
     from pact.runtime.ops.triton import fp8 as F8
 
     _compile_sm(F8._fp8_rows_kernel, {"src_ptr": "*bf16", "stride_src": "i32", "out_ptr": "*u8",

@@ -188,11 +188,6 @@ class Ops:
     # a frozen weight as the backend keeps it: itself, or with --fp8-weights resident its E4M3 copy beside
     resident: Callable[[NVFP4Tensor], NVFP4Tensor]
     dgrad_reads: str = "layout"  # which stored weights dgrad_gemm reads: "layout" (backward) or "forward"
-    # whether nvfp4_gemm / dgrad_gemm take ``extra=(xe, be)``, a low-rank term added before their one rounding
-    # (the LoRA branches folded into the frozen GEMM; the bf16-decode GEMM): runtime/functions.py then passes
-    # the LoRA products there instead of adding them into the output afterwards
-    gemm_extra: bool = False
-    dgrad_extra: bool = False
 
     def observed(self, observe: Callable[[NVFP4Tensor, torch.Tensor], None]) -> "Ops":
         """These ops with each forward GEMM first handing ``observe(weight, x)`` its input rows x in
@@ -200,10 +195,10 @@ class Ops:
         public hook calibration collects its Hessians through. Input-gradient GEMMs are not observed."""
         gemm, dequant = self.nvfp4_gemm, self.dequant_rows
 
-        def nvfp4_gemm(a, w, a_hat=None, **kw):
+        def nvfp4_gemm(a, w, a_hat=None):
             x = a_hat if a_hat is not None else a if isinstance(a, torch.Tensor) else dequant(a)
             observe(w, x)
-            return gemm(a, w, a_hat, **kw)
+            return gemm(a, w, a_hat)
 
         return dataclasses.replace(self, nvfp4_gemm=nvfp4_gemm)
 
@@ -270,7 +265,6 @@ def get_ops(recipe: Recipe, kernels: str, fp8_weights: str = "per-call", backwar
         ops["dgrad_gemm"] = (ops["nvfp4_gemm"] if dgrad == "bf16" else gemms["fp8"] if dgrad == "fp8"
                              else gemms.get(compute, ops["nvfp4_gemm"]))
     ops["nvfp4_gemm"] = gemms.get(compute, ops["nvfp4_gemm"])
-    extra = {k: ops[k] is mod.nvfp4_gemm for k in ("nvfp4_gemm", "dgrad_gemm")}  # the bf16-decode GEMM
     fp8 = compute == "fp8"
     if fp8:  # the quantizing kernels also write the E4M3 copy the next GEMM reads
         for op in ("rmsnorm_quant", "silu_mul_quant", "quant_rows"):
@@ -286,8 +280,7 @@ def get_ops(recipe: Recipe, kernels: str, fp8_weights: str = "per-call", backwar
         else:
             from .triton.fp8 import fp8_rows
         ops["resident"] = functools.partial(NVFP4TensorFP8.of, fp8_rows=fp8_rows)
-    return Ops(name=f"{name}/{compute}" + ("/dgrad-fp8" if dgrad == "fp8" else ""), dgrad_reads=dgrad_reads,
-               gemm_extra=extra["nvfp4_gemm"], dgrad_extra=extra["dgrad_gemm"], **ops)
+    return Ops(name=f"{name}/{compute}" + ("/dgrad-fp8" if dgrad == "fp8" else ""), dgrad_reads=dgrad_reads, **ops)
 
 
 def _gemm_input_rows(op, fp8: bool):

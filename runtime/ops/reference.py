@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from pact.formats.nvfp4 import BLOCK, E4M3_MAX, NVFP4Rows, NVFP4Tensor, decode_packed, dequantize_rows, quantize_rows
 
-from .rows import FP8_ROW_AMAX, DenseRows, E4M3Rows, NVFP4RowsFP8, extra_factor
+from .rows import FP8_ROW_AMAX, DenseRows, E4M3Rows, NVFP4RowsFP8
 
 FP8_MAX = E4M3_MAX  # E4M3 rows use the format's whole range
 
@@ -188,17 +188,11 @@ def _decoded_qs(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return (q * scales.float().unsqueeze(-1)).reshape(rows, -1)
 
 
-def nvfp4_gemm(a: NVFP4Rows | torch.Tensor, w: NVFP4Tensor, a_hat: torch.Tensor | None = None,
-               extra: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+def nvfp4_gemm(a: NVFP4Rows | torch.Tensor, w: NVFP4Tensor, a_hat: torch.Tensor | None = None) -> torch.Tensor:
     """C [M, N] = A [M, K] @ W [N, K]^T, W in NVFP4 blocked along K; A NVFP4 rows or bf16.
 
     ``a_hat`` (A dequantized to bf16) is accepted for the kernel's signature; the reference
     always multiplies the exact NVFP4 operands.
-
-    ``extra`` = (xe [M, R] bf16, be [N, R] fp32): a low-rank term xe @ be^T added before the one
-    rounding (the LoRA branches folded into the frozen GEMM: an augmented K). ``be`` is rounded to
-    bf16 at the scale the product accumulates in, be / global_scale (``extra_factor``), as the
-    kernels do.
 
     Accumulates in fp32 and returns bf16. Used for the forward (W = fwd layout) and the
     input gradient (A = dy, W = bwd layout, i.e. W^T blocked along N).
@@ -210,9 +204,6 @@ def nvfp4_gemm(a: NVFP4Rows | torch.Tensor, w: NVFP4Tensor, a_hat: torch.Tensor 
         acc = acc * a.row_scale.float()[:, None]
     else:
         acc = a.float() @ wq.t()
-    if extra is not None:
-        xe, be = extra
-        acc = acc + xe.float() @ extra_factor(be, w).float().t()
     return (acc * w.global_scale.float()).to(torch.bfloat16)
 
 

@@ -16,13 +16,6 @@ from pact.formats.nvfp4 import E2M1_MAX, E4M3_MAX, NVFP4Rows, NVFP4Tensor
 FP8_ROW_AMAX = E2M1_MAX * E4M3_MAX
 
 
-def extra_factor(be: torch.Tensor, w: NVFP4Tensor) -> torch.Tensor:
-    """The low-rank factor of a frozen GEMM's ``extra`` term (the LoRA branches folded into it: an
-    augmented K) at the scale the product accumulates in, be / global_scale, rounded once to bf16: what
-    the kernels and the twin multiply, the global scale then scaling the whole accumulator."""
-    return (be.float() / w.global_scale.float()).to(torch.bfloat16)
-
-
 @dataclass(frozen=True)
 class DenseRows:
     """Activation rows kept unquantized (bf16 [T, K]): a recipe site's "bf16" choice (runtime/recipe.py).

@@ -206,11 +206,10 @@ PAIRS_QS, PAIRS_ROWS, PAIRS_E4M3_W, PAIRS_E4M3_ROWS = 0, 1, 2, 3
 
 
 @triton.jit
-def _decode_pairs_kernel(packed_ptr, scales_ptr, sc_ptr, out_ptr, out_scale_ptr, ROWS, stride_out,
-                         KB: tl.constexpr, OUT: tl.constexpr, MODE: tl.constexpr, R: tl.constexpr, CB: tl.constexpr,
+def _decode_pairs_kernel(packed_ptr, scales_ptr, sc_ptr, out_ptr, out_scale_ptr, ROWS, KB: tl.constexpr,
+                         OUT: tl.constexpr, MODE: tl.constexpr, R: tl.constexpr, CB: tl.constexpr,
                          SB: tl.constexpr):
-    """NVFP4 [ROWS, 2*KB] (KB packed bytes per row) decoded in tiles of R rows x CB bytes (output rows
-    ``stride_out`` words apart: a wider buffer's first columns, or KB): one
+    """NVFP4 [ROWS, 2*KB] (KB packed bytes per row) decoded in tiles of R rows x CB bytes: one
     output word per byte, so the nibble pair never has to be interleaved in registers (a
     join + reshape costs shuffles through shared memory) and loads and stores stay contiguous.
     OUT: PAIRS_QS   -> bf16 pair (as uint32) of q * s_b (exact: no rounding)
@@ -234,7 +233,7 @@ def _decode_pairs_kernel(packed_ptr, scales_ptr, sc_ptr, out_ptr, out_scale_ptr,
             lo, hi = rne_bf16(lo * g), rne_bf16(hi * g)
         lo_b, hi_b = lo.to(tl.int32, bitcast=True), hi.to(tl.int32, bitcast=True)  # bf16 = the high halves
         word = ((lo_b >> 16) & 0xFFFF) | (hi_b & -65536)
-        tl.store(out_ptr + rows[:, None, None] * stride_out + byte, word, mask=bmask[:, :, None])
+        tl.store(out_ptr + rows[:, None, None] * KB + byte, word, mask=bmask[:, :, None])
     else:
         if OUT == 2:  # PAIRS_E4M3_W
             offs_s = tl.arange(0, SB)
@@ -249,8 +248,7 @@ def _decode_pairs_kernel(packed_ptr, scales_ptr, sc_ptr, out_ptr, out_scale_ptr,
         inv = tl.math.div_rn(E4M3_MAX + tl.zeros_like(amax), amax)[:, None, None]
         lo8 = e4m3_bytes(tl.minimum(tl.maximum(lo * inv, -E4M3_MAX), E4M3_MAX), MODE)
         hi8 = e4m3_bytes(tl.minimum(tl.maximum(hi * inv, -E4M3_MAX), E4M3_MAX), MODE)
-        tl.store(out_ptr + rows[:, None, None] * stride_out + byte, (lo8 | (hi8 << 8)).to(tl.int16),
-                 mask=bmask[:, :, None])
+        tl.store(out_ptr + rows[:, None, None] * KB + byte, (lo8 | (hi8 << 8)).to(tl.int16), mask=bmask[:, :, None])
         if tl.program_id(1) == 0:
             tl.store(out_scale_ptr + rows, tl.math.div_rn(amax, E4M3_MAX) * base, mask=rmask)
 
@@ -309,8 +307,7 @@ PAIR_ROWS, PAIR_BYTES, PAIR_WARPS = 16, 256, 4
 def decode_pairs(packed: torch.Tensor, scales: torch.Tensor, sc: torch.Tensor, out: torch.Tensor, what: int,
                  out_scale: torch.Tensor | None = None) -> None:
     """Launch _decode_pairs_kernel: NVFP4 ``packed`` [rows, KB] / ``scales`` -> ``out`` [rows, 2*KB]
-    (bf16, or E4M3 with ``out_scale`` [rows]; its rows may be the first columns of a wider buffer);
-    ``what`` is one of the PAIRS_* modes."""
+    (bf16, or E4M3 with ``out_scale`` [rows]); ``what`` is one of the PAIRS_* modes."""
     rows, kb = packed.shape
     if not rows or not kb:
         return
@@ -318,7 +315,7 @@ def decode_pairs(packed: torch.Tensor, scales: torch.Tensor, sc: torch.Tensor, o
     cb = min(PAIR_BYTES, max(8, triton.next_power_of_2(kb)))
     grid = (triton.cdiv(rows, PAIR_ROWS), triton.cdiv(kb, cb))
     _decode_pairs_kernel[grid](packed, scales.view(torch.uint8), sc, words, sc if out_scale is None else out_scale,
-                               rows, words.stride(0), kb, OUT=what, MODE=e4m3_mode(packed.device), R=PAIR_ROWS, CB=cb,
+                               rows, kb, OUT=what, MODE=e4m3_mode(packed.device), R=PAIR_ROWS, CB=cb,
                                SB=max(2, triton.next_power_of_2(kb // 8)), num_warps=PAIR_WARPS)
 
 

@@ -13,8 +13,7 @@ import triton.language as tl
 
 from pact.formats.nvfp4 import NVFP4Rows, NVFP4Tensor
 
-from ..rows import extra_factor
-from .codec import MMA_DTYPE, PAIRS_QS, decode_pairs, decode_qs, decode_tile, rne_bf16
+from .codec import MMA_DTYPE, decode_qs, decode_tile, rne_bf16
 
 
 @triton.jit
@@ -38,11 +37,9 @@ def gemm_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.co
 
 @triton.jit
 def _nvfp4_gemm_kernel(a_ptr, a_scales_ptr, a_rs_ptr, stride_am, b_ptr, b_scales_ptr, b_gs_ptr, c_ptr, stride_cm,
-                       xe_ptr, stride_xe, be_ptr, R, M, N, K: tl.constexpr, A_NVFP4: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                       BLOCK_R: tl.constexpr, DOT_DTYPE: tl.constexpr):
-    """C [M,N] = A [M,K] @ B [N,K]^T; B NVFP4 (blocked along K), A NVFP4 rows or bf16; BLOCK_R > 0:
-    plus the low-rank term XE [M,R] @ BE [N,R]^T (bf16, BE contiguous) in the same accumulator.
+                       M, N, K: tl.constexpr, A_NVFP4: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """C [M,N] = A [M,K] @ B [N,K]^T; B NVFP4 (blocked along K), A NVFP4 rows or bf16.
 
     K is a compile-time constant: a model has a handful of K values, the loop bound and
     the byte offsets fold, and (Triton 3.6) the interpreter cannot loop to a runtime scalar
@@ -70,13 +67,6 @@ def _nvfp4_gemm_kernel(a_ptr, a_scales_ptr, a_rs_ptr, stride_am, b_ptr, b_scales
         acc = tl.dot(a, tl.trans(b), acc)
     if A_NVFP4:
         acc = acc * tl.load(a_rs_ptr + offs_m, mask=mask_m, other=0.0)[:, None]
-    if BLOCK_R > 0:  # one more K step: the low-rank term, before the global scale and the one rounding
-        offs_r = tl.arange(0, BLOCK_R)
-        xe = tl.load(xe_ptr + offs_m[:, None] * stride_xe + offs_r[None, :],
-                     mask=mask_m[:, None] & (offs_r[None, :] < R), other=0.0).to(DOT_DTYPE)
-        be = tl.load(be_ptr + offs_n[:, None] * R + offs_r[None, :],
-                     mask=mask_n[:, None] & (offs_r[None, :] < R), other=0.0).to(DOT_DTYPE)
-        acc = tl.dot(xe, tl.trans(be), acc)
     acc = rne_bf16(acc * tl.load(b_gs_ptr))
     tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :], acc.to(tl.bfloat16),
              mask=mask_m[:, None] & mask_n[None, :])
@@ -105,22 +95,17 @@ def _gemm_blocks(M: int, N: int, K: int) -> dict:
     return dict(BLOCK_M=64 if M <= 64 else 128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8)
 
 
-def nvfp4_gemm(a: NVFP4Rows | torch.Tensor, w: NVFP4Tensor, a_hat: torch.Tensor | None = None,
-               extra: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+def nvfp4_gemm(a: NVFP4Rows | torch.Tensor, w: NVFP4Tensor, a_hat: torch.Tensor | None = None) -> torch.Tensor:
     """C [M, N] = A [M, K] @ W [N, K]^T, W in NVFP4 blocked along K; A NVFP4 rows or bf16.
 
     ``a_hat``: A already dequantized to bf16 (the LoRA branch needs it anyway); the cuBLAS
     path then multiplies it instead of decoding A again. Large M on a GPU: W is decoded to
     q * s_b in bf16 (exact) and cuBLAS multiplies with the global scale as its alpha.
     Otherwise the register-decoding kernel.
-
-    ``extra`` = (xe [M, R] bf16, be [N, R] fp32): plus xe @ be^T, the LoRA branches folded into the
-    product (twin: reference.nvfp4_gemm), so C is written once instead of written, then read and
-    written again by an in-place add.
     """
     if a.shape[0] >= CUBLAS_MIN_ROWS and w.packed.is_cuda:
-        return nvfp4_gemm_cublas(a if a_hat is None else a_hat, w, extra)
-    return nvfp4_gemm_fused(a, w, extra)
+        return nvfp4_gemm_cublas(a if a_hat is None else a_hat, w)
+    return nvfp4_gemm_fused(a, w)
 
 
 # id(global scale tensor) -> (weak reference, value). Not a WeakKeyDictionary: its lookups
@@ -139,43 +124,16 @@ def _host_scale(t: torch.Tensor) -> float:
     return v
 
 
-def nvfp4_gemm_cublas(a: NVFP4Rows | torch.Tensor, w: NVFP4Tensor,
-                      extra: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+def nvfp4_gemm_cublas(a: NVFP4Rows | torch.Tensor, w: NVFP4Tensor) -> torch.Tensor:
     check_k(a, w)
-    xe, be = (extra[0], extra_factor(extra[1], w)) if extra is not None else (None, None)
-    if xe is not None and not isinstance(a, NVFP4Rows) and w.shape[0] > w.shape[1]:
-        return _cublas_augmented(a, w, xe, be)
     wq = decode_qs(w.packed, w.scales)
     if isinstance(a, NVFP4Rows):  # exact: fp32 result, row and global scales, one rounding
         acc = _mm_fp32(decode_qs(a.packed, a.scales), wq) * a.row_scale[:, None]
-        if xe is not None:
-            acc += _mm_fp32(xe, be)
         return (acc * w.global_scale).to(torch.bfloat16)
     a = a if a.stride(-1) == 1 else a.contiguous()
     out = torch.empty(a.shape[0], wq.shape[0], dtype=torch.bfloat16, device=a.device)
     # D = alpha * A @ Wq^T in cuBLAS's fp32 epilogue, then one rounding to bf16 (beta = 0: `out` unread)
-    torch.addmm(out, a, wq.t(), beta=0, alpha=_host_scale(w.global_scale), out=out)
-    if xe is not None:  # a product as wide as its input: copying A to fold it in would cost what it saves
-        out.addmm_(xe, be.t(), alpha=_host_scale(w.global_scale))
-    return out
-
-
-def _cublas_augmented(a: torch.Tensor, w: NVFP4Tensor, xe: torch.Tensor, be: torch.Tensor) -> torch.Tensor:
-    """alpha * [A | XE] @ [Wq | BE]^T in one cuBLAS GEMM (K + R, R padded with zeros to a multiple of 16):
-    where the output is wider than A (N > K) copying A once costs less than reading and writing C again."""
-    M, K = a.shape
-    N, R = w.shape[0], xe.shape[1]
-    width = K + -(-R // 16) * 16
-    a_aug = torch.empty(M, width, dtype=torch.bfloat16, device=a.device)
-    a_aug[:, :K].copy_(a)
-    a_aug[:, K : K + R].copy_(xe)
-    a_aug[:, K + R :].zero_()
-    w_aug = torch.empty(N, width, dtype=torch.bfloat16, device=a.device)
-    decode_pairs(w.packed, w.scales, w.scales, w_aug[:, :K], PAIRS_QS)
-    w_aug[:, K : K + R].copy_(be)
-    w_aug[:, K + R :].zero_()
-    out = torch.empty(M, N, dtype=torch.bfloat16, device=a.device)
-    return torch.addmm(out, a_aug, w_aug.t(), beta=0, alpha=_host_scale(w.global_scale), out=out)
+    return torch.addmm(out, a, wq.t(), beta=0, alpha=_host_scale(w.global_scale), out=out)
 
 
 def nvfp4_dgrad_fwd(dy: torch.Tensor, w: NVFP4Tensor) -> torch.Tensor:
@@ -195,10 +153,8 @@ def check_k(a, w: NVFP4Tensor) -> None:
         raise ValueError(f"nvfp4_gemm: A has K={a.shape[1]}, W has K={w.shape[1]}")
 
 
-def nvfp4_gemm_fused(a: NVFP4Rows | torch.Tensor, w: NVFP4Tensor,
-                     extra: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """The register-decoding kernel: NVFP4 tiles decoded to bf16 in registers, tl.dot (``extra``: one
-    more step of the K loop)."""
+def nvfp4_gemm_fused(a: NVFP4Rows | torch.Tensor, w: NVFP4Tensor) -> torch.Tensor:
+    """The register-decoding kernel: NVFP4 tiles decoded to bf16 in registers, tl.dot."""
     check_k(a, w)
     N, K = w.shape
     a_nvfp4 = isinstance(a, NVFP4Rows)
@@ -215,13 +171,6 @@ def nvfp4_gemm_fused(a: NVFP4Rows | torch.Tensor, w: NVFP4Tensor,
     cfg = _gemm_blocks(M, N, K)
     grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
     gs = w.global_scale.reshape(1)  # read in the kernel: no host sync per call
-    if extra is not None:
-        xe, be = extra[0], extra_factor(extra[1], w).contiguous()
-        xe = xe if xe.stride(-1) == 1 else xe.contiguous()
-        e_args, block_r = (xe, xe.stride(0), be, be.shape[1]), max(16, triton.next_power_of_2(be.shape[1]))
-    else:
-        e_args, block_r = (c, 0, c, 0), 0  # unread
-    _nvfp4_gemm_kernel[grid](*a_args, w.packed, w.scales.view(torch.uint8), gs, c, c.stride(0), *e_args,
-                             M, N, K, A_NVFP4=a_nvfp4, **cfg, BLOCK_R=block_r, DOT_DTYPE=MMA_DTYPE, num_warps=8,
-                             num_stages=3)
+    _nvfp4_gemm_kernel[grid](*a_args, w.packed, w.scales.view(torch.uint8), gs, c, c.stride(0),
+                             M, N, K, A_NVFP4=a_nvfp4, **cfg, DOT_DTYPE=MMA_DTYPE, num_warps=8, num_stages=3)
     return c
