@@ -1022,10 +1022,16 @@ def prepare(workdir, bigbench, tasks, methods, shard, convert_only, cells) -> No
                    "(this sd, in points: BENCHMARKS.md \"The draw of calibration texts\" measured ~0.9).")
 @click.option("--tasks", "only", default=None, help="Comma-separated: only these tasks' rows.")
 @click.option("--lrs", default=None, help="Comma-separated: only these learning rates' rows.")
-def table(csvs, stuck_margin, collapse_share, repeats, wide, ref, draw_sd, only, lrs) -> None:
+@click.option("--seeded-peft", "seeded", multiple=True, type=click.Path(exists=True, dir_okay=False),
+              help="Rows of PEFT started from pact's adapters for the seed (bench_accuracy._init_like_pact): read "
+                   "besides CSVS, their method named 'peft[seeded]' (pair to it with --ref 'peft[seeded]': only the "
+                   "seeds it ran), apart from PEFT's rows that started elsewhere.")
+def table(csvs, stuck_margin, collapse_share, repeats, wide, ref, draw_sd, only, lrs, seeded) -> None:
     """Mean +- std over seeds, paired difference to PEFT (mean +- standard error), stuck seeds (accuracy
     near the majority class's) and collapsed runs (predicting the majority label nearly always)."""
-    rows = [r for c in csvs for r in csv.DictReader(open(c))
+    tagged = [dict(r, method="peft[seeded]" if r["method"] == "peft" else r["method"])
+              for c in seeded for r in csv.DictReader(open(c))]
+    rows = [r for r in [r for c in csvs for r in csv.DictReader(open(c))] + tagged
             if (only is None or r["task"] in only.split(",")) and (lrs is None or float(r["lr"]) in
                                                                    {float(x) for x in lrs.split(",")})]
     by: dict[tuple, dict[int, float]] = {}
