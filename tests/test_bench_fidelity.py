@@ -107,6 +107,21 @@ def test_table_counts_collapsed_runs(tmp_path):
     assert "55.0 (-2.5 +- 2.5) stuck 2 collapsed 1/2" in wide
 
 
+def test_table_pairs_to_seeded_peft(tmp_path):
+    """--seeded-peft: those files' PEFT rows become 'peft[seeded]', kept apart from PEFT's other rows (a stored
+    row of the same seed does not replace them, nor they it); pairing to it uses only the seeds it ran."""
+    from click.testing import CliRunner
+
+    f, seeded = tmp_path / "rows.csv", tmp_path / "seeded.csv"
+    head = "task,method,lr,seed,accuracy,majority\n"
+    f.write_text(head + "t,peft,0.0005,0,0.70,0.5\nt,peft,0.0005,1,0.70,0.5\n"
+                 "t,pact,0.0005,0,0.60,0.5\nt,pact,0.0005,1,0.64,0.5\nt,pact,0.0005,2,0.90,0.5\n")
+    seeded.write_text(head + "t,peft,0.0005,0,0.62,0.5\nt,peft,0.0005,1,0.64,0.5\n")
+    out = CliRunner().invoke(bf.cli, ["table", "--wide", "--ref", "peft[seeded]", "--seeded-peft", str(seeded),
+                                      str(f)]).output
+    assert "| t (50.0) | 0.0005 | 63.0 +- 1.4 (n=2) | 70.0 (+7.0 +- 1.0) | 71.3 (-1.0 +- 1.0) |" in out, out
+
+
 def test_table_mean_with_a_draw_term(tmp_path):
     """--draw-sd: the mean over cells with a standard error of the cells as given, each cell's seed
     variance plus a draw's variance for its calibrated side (sqrt(sum) / n)."""
