@@ -104,7 +104,7 @@ def test_backward_weights_forward_is_the_exact_gradient(tmp_path):
     make_model(tmp_path / "src", "llama", num_hidden_layers=4)
     make_realistic(tmp_path / "src")
     art = open_artifact(convert(str(tmp_path / "src"), tmp_path / "art", progress=False))
-    worst = {}
+    worst, mean = {}, {}
     for reads in ("layout", "forward"):
         model = PactModel(art, LoraConfig(r=R, alpha=ALPHA), activations="bf16", backward_weights=reads)
         groups = [g for L in model.layers for g in (L.qkv, L.o, L.gate_up, L.down)]
@@ -113,8 +113,10 @@ def test_backward_weights_forward_is_the_exact_gradient(tmp_path):
         ours, ref, cos = _against_hf(art, tmp_path / "src", model, torch.float32)
         assert ours == pytest.approx(ref, rel=2e-3)
         worst[reads] = 1 - min(cos.values())
-    assert worst["forward"] <= 1e-3, worst  # pact's bf16 roundings only
-    assert worst["layout"] > 2 * worst["forward"], worst  # the second rounding is visible here
+        mean[reads] = 1 - sum(cos.values()) / len(cos)
+    # pact's bf16 roundings only (other seeds of this batch and these adapters: worst 3e-4 to 2e-3, mean <= 5e-4)
+    assert mean["forward"] <= 1e-3 and worst["forward"] <= 5e-3, (mean, worst)
+    assert worst["layout"] > 10 * worst["forward"], worst  # the second rounding is visible here (~0.1)
 
 
 def test_backward_weights_checked(tmp_path):
