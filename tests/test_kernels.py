@@ -179,6 +179,18 @@ def test_nvfp4_gemm(m, n, k, scaling):
         _check_gemm(impl.nvfp4_gemm(dy, bwd), _gemm_ref64(dy, bwd))
 
 
+def test_cublas_route_exact_for_nvfp4_rows():
+    """The route a GPU takes from 256 rows on, run on CPU tensors: NVFP4 rows meet the decoded weight in an fp32
+    product scaled once and rounded once, also where torch has no mm(out_dtype=) for the device (the CPU): the
+    fallback is an fp32 product, not a bf16 one scaled afterwards (which misses by up to a bf16 step)."""
+    from pact.runtime.ops.triton.gemm import nvfp4_gemm_cublas
+
+    torch.manual_seed(0)
+    w, _ = quantize_weight(torch.randn(96, 32) * 0.05, scaling="1d")
+    xq = R.quant_rows(_awkward(40, 32, seed=5))
+    _check_gemm(nvfp4_gemm_cublas(xq, w), _gemm_ref64(xq, w))
+
+
 @pytest.mark.parametrize("m,n,k", [(1, 16, 16), (42, 144, 96), (300, 32, 160)])
 def test_dgrad_through_the_forward_layout(m, n, k):
     """`--backward-weights forward`: dX = dY @ W read from the forward layout W [N, K] (no W^T layout),
