@@ -275,7 +275,6 @@ def test_stochastic_rounding_is_unbiased_and_on_the_grid():
     assert (draws.mean(0) - x).abs().mean() < 0.25 * rtn_bias
 
 
-
 def test_decode_packed_every_byte_any_shape():
     """decode_packed: each byte's two E2M1 values (low nibble first), for every byte value, on empty,
     1-D, 3-D and non-contiguous inputs."""
