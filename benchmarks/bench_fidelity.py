@@ -15,6 +15,8 @@ Subcommands:
     python benchmarks/bench_fidelity.py kl --ref REF --artifact NAME=ART --texts NAME=FILE
     python benchmarks/bench_fidelity.py prior --data test.jsonl --folder BF16_FOLDER
     python benchmarks/bench_fidelity.py weights --rtn ART --artifact a=CAL_A --artifact b=CAL_B
+    # how much of the weights' error a rank-r correction (a LoRA started from it, LoftQ-style) could remove
+    python benchmarks/bench_fidelity.py lowrank --source HF_FOLDER --artifact rtn=ART --rank 16
 
 Tasks (`tasks`): Rotten Tomatoes (the demo's snippets, " fresh"/" rotten") and BIG-bench tasks
 read from the `bigbench` sdist's task JSONs (`pip download --no-binary :all: bigbench==1.0.0`,
@@ -414,6 +416,52 @@ def weights(rtn, artifacts, json_out) -> None:
     for (x, y), (differ, total, num, den) in sums.items():
         res[f"{x}-{y}"] = {"differ": round(differ / total, 4), "rel_to_a_minus_rtn": round((num / den) ** 0.5, 3)}
         click.echo(json.dumps({"pair": f"{x}-{y}", **res[f"{x}-{y}"]}))
+    if json_out:
+        json_out.write_text(json.dumps(res, indent=1))
+
+
+@cli.command()
+@click.option("--source", required=True, type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="The Hugging Face folder the artifacts were converted from (its *.safetensors).")
+@click.option("--artifact", "artifacts", multiple=True, required=True, metavar="NAME=PATH")
+@click.option("--rank", "ranks", multiple=True, type=click.IntRange(min=1), default=(16,), show_default=True)
+@click.option("--json-out", type=click.Path(dir_okay=False, path_type=Path), default=None)
+def lowrank(source, artifacts, ranks, json_out) -> None:
+    """How low-rank the weights' error is: over every NVFP4 projection, the share of ||W - Q(W)||^2 (source
+    minus dequantized forward weights) that its best rank-r approximation holds, the most a LoRA of rank r
+    started from the error (LoftQ's one-step init) could take back; and ||W - Q(W)|| / ||W|| before and after
+    it. A random matrix's share is about r / min(shape)."""
+    from safetensors import safe_open
+
+    from pact.formats import open_artifact
+
+    files = sorted(source.glob("*.safetensors"))
+    if not files:
+        raise click.BadParameter(f"{source}: no *.safetensors", param_hint="--source")
+    where = {}
+    for f in files:
+        with safe_open(str(f), "pt") as h:
+            where.update(dict.fromkeys(h.keys(), f))
+    res = {}
+    for name, _, path in (a.partition("=") for a in artifacts):
+        art = open_artifact(path)
+        err = w2 = 0.0
+        held = dict.fromkeys(ranks, 0.0)
+        for n in art.names("nvfp4"):
+            if n not in where:
+                raise click.BadParameter(f"{source} has no tensor {n} of {path}: another model's folder?",
+                                         param_hint="--source")
+            with safe_open(str(where[n]), "pt") as h:
+                w = h.get_tensor(n).float()
+            e = w - art.dequantize(n).float()
+            sv2 = torch.linalg.svdvals(e).pow(2)
+            err, w2 = err + float(sv2.sum()), w2 + float(w.pow(2).sum())
+            for r in ranks:
+                held[r] += float(sv2[:r].sum())
+        res[name] = {"rel_error": round((err / w2) ** 0.5, 4),
+                     **{f"rank{r}": {"share": round(held[r] / err, 4),
+                                     "rel_error_after": round(((err - held[r]) / w2) ** 0.5, 4)} for r in ranks}}
+        click.echo(json.dumps({"artifact": name, **res[name]}))
     if json_out:
         json_out.write_text(json.dumps(res, indent=1))
 

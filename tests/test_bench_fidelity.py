@@ -292,3 +292,27 @@ def test_profile_attributes_kernels_to_their_launching_op():
     assert all(getattr(annotated, n) is not getattr(ops, n) for n in bench_train.OP_CATEGORIES)
     assert owners == {"nvjet_sm90_gemm": "autograd::engine::evaluate_function: MLPBackward > aten::mm",
                       "_silu_mul_rows_kernel": "pact::silu_mul_rows", "elementwise_copy": "aten::copy_"}
+
+
+def test_lowrank_share_of_the_weights_error(tmp_path):
+    """`lowrank`: the share of the NVFP4 error a rank-r correction holds grows with r and is all of it at
+    full rank (nothing left after it); an artifact of another model's folder is one error."""
+    import json
+
+    from click.testing import CliRunner
+
+    from conftest import make_converted_llama
+
+    d = make_converted_llama(tmp_path, 4)
+    out = tmp_path / "lr.json"
+    r = CliRunner().invoke(bf.cli, ["lowrank", "--source", str(d / "src"), "--artifact", f"rtn={d / 'art'}",
+                                    "--rank", "1", "--rank", "4", "--rank", "4096", "--json-out", str(out)])
+    assert r.exit_code == 0, r.output
+    got = json.loads(out.read_text())["rtn"]
+    assert 0.01 < got["rel_error"] < 0.3  # NVFP4's error on random weights: a few percent of their norm
+    assert 0 < got["rank1"]["share"] < got["rank4"]["share"] < got["rank4096"]["share"] == 1.0
+    assert got["rank4096"]["rel_error_after"] == 0.0 < got["rank4"]["rel_error_after"] < got["rel_error"]
+    (tmp_path / "other").mkdir()
+    (d / "src" / "config.json").rename(tmp_path / "other" / "config.json")  # (a folder without the tensors)
+    r = CliRunner().invoke(bf.cli, ["lowrank", "--source", str(tmp_path / "other"), "--artifact", f"x={d / 'art'}"])
+    assert r.exit_code != 0 and "no *.safetensors" in r.output
