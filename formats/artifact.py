@@ -558,21 +558,26 @@ def _check_contained(path: Path, meta: dict) -> None:
                                     "re-copy it or re-run pact-convert")
     stack = [str(path)]
     while stack:  # os.scandir: the entry types come with the listing, no stat per file
-        with os.scandir(stack.pop()) as entries:
-            for d in entries:
-                p = Path(d.path)
-                if d.is_symlink():
-                    raise ArtifactError(f"{p}: a symbolic link inside the artifact: refusing it (links can lead "
-                                        "outside the folder); copy the artifact without links (cp -rL) from a "
-                                        "source you trust, or re-run pact-convert")
-                if d.is_dir(follow_symlinks=False):
-                    stack.append(d.path)
-                elif not d.is_file(follow_symlinks=False):  # a named pipe, device or socket
-                    check_regular(p, d.stat(follow_symlinks=False).st_mode,
-                                  "remove it, or re-copy the artifact from a source you trust")
-                if d.name.endswith((".py", ".pyc", ".so")):
-                    raise ArtifactError(f"{p}: the artifact ships code: refusing it (pact never runs code from an "
-                                        "artifact); remove the file or re-run pact-convert on a trusted model")
+        folder = stack.pop()
+        try:
+            listing = list(os.scandir(folder))
+        except OSError as e:  # (a folder that cannot be listed cannot be checked: refused, not skipped)
+            raise ArtifactError(f"{folder}: cannot be listed ({e.strerror or e}): make the artifact readable "
+                                "(chmod -R u+rX) or re-copy it") from None
+        for d in listing:
+            p = Path(d.path)
+            if d.is_symlink():
+                raise ArtifactError(f"{p}: a symbolic link inside the artifact: refusing it (links can lead "
+                                    "outside the folder); copy the artifact without links (cp -rL) from a "
+                                    "source you trust, or re-run pact-convert")
+            if d.is_dir(follow_symlinks=False):
+                stack.append(d.path)
+            elif not d.is_file(follow_symlinks=False):  # a named pipe, device or socket
+                check_regular(p, d.stat(follow_symlinks=False).st_mode,
+                              "remove it, or re-copy the artifact from a source you trust")
+            if d.name.endswith((".py", ".pyc", ".so")):
+                raise ArtifactError(f"{p}: the artifact ships code: refusing it (pact never runs code from an "
+                                    "artifact); remove the file or re-run pact-convert on a trusted model")
     hf = path / HF_DIR
     for f in sorted(hf.glob("*.json")) if hf.is_dir() else []:
         # parsed here once, so a damaged one is one line now, not a traceback in transformers later

@@ -77,6 +77,24 @@ def test_paths_outside_are_refused(base, tmp_path, where):
         open_artifact(art)
 
 
+def test_folder_that_cannot_be_listed_is_refused(base, tmp_path, monkeypatch):
+    """A folder inside the artifact that cannot be listed (no read permission; the tests run as root, so the
+    listing fails by a patch) cannot be checked for links or code: one error naming it, not a skip."""
+    import pact.formats.artifact as artifact_module
+
+    art = _copy(base, tmp_path)
+    listing = os.scandir
+
+    def scandir(folder):
+        if os.path.basename(folder) == "hf":
+            raise PermissionError(errno.EACCES, "Permission denied")
+        return listing(folder)
+
+    monkeypatch.setattr(artifact_module.os, "scandir", scandir)
+    with pytest.raises(ArtifactError, match=r"hf: cannot be listed \(Permission denied\): make the artifact readable"):
+        open_artifact(art)
+
+
 @pytest.mark.parametrize("where", ["hf/evil.json", "tensors/zarr.json"])
 def test_named_pipe_is_refused_not_waited_on(base, tmp_path, where):
     """A FIFO (tar carries them) would block whoever opens it forever: refused by its type, never opened."""
