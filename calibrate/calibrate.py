@@ -150,8 +150,9 @@ def calibrate(
     if model_texts and min_tokens:
         raise PactError("--min-tokens reads more --prompts texts; --model-texts samples --max-samples texts of "
                         "--seq-len tokens instead: drop it")
-    if model_texts and seq_len < 2:
-        raise PactError(f"--seq-len must be >= 2 (tokens a sampled text), got {seq_len}")
+    if seq_len < 2:  # (a prompt of fewer tokens gives GPTQ nothing; images need more, said where they are read)
+        what = "sampled text" if model_texts else "prompt"
+        raise PactError(f"--seq-len must be >= 2 (tokens a {what}), got {seq_len}")
     if blocksize % 16 or blocksize < 16:
         raise PactError(f"--blocksize must be a multiple of 16, got {blocksize}")
     if backward_layout not in BACKWARD_LAYOUTS:
@@ -187,7 +188,8 @@ def calibrate(
         try:
             src = open_source(src_name, revision=prov.get("revision"), workdir=workdir)
         except PactError as e:  # gone, emptied, no safetensors left, ...
-            raise SourceError(str(e)) from None
+            raise SourceError(f"--source {e}" if source is not None else
+                              f"the artifact's recorded source: {e} (pass --source with the original model)") from None
         # a GGUF source is checked by its file hash above (its dequantized folder is made anew)
         if source is None and not gguf and src.fingerprint() != prov.get("source_fingerprint"):
             raise SourceError(f"{src_name}: not the model this artifact was converted from (fingerprint differs): "

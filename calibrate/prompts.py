@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from pact.formats import PactError, require
-from pact.runtime.data import parse_record, read_records, render_chat
+from pact.runtime.data import check_conversation, check_text, parse_record, read_records, render_chat
 from pact.runtime.vision import ImageSample
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
@@ -34,9 +34,11 @@ def _texts(path: Path, tokenizer) -> list[str]:
         if "text" in rec:
             out.append(rec["text"])
         elif "messages" in rec:
+            check_conversation(rec["messages"], rec["_where"])  # a data error named as one, not the template's
             out.append(render_chat(tokenizer, rec["messages"], rec["_where"]))
-        else:
-            out.append(str(rec["prompt"]) + str(rec["completion"]))
+        else:  # (strings, as pact-train asks: never the text of a number, a list or null)
+            w = rec["_where"]
+            out.append(check_text(rec["prompt"], w, "prompt") + check_text(rec["completion"], w, "completion"))
     return out
 
 

@@ -134,6 +134,7 @@ def convert(
     revision: str | None = None,
     progress: bool = True,
     device: str | torch.device = "auto",
+    require_tokenizer: bool = False,
 ) -> Path:
     """Convert ``src`` (HF folder, .gguf file or hub id) into an artifact at ``out``.
 
@@ -143,6 +144,8 @@ def convert(
     ``keep_bf16`` keeps that fraction of the frozen projections, those with the largest relative
     NVFP4 error, in bf16. ``device`` runs the
     quantization math (``auto``: cuda when available); the artifact is the same on any device.
+    ``require_tokenizer`` (pact-convert): a source without tokenizer files is refused before any work,
+    since every pact tool that reads text needs the artifact's (benchmarks convert bare weights).
     """
     if scaling not in SCALINGS:
         raise PactError(f"--scaling must be one of {', '.join(SCALINGS)}, got {scaling!r}")
@@ -155,12 +158,30 @@ def convert(
     workdir = work_path(out, "gguf") if str(src).endswith(".gguf") else None
     try:
         source = open_source(str(src), revision=revision, workdir=workdir)
+        if require_tokenizer:
+            _check_tokenizer(source, src)
+        if Path(src).is_dir():  # (a hub id or a GGUF file has no folder of its own to protect)
+            o, s = Path(out).resolve(), Path(src).resolve()
+            if o.is_relative_to(s) or s.is_relative_to(o):
+                how = "inside" if o.is_relative_to(s) else "holding"
+                raise PactError(f"output {out} is {how} the source model {src}: pact-convert never writes into "
+                                "or over what it reads; choose a folder outside it")
         return _convert(source, out, scaling=scaling, block_scales=block_scales, keep_bf16=keep_bf16,
                         overwrite=overwrite, progress=progress, device=dev)
     except OSError as e:  # the writer has removed its temp folder; OUT is untouched
         raise write_error(e, getattr(e, "filename", None) or out, f"nothing was written to {out}") from None
     finally:
         remove_tree(workdir)
+
+
+def _check_tokenizer(source, src) -> None:
+    """The source ships a tokenizer (tokenizer.json, a sentencepiece tokenizer.model, or vocab.json +
+    merges.txt): an artifact without one cannot be fixed later (its files are checksummed)."""
+    names = {f.name for f in source.side_files()}
+    if not ({"tokenizer.json", "tokenizer.model"} & names or {"vocab.json", "merges.txt"} <= names):
+        raise PactError(f"{src}: no tokenizer (tokenizer.json, tokenizer.model, or vocab.json + merges.txt): "
+                        "pact-train, pact-eval and pact-calibrate read the artifact's; copy the model's tokenizer "
+                        "files into the folder and convert again")
 
 
 def _check_names(config: dict, source: str) -> None:

@@ -166,8 +166,8 @@ class Source:
         cfg = self.folder / "config.json"
         if not cfg.is_file():
             raise PactError(
-                f"{self.folder} has no config.json: point pact-convert at a Hugging Face model "
-                "folder (config.json + *.safetensors), a .gguf file, or a hub id"
+                f"{self.folder} has no config.json: not a model; give a Hugging Face model folder "
+                "(config.json + *.safetensors), a .gguf file, or a hub id"
             )
         self.config = self._json(cfg)
         if not isinstance(self.config, dict):

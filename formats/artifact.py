@@ -101,21 +101,30 @@ def check_output(out: str | os.PathLike, overwrite: bool) -> Path:
     The folder it goes in must be writable. Called before long work, and again by the writer;
     removes what an interrupted run left beside it."""
     out = Path(out)
+    for above in out.resolve().parents:  # an artifact holds only what its manifest lists: never one inside it
+        if (above / "zarr.json").is_file() and _is_artifact(above):
+            raise ArtifactError(f"output {out} is inside the artifact {above}: choose a folder outside it")
     recover_aside(out, "the artifact", _is_artifact)  # (a run killed between its two renames left it aside)
     if out.exists() and not overwrite:
         raise ArtifactError(f"output {out} already exists: pass --overwrite to replace it")
     if out.exists():
         check_replaceable(out, "--overwrite", ArtifactError)
+    check_writable(out, "output", ArtifactError)
+    sweep_leftovers(out)
+    return out
+
+
+def check_writable(out: Path, label: str, error: type[PactError] = PactError) -> None:
+    """The folder ``out`` goes in can be made and written (a probe file), said before long work, naming
+    ``out`` (``label``: how the user gave it), never a temp path of ours."""
     probe = out.parent / f".{out.name}.probe-{os.getpid()}"
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as e:
-        raise ArtifactError(f"output {out}: cannot write in {out.parent} ({e.strerror or e}): choose a writable "
-                            "folder") from None
-    sweep_leftovers(out)
-    return out
+        raise error(f"{label} {out}: cannot write in {out.parent} ({e.strerror or e}): choose a writable "
+                    "folder") from None
 
 
 _OS_FILES = (".DS_Store", "Thumbs.db", "desktop.ini")  # what file browsers leave: nobody's data

@@ -34,7 +34,7 @@ def main(src: str, out: str, scaling: str, block_scales: str, keep_bf16: float, 
          overwrite: bool, quiet: bool) -> None:
     """Convert SRC (a Hugging Face model folder, a .gguf file or a hub id) into the artifact OUT."""
     path = convert(src, out, scaling=scaling, block_scales=block_scales, keep_bf16=keep_bf16, overwrite=overwrite,
-                   revision=revision, progress=not quiet, device=device)
+                   revision=revision, progress=not quiet, device=device, require_tokenizer=True)
     art = open_artifact(path)
     kept = art.meta["provenance"]["kept_bf16"]
     imported = sum(art.entry(n).get("imported") not in (None, "requantized") for n in art.names("nvfp4"))

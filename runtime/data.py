@@ -252,7 +252,7 @@ def render_chat(tokenizer, messages: list[dict], where: str, **kw) -> str:
     return text
 
 
-def _text(value, where: str, what: str) -> str:
+def check_text(value, where: str, what: str) -> str:
     """``value`` as training text: a string that encodes as UTF-8 (JSON may carry lone surrogates)."""
     if not isinstance(value, str):
         raise PactError(f"{where}: {what} must be a string, got {'null' if value is None else type(value).__name__}")
@@ -304,10 +304,12 @@ def parse_record(rec: dict, *, text: bool = False) -> dict:
     if "prompt" in rec and "completion" in rec:
         return {"prompt": rec["prompt"], "completion": rec["completion"], "_where": w}
     if "instruction" in rec and "output" in rec:  # Alpaca
-        instruction = _text(rec["instruction"], w, "instruction")
-        extra = _text(rec.get("input") or "", w, "input")  # absent, null or "": no input section
+        instruction = check_text(rec["instruction"], w, "instruction")
+        extra = check_text(rec.get("input") or "", w, "input")  # absent, null or "": no input section
         prompt = (ALPACA_INPUT if extra else ALPACA).format(instruction=instruction, input=extra)
         return {"prompt": prompt, "completion": rec["output"], "_where": w}
+    if text and "text" in rec:  # the plain-text form, its value not a string
+        check_text(rec["text"], w, "text")
     found = ", ".join(repr(k) for k in rec if k != "_where") or "none"
     raise PactError(f"{w}: expected {'an object with ' + repr('text') + ', ' if text else ''}"
                     "'prompt' and 'completion', "
@@ -315,15 +317,24 @@ def parse_record(rec: dict, *, text: bool = False) -> dict:
                     f"prompt/completion), or use {OTHER_FORMS}")
 
 
-def _check_messages(msgs, w: str) -> None:
+def check_conversation(msgs, w: str) -> None:
+    """``msgs`` is a conversation a chat template can render: a non-empty list of {role, content} objects,
+    each content text or a list of content parts (multimodal templates), never null."""
     if (not isinstance(msgs, list) or not msgs
             or not all(isinstance(m, dict) and "role" in m and "content" in m for m in msgs)):
         raise PactError(f"{w}: 'messages' must be a non-empty list of {{role, content}} objects")
+    for i, m in enumerate(msgs):
+        if not isinstance(m["content"], list):
+            check_text(m["content"], w, f"message {i + 1}'s content")
+
+
+def _check_messages(msgs, w: str) -> None:
+    check_conversation(msgs, w)
     if msgs[-1]["role"] != "assistant":
         raise PactError(f"{w}: the last message must be the assistant's (it is the training target)")
-    for i, m in enumerate(msgs):  # text, or a list of content parts (multimodal templates); never null
-        if not isinstance(m["content"], list) or m["role"] == "assistant":
-            _text(m["content"], w, f"message {i + 1}'s content")
+    for i, m in enumerate(msgs):  # what is learned is text
+        if m["role"] == "assistant" and isinstance(m["content"], list):
+            check_text(m["content"], w, f"message {i + 1}'s content")
     if not msgs[-1]["content"]:
         raise PactError(f"{w}: the assistant's message is empty: nothing to train on")
 
@@ -412,7 +423,7 @@ def _chat(tokenizer, rec: dict) -> tuple[list[int], list[int], int, str]:
 def _pair(tokenizer, rec: dict) -> tuple[list[int], list[int], int, str]:
     """A prompt/completion record: the completion (and end-of-sequence) tokens are the targets."""
     w = rec["_where"]
-    prompt, completion = _text(rec["prompt"], w, "prompt"), _text(rec["completion"], w, "completion")
+    prompt, completion = check_text(rec["prompt"], w, "prompt"), check_text(rec["completion"], w, "completion")
     if not completion:
         raise PactError(f"{w}: the completion is empty: nothing to train on")
     p = tokenizer(prompt, add_special_tokens=True)["input_ids"]
@@ -466,7 +477,7 @@ def _raw_text(tokenizer, rec: dict, max_len: int, vocab_size: int | None) -> lis
     """A {"text"} record (continued pretraining): every token is a target, the end-of-sequence token
     after the last; a text longer than ``max_len`` becomes consecutive pieces of ``max_len`` tokens."""
     w = rec["_where"]
-    text = _text(rec["text"], w, "text")
+    text = check_text(rec["text"], w, "text")
     if not text:
         raise PactError(f"{w}: the text is empty: nothing to train on")
     ids = _with_eos(tokenizer(text, add_special_tokens=True)["input_ids"], tokenizer)

@@ -602,6 +602,10 @@ def test_train_calibrate_flag(tmp_path, caplog):
         (run / "best" / f).write_bytes((run / f).read_bytes())
     assert own_weights(str(tmp_path / "art"), str(run / "best")) == str(run / "calibrated")
     assert own_weights(str(tmp_path / "art-b"), str(run / "best")) == str(tmp_path / "art-b")
+    from pact.pipelines.export import main as export_cli  # it reads calibrated/, and ART stays the user's:
+    r = CliRunner().invoke(export_cli, [str(tmp_path / "art"), "--adapter", str(run), "--out",  # no export in it
+                                        str(tmp_path / "art" / "exp"), "--quiet"])
+    assert r.exit_code == 1 and "is inside the artifact" in r.output and not (tmp_path / "art" / "exp").exists()
     from pact.pipelines.export import _run_data
 
     assert Path(_run_data(str(run / "best"))).resolve() == data.resolve()  # --merge's texts: the run's --data
@@ -856,3 +860,35 @@ def test_train_calibrate_refusals_and_recovery(tmp_path, caplog):
     from pact.runtime.evaluate import run_record
 
     assert run_record(str(tmp_path / "broken")) == {}
+
+
+def test_calibrate_refuses_bad_lengths_and_records_as_pact_train_does(setup, tmp_path):
+    """--seq-len below 2 names the flag (not the prompts file, nor a traceback); a record whose fields are not
+    text is refused as pact-train refuses it (never calibrated on str(5) or str(None)), a malformed
+    conversation as a data error (not the chat template's), and --source that is not a model as --source's."""
+    ok = setup / "prompts.jsonl"
+    for bad in ("-4", "0", "1"):
+        r = CliRunner().invoke(calibrate_cli, [str(setup / "art"), "--prompts", str(ok), "--seq-len", bad,
+                                               "--out", str(tmp_path / "c"), "--quiet"])
+        assert r.exit_code == 1 and f"--seq-len must be >= 2 (tokens a prompt), got {bad}" in r.output, r.output
+        assert "Traceback" not in r.output
+    cases = {'{"prompt": 5, "completion": ["x"]}': "prompt must be a string, got int",
+             '{"prompt": null, "completion": "x"}': "prompt must be a string, got null",
+             '{"prompt": "a", "completion": 7}': "completion must be a string, got int",
+             '{"messages": "hi"}': "'messages' must be a non-empty list of {role, content} objects",
+             '{"messages": [{"role": "user", "content": null}]}': "message 1's content must be a string, got null",
+             '{"text": 5}': "text must be a string, got int"}
+    for i, (line, why) in enumerate(cases.items()):
+        f = tmp_path / f"bad{i}.jsonl"
+        f.write_text(json.dumps({"text": "a fine first record"}) + "\n" + line + "\n")
+        r = CliRunner().invoke(calibrate_cli, [str(setup / "art"), "--prompts", str(f), "--out",
+                                               str(tmp_path / "c"), "--quiet"])
+        assert r.exit_code == 1 and f"{f}:2: {why}" in r.output, (line, r.output)
+        assert "chat template" not in r.output
+    assert not (tmp_path / "c").exists()
+    (tmp_path / "notmodel").mkdir()
+    (tmp_path / "notmodel" / "notes.txt").write_text("not a model\n")
+    r = CliRunner().invoke(calibrate_cli, [str(setup / "art"), "--prompts", str(ok), "--source",
+                                           str(tmp_path / "notmodel"), "--out", str(tmp_path / "c"), "--quiet"])
+    assert r.exit_code == 1 and f"--source {tmp_path / 'notmodel'} has no config.json: not a model" in r.output
+    assert "pact-convert" not in r.output and not (tmp_path / "c").exists()

@@ -352,3 +352,24 @@ def test_device_option(tmp_path, tiny_llama):
     if not torch.cuda.is_available():
         with pytest.raises(PactError, match="no CUDA"):
             convert(str(tiny_llama), tmp_path / "art", progress=False, device="cuda")
+
+
+def test_cli_refuses_a_source_without_tokenizer_and_outputs_inside_inputs(tmp_path, tiny_qwen2):
+    """pact-convert refuses, before any work, a folder without tokenizer files (its artifact could never be
+    trained or evaluated, nor mended: its files are checksummed; the library still converts bare weights, as
+    the benchmarks do), an output inside (or holding) the source folder, and one inside an existing artifact."""
+    runner = CliRunner()
+    bare = tmp_path / "bare"
+    shutil.copytree(tiny_qwen2, bare)
+    for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "tokenizer.model"):
+        (bare / f).unlink(missing_ok=True)
+    r = runner.invoke(convert_cli, [str(bare), str(tmp_path / "a"), "--quiet"])
+    assert r.exit_code == 1 and f"{bare}: no tokenizer (tokenizer.json, tokenizer.model" in r.output, r.output
+    assert not (tmp_path / "a").exists()
+    convert(str(bare), tmp_path / "a", progress=False)  # the library: bare weights for benchmarks
+    r = runner.invoke(convert_cli, [str(tiny_qwen2), str(tiny_qwen2 / "art"), "--quiet"])
+    assert r.exit_code == 1 and "is inside the source model" in r.output and not (tiny_qwen2 / "art").exists()
+    r = runner.invoke(convert_cli, [str(tiny_qwen2), str(tmp_path / "a" / "sub"), "--quiet"])
+    assert r.exit_code == 1 and f"is inside the artifact {tmp_path / 'a'}: choose a folder outside it" in r.output
+    assert not (tmp_path / "a" / "sub").exists()
+    open_artifact(tmp_path / "a").verify()

@@ -414,3 +414,31 @@ def test_full_disk_is_one_line_and_keeps_the_earlier_export(base, tmp_path, monk
     line = _cli([base / "art", "--out", out, "--format", "bf16", "--overwrite"])
     assert "the disk is full" in line
     assert _tree(out) == before
+
+
+def test_unwritable_out_is_said_before_work_and_by_its_name(base, tmp_path, monkeypatch):
+    """A folder that cannot be written (the tests run as root: the probe's write fails by a patch) is one line
+    naming --out, said before the export starts, never a temp path of ours nor advice to free space; a write
+    that fails later for another reason than a full disk advises another folder, not free space."""
+    from pathlib import Path
+
+    from pact.formats.errors import write_error
+
+    real = Path.write_bytes
+
+    def denied(self, data):
+        if ".probe-" in self.name:
+            raise PermissionError(errno.EACCES, "Permission denied", str(self))
+        return real(self, data)
+
+    monkeypatch.setattr(Path, "write_bytes", denied)
+    out = tmp_path / "ro" / "exp"
+    with pytest.raises(PactError, match=rf"^--out {out}: cannot write in {out.parent} \(Permission denied\): "
+                                        "choose a writable folder$"):
+        export(str(base / "art"), out)
+    monkeypatch.undo()
+    assert not out.exists()
+    line = str(write_error(PermissionError(errno.EACCES, "Permission denied"), out, "nothing was written"))
+    assert "choose a writable output folder" in line and "free space" not in line
+    line = str(write_error(OSError(errno.ENOSPC, "No space left on device"), out, "nothing was written"))
+    assert "the disk is full" in line and "free space" in line
