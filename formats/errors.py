@@ -48,7 +48,7 @@ def write_error(e: OSError, path, what: str) -> PactError:
     and what was kept (``what``)."""
     import errno
 
-    full = e.errno in (errno.ENOSPC, errno.EDQUOT)
+    full = e.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))  # (a quota: no EDQUOT on Windows)
     why = "the disk is full" if e.errno == errno.ENOSPC else (e.strerror or str(e))
     fix = "free space or choose another output" if full else "choose a writable output folder"
     return PactError(f"{path}: could not write ({why}): {fix}; {what}")
