@@ -33,7 +33,7 @@ def push_artifact(path, dest: str, *, overwrite: bool = False) -> str:
                         f"not {scheme}:// (http(s) is read-only): push to one of those{serve}")
     art = open_artifact(path)
     if scheme == "file":
-        local = _local_dest(art.path, Path(dest.removeprefix("file://")), dest, overwrite)
+        local = _local_dest(art.path, remote.file_url_path(dest) if "://" in dest else Path(dest), dest, overwrite)
         art.verify()
         _push_local(art, local, dest)
         return dest

@@ -72,6 +72,16 @@ def _limits() -> tuple[float, float]:
     return out[0], out[1]
 
 
+def file_url_path(url: str) -> Path:
+    """The local path a file:// URL names: file:///abs/path, or file://localhost/abs/path (RFC 8089).
+    Any other host is refused: file://name/p read as a path would be ./name/p, somewhere else."""
+    parts = urlsplit(url)
+    if parts.netloc.lower() not in ("", "localhost") or not parts.path.startswith("/"):
+        raise PactError(f"{url}: a file:// URL names an absolute path on this machine: file:///absolute/path (or "
+                        f"file://localhost/absolute/path); for a relative folder give the path itself")
+    return Path(unquote(parts.path))
+
+
 def _fs(url: str):
     scheme = url.split("://", 1)[0].lower()
     if scheme not in SCHEMES:
@@ -326,7 +336,13 @@ def _locked(lock: Path) -> Iterator[None]:
 
 def fetch_artifact(url: str, cache: Path | None = None) -> Path:
     """The local copy of the artifact at ``url`` (fetched, or already in the cache and complete)."""
-    src = _source(url)
+    where = url
+    if url.split("://", 1)[0].lower() == "file":  # a local folder: said missing as one, not as a bad upload
+        local = file_url_path(url)
+        if not local.is_dir():
+            raise ArtifactError(f"{url}: no such folder {local}")
+        where = f"file://{local}"  # (fsspec reads the rest as a path, unquoted)
+    src = _source(where)
     try:
         return _fetch(src, url, cache)
     finally:

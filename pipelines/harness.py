@@ -4,12 +4,14 @@ lm_eval.simple_evaluate with pact's model (runtime/harness.py, registered there 
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
 import click
 
 from pact.formats import PactError, require
+from pact.formats.artifact import check_writable
 from pact.runtime.trainer import TrainConfig
 
 from .common import ADAPTER, ARTIFACT, SCORING_HELPS, cli_errors, config_options
@@ -42,8 +44,14 @@ def main(artifact, adapter, tasks, include_path, num_fewshot, limit, batch_size,
 
     if batch_size < 1:
         raise PactError(f"--batch-size must be >= 1, got {batch_size}")
-    if limit is not None and limit <= 0:
+    if limit is not None and not (math.isfinite(limit) and limit > 0):
         raise PactError(f"--limit must be > 0 (examples per task, or a fraction below 1), got {limit:g}")
+    if num_fewshot is not None and num_fewshot < 0:
+        raise PactError(f"--num-fewshot must be >= 0, got {num_fewshot}")
+    if max_length is not None and max_length < 2:
+        raise PactError(f"--max-length must be >= 2 (context tokens), got {max_length}")
+    if output:  # said now, not after the whole evaluation (whose results would be lost)
+        check_writable(Path(output), "--output")
     names = [t.strip() for t in tasks.split(",") if t.strip()]
     if not names:
         raise PactError("--tasks is empty: name at least one lm-eval task")

@@ -117,8 +117,8 @@ class TrainConfig:
                 raise PactError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.steps is not None and self.steps < 1:
             raise PactError(f"--steps must be >= 1, got {self.steps}")
-        if self.epochs <= 0:
-            raise PactError(f"--epochs must be > 0, got {self.epochs}")
+        if not (math.isfinite(self.epochs) and self.epochs > 0):
+            raise PactError(f"--epochs must be a finite number > 0, got {self.epochs}")
         if not 0 <= self.warmup_ratio < 1:
             raise PactError(f"--warmup-ratio must be in [0, 1), got {self.warmup_ratio}")
         # every number checked before anything loads: a bad one fails here, not after the model
@@ -151,6 +151,9 @@ class TrainConfig:
             raise PactError("--early-stopping-patience needs --eval-every N (how often to evaluate)")
         if self.metric_for_best not in ("auto", "eval_loss", "eval_accuracy"):
             raise PactError(f"--metric-for-best must be auto, eval_loss or eval_accuracy, got {self.metric_for_best!r}")
+        if self.metric_for_best != "auto" and not self.eval_data:
+            raise PactError(f"--metric-for-best {self.metric_for_best} needs --eval-data (the held-out file it is "
+                            "measured on)")
         if self.overlong not in ("truncate", "refuse"):
             raise PactError(f"--overlong must be truncate or refuse, got {self.overlong!r}")
         parse_report_to(self.report_to)

@@ -4,6 +4,7 @@ token runs alone against the cached keys and values of every layer. Greedy by de
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import torch
@@ -60,8 +61,8 @@ def generate(model, prompt_ids: list[int], *, max_new_tokens: int, stop_ids: set
     ``stop_when(tokens so far)`` True ends it (e.g. a stop string appeared)."""
     if max_new_tokens < 1:
         raise PactError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
-    if temperature < 0 or not 0 < top_p <= 1:
-        raise PactError(f"--temperature must be >= 0 and --top-p in (0, 1], got {temperature} and {top_p}")
+    if not (math.isfinite(temperature) and temperature >= 0) or not 0 < top_p <= 1:
+        raise PactError(f"--temperature must be >= 0 and finite, and --top-p in (0, 1], got {temperature} and {top_p}")
     if not prompt_ids:
         raise PactError("the prompt is empty: nothing to continue")
     window = int(getattr(model.cfg, "max_position_embeddings", 0) or 0)  # the model's context

@@ -233,6 +233,11 @@ def _setup(cfg: TrainConfig, run: Path, resume: bool, dist: Dist, device: str | 
                       checkpoint=cfg.checkpoint, seed=cfg.seed, fp8_weights=cfg.fp8_weights, cuda_graphs=graphs,
                       backward_weights=cfg.backward_weights)
     model.graph_tokens = tokens
+    window = int(getattr(model.cfg, "max_position_embeddings", 0) or 0)
+    if window and cfg.max_len > window and dist.main:  # (said, not refused: a run may extend the context on purpose)
+        log.warning("--max-len %d is past the model's context (%d positions, max_position_embeddings): rows longer "
+                    "than %d train on positions it never saw; lower --max-len unless you mean to extend it",
+                    cfg.max_len, window, window)
     vocab = model.embed.shape[0]
     examples = tokenize(records, ses.tokenizer, max_len=cfg.max_len,
                         overlong=cfg.overlong, vocab_size=vocab)

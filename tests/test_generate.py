@@ -107,6 +107,9 @@ def test_sampling_is_seeded_and_bounded(trained):
         generate(model, prompt, max_new_tokens=2, stop_ids=set(), temperature=-1)
     with pytest.raises(PactError, match="--max-new-tokens must be >= 1"):
         generate(model, prompt, max_new_tokens=0, stop_ids=set())
+    for bad in (float("nan"), float("inf")):  # (nan reached torch.multinomial; inf sampled uniformly)
+        with pytest.raises(PactError, match="--temperature must be >= 0 and finite"):
+            generate(model, prompt, max_new_tokens=2, stop_ids=set(), temperature=bad)
 
 
 def test_generate_and_chat_commands(trained):

@@ -86,7 +86,11 @@ def test_bad_numbers_are_one_line(trained):
     for args, msg in ((["--batch-size", "0"], "--batch-size must be >= 1, got 0"),
                       (["--batch-size", "-1"], "--batch-size must be >= 1, got -1"),
                       (["--limit", "0"], "--limit must be > 0"),
-                      (["--limit", "-1"], "--limit must be > 0")):
+                      (["--limit", "-1"], "--limit must be > 0"),
+                      (["--limit", "nan"], "--limit must be > 0"),
+                      (["--num-fewshot", "-2"], "--num-fewshot must be >= 0, got -2"),
+                      (["--max-length", "0"], "--max-length must be >= 2 (context tokens), got 0"),
+                      (["--output", "/dev/null/x/res.json"], "--output /dev/null/x/res.json: cannot write in")):
         r = CliRunner().invoke(pact_cli, ["lm-eval", str(trained / "art"), "--tasks", "pact_sentiment",
                                           "--include-path", str(trained / "tasks"), *args])
         assert r.exit_code == 1 and f"Error: {msg}" in r.output, r.output

@@ -369,3 +369,20 @@ def test_push_remote_refuses_other_files(art):
         assert r.exit_code == 1 and "holds other files and is not a pact artifact" in r.output, r.output
     assert MemoryFileSystem().cat_file("/pact-red-team/user/notes.txt") == b"mine"
     assert not MemoryFileSystem().exists("/pact-red-team/user/zarr.json")
+
+
+def test_file_urls_localhost_and_other_hosts(art, tmp_path, monkeypatch):
+    """file://localhost/abs is the local path (RFC 8089), for reading and pushing alike; file://name/p (which
+    read as a path would be ./name/p, elsewhere) is refused in one line; a missing folder is said as one."""
+    monkeypatch.chdir(tmp_path)
+    assert open_artifact(f"file://localhost{art}").fingerprint() == open_artifact(art).fingerprint()
+    with pytest.raises(ArtifactError, match=f"no such folder {tmp_path}/missing"):
+        open_artifact(f"file://{tmp_path}/missing")
+    with pytest.raises(PactError, match="a file:// URL names an absolute path on this machine"):
+        open_artifact("file://otherhost/art")
+    r = _push(art, f"file://localhost{tmp_path}/pushed")
+    assert r.exit_code == 0, r.output
+    open_artifact(tmp_path / "pushed").verify()
+    r = _push(art, "file://relhost/p")
+    assert r.exit_code == 1 and "a file:// URL names an absolute path" in r.output
+    assert not (tmp_path / "relhost").exists()

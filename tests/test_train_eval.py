@@ -87,6 +87,12 @@ def test_eval_options_refuse_bad_combinations(task, tmp_path):
         _cfg(task, tmp_path / "r", early_stopping_patience=2)
     with pytest.raises(PactError, match="--eval-every must be >= 0"):
         _cfg(task, tmp_path / "r", eval_every=-1)
+    for metric in ("eval_loss", "eval_accuracy"):  # (was ignored without a held-out file)
+        with pytest.raises(PactError, match=f"--metric-for-best {metric} needs --eval-data"):
+            _cfg(task, tmp_path / "r", eval_data=None, metric_for_best=metric)
+    for bad in (float("nan"), float("inf"), 0.0):  # (nan and inf reached math.ceil)
+        with pytest.raises(PactError, match="--epochs must be a finite number > 0"):
+            _cfg(task, tmp_path / "r", steps=None, epochs=bad)
     with pytest.raises(PactError, match="eval_accuracy: .*text.jsonl is not label data"):
         train(_cfg(task, tmp_path / "r", eval_data=str(task / "text.jsonl"), eval_every=2,
                    metric_for_best="eval_accuracy"), progress=False)
@@ -223,3 +229,28 @@ def test_backward_weights_recorded(task, tmp_path, monkeypatch):
                                        "--quiet"])
     assert r.exit_code == 0, r.output
     assert seen["cfg"] == dataclasses.replace(cfg, out=str(tmp_path / "again"))
+
+
+def test_plain_text_eval_data_and_max_len_past_the_context(task, tmp_path, caplog):
+    """pact-eval on {"text"} records measures the loss and generates only for records with a prompt (a plain
+    text has none: it failed after scoring with "the prompt is empty"); asked to generate on such a file
+    alone, it says so first. A --max-len past the model's context trains, with a warning naming both."""
+    import logging
+
+    from pact.runtime.evaluate import evaluate_artifact
+
+    plain = tmp_path / "plain.jsonl"
+    plain.write_text("".join(json.dumps({"text": f"a plain text number {i} to score"}) + "\n" for i in range(4)))
+    got = evaluate_artifact(str(task / "art"), str(plain), max_len=64)
+    assert got["eval_loss"] > 0 and "eval_exact_match" not in got
+    with pytest.raises(PactError, match=r"every record is plain text .*drop --generate"):
+        evaluate_artifact(str(task / "art"), str(plain), max_len=64, generate=True)
+    mixed = tmp_path / "mixed.jsonl"
+    mixed.write_text(plain.read_text() + json.dumps({"prompt": "say 1", "completion": " word1"}) + "\n")
+    got = evaluate_artifact(str(task / "art"), str(mixed), max_len=64, generate=True)
+    assert got["eval_generated"] == 1
+    window = json.loads((task / "art" / "hf" / "config.json").read_text())["max_position_embeddings"]
+    with caplog.at_level(logging.WARNING):
+        train(_cfg(task, tmp_path / "long", max_len=window + 1, steps=1, eval_data=None), progress=False)
+    assert any(f"--max-len {window + 1} is past the model's context ({window} positions" in m
+               for m in caplog.messages), caplog.messages
