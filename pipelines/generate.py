@@ -112,6 +112,12 @@ def chat_cmd(artifact, system, adapter, max_new_tokens, temperature, top_p, seed
                               tool="pact chat")
     _chat_ids(tok, [{"role": "user", "content": "check"}], "pact chat")  # no template: fails now, not at a turn
     history = [{"role": "system", "content": system}] if system else []
+    window = int(getattr(model.cfg, "max_position_embeddings", 0) or 0)
+    if system and window:  # a system message the context cannot hold leaves no room for any turn
+        n = len(_chat_ids(tok, history + [{"role": "user", "content": "hi"}]))
+        if n >= window:
+            raise PactError(f"--system takes {n} tokens with one short turn; the model's context is {window}: "
+                            "shorten it")
     cache, cached = None, []
     interactive = sys.stdin.isatty()
     while True:
@@ -127,12 +133,12 @@ def chat_cmd(artifact, system, adapter, max_new_tokens, temperature, top_p, seed
             continue
         history.append({"role": "user", "content": _checked_text(line.rstrip("\n"), "the chat input")})
         ids = _chat_ids(tok, history)
-        window = int(getattr(model.cfg, "max_position_embeddings", 0) or 0)
-        first = 1 if system else 0  # the system message stays
+        first, dropped = (1 if system else 0), False  # the system message stays
         while window and len(ids) + min(max_new_tokens, 64) > window and len(history) > first + 1:
             del history[first : first + 2]  # the oldest exchange goes: the conversation fits the context again
+            ids, dropped = _chat_ids(tok, history), True
+        if dropped and len(ids) < window:  # (a message too long alone is said by generate, the turn dropped)
             click.echo("(earlier turns dropped to fit the model's context)", err=True)
-            ids = _chat_ids(tok, history)
         keep = 0  # the cached tokens this rendering starts with
         while keep < min(len(cached), len(ids) - 1) and cached[keep] == ids[keep]:
             keep += 1

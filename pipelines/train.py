@@ -36,11 +36,18 @@ from .common import cli_errors, config_from, config_options, main_rank, with_con
 @cli_errors
 def main(config: str | None, **params) -> None:
     """Train LoRA adapters on ARTIFACT; the adapter is saved in PEFT format in --out."""
+    given = dict(params)
     if config:
         params = _where_the_run_is(config, with_config_file(config, params))
     resume, quiet = params.pop("resume"), params.pop("quiet")
     with_gptq, samples = params.pop("calibrate"), params.pop("calibrate_samples")
-    cfg = config_from(TrainConfig, params)  # every setting checked before a minute of calibration
+    try:
+        cfg = config_from(TrainConfig, params)  # every setting checked before a minute of calibration
+    except PactError as e:  # a bad value the config file set: said with the file's name
+        flag = str(e).split(" ", 1)[0].lstrip("-").replace("-", "_")
+        if config and flag in params and params[flag] != given.get(flag):
+            raise PactError(f"{e} (set in --config {config})") from None
+        raise
     if with_gptq is not False:
         from pact.calibrate.forrun import check_samples
 
@@ -78,7 +85,15 @@ def main(config: str | None, **params) -> None:
             if not quiet and main_rank():
                 click.echo(f"note: could not calibrate: {e}; training on {cfg.artifact} as it is ({fix}); "
                            "--no-calibrate silences this", err=True)
-    result = train(cfg, resume=resume, progress=not quiet)
+    try:
+        result = train(cfg, resume=resume, progress=not quiet)
+    except KeyboardInterrupt:
+        if main_rank():
+            saved = any((Path(cfg.out) / "checkpoints").glob("step-*"))
+            how = ("the same command with --resume continues from the last checkpoint" if saved else
+                   "no checkpoint was saved (--save-every N keeps some to resume from)")
+            click.echo(f"\ninterrupted: {how}", err=True)
+        raise click.Abort() from None
     if main_rank():  # under torchrun, one result
         click.echo(json.dumps({k: v for k, v in result.items() if k != "eval_labels"}, indent=2))
         if (note := collapse_note(result)) is not None:

@@ -107,8 +107,9 @@ def _sane_state(state) -> bool:
         for k in ("step", "epoch", "pos", "tokens")) and state["step"] <= MAX_STEP
 
 
-def _usable_checkpoints(run: Path) -> list[Path]:
-    """Complete checkpoints, newest first; an emptied or half-copied one is skipped with a warning."""
+def _usable_checkpoints(run: Path, warn: bool = True) -> list[Path]:
+    """Complete checkpoints, newest first; an emptied or half-copied one is skipped (with ``warn``, said:
+    once a run, where it resumes)."""
     good = []
     for ck in sorted((run / "checkpoints").glob("step-???????"), reverse=True):
         try:
@@ -118,7 +119,7 @@ def _usable_checkpoints(run: Path) -> list[Path]:
             ok = False
         if ok:
             good.append(ck)
-        else:
+        elif warn:
             log.warning("skipping checkpoint %s: incomplete or damaged", ck)
     return good
 

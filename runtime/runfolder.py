@@ -101,7 +101,7 @@ def _prepare_run(run: Path, resume: bool) -> None:
     files = [p for p in run.iterdir() if not _not_a_result(p)] if run.is_dir() else []
     if files and not resume:
         raise PactError(f"--out {run} is not empty: pass --resume to continue that run, or choose another folder")
-    if resume and files and not _usable_checkpoints(run):
+    if resume and files and not _usable_checkpoints(run, warn=False):
         if (run / "adapter_model.safetensors").is_file():
             raise PactError(f"--resume: {run} is a finished run (its adapter is saved) with no checkpoint to resume "
                             "from (a run extends with --resume and more --steps when it saved checkpoints: "

@@ -259,6 +259,8 @@ def _setup(cfg: TrainConfig, run: Path, resume: bool, dist: Dist, device: str | 
                             f"steps: pass --max-steps (--steps) of at least {at + 1} to train further; nothing "
                             "was changed")
         state = _load_checkpoint(run, last_good, model, opt, cfg, inputs, dist.world)
+        if dist.main:
+            log.info("--resume: continuing from step %d (%s)", state["step"], last_good)
         if auto is not None and "recipe_auto" in state:  # the probe ran before this checkpoint: its choice
             rec = state["recipe_auto"]
             model.use_recipe(chosen_recipe(model.recipe, rec.get("chosen") if isinstance(rec, dict) else None,

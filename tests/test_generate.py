@@ -149,6 +149,17 @@ def test_chat_needs_a_template(trained, tmp_path):
         r.output
 
 
+def test_chat_says_a_system_message_or_a_turn_too_long_by_name(trained):
+    """A --system the context cannot hold is refused at the start, naming --system; a message too long
+    alone is refused for its turn without first claiming that earlier turns were dropped to fit."""
+    art = str(trained / "art")
+    r = CliRunner().invoke(pact_cli, ["chat", art, "--system", "word " * 400], input="hi\n")
+    assert r.exit_code == 1 and "Error: --system takes" in r.output and "shorten it" in r.output, r.output
+    r = CliRunner().invoke(pact_cli, ["chat", art, "--max-new-tokens", "2"], input="hi\n" + "word " * 400 + "\n")
+    assert r.exit_code == 0 and ("the conversation takes" in r.output or "the prompt takes" in r.output), r.output
+    assert "earlier turns dropped" not in r.output
+
+
 def test_cache_keeps_mistrals_sliding_window(tmp_path):
     """Past the window (8 tokens) the cached step attends to the last 8 only, as a full rerun does."""
     from conftest import make_model

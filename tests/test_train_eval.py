@@ -254,3 +254,32 @@ def test_plain_text_eval_data_and_max_len_past_the_context(task, tmp_path, caplo
         train(_cfg(task, tmp_path / "long", max_len=window + 1, steps=1, eval_data=None), progress=False)
     assert any(f"--max-len {window + 1} is past the model's context ({window} positions" in m
                for m in caplog.messages), caplog.messages
+
+
+def test_interrupt_says_how_to_continue(task, tmp_path, monkeypatch):
+    """Ctrl-C in pact-train ends with one line: --resume when a checkpoint was saved, else that none was."""
+    import pact.pipelines.train as train_module
+
+    def interrupted(cfg, **kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train_module, "train", interrupted)
+    args = [str(task / "art"), "--data", str(task / "train.jsonl"), "--out", str(tmp_path / "run"), "--no-calibrate",
+            "--quiet"]
+    r = CliRunner().invoke(train_cli, args)
+    assert r.exit_code == 1 and "interrupted: no checkpoint was saved (--save-every N" in r.output, r.output
+    (tmp_path / "run" / "checkpoints" / "step-0000002").mkdir(parents=True)
+    r = CliRunner().invoke(train_cli, args)
+    assert "interrupted: the same command with --resume continues from the last checkpoint" in r.output, r.output
+
+
+def test_bad_value_from_a_config_file_names_the_file(task, tmp_path):
+    conf = tmp_path / "c.json"
+    conf.write_text(json.dumps({"lr": "nan", "max_len": 64}))
+    r = CliRunner().invoke(train_cli, [str(task / "art"), "--data", str(task / "train.jsonl"), "--out",
+                                       str(tmp_path / "run"), "--config", str(conf), "--no-calibrate"])
+    assert r.exit_code == 1 and f"--lr must be a finite number > 0 (e.g. 2e-4), got nan (set in --config {conf})" \
+        in r.output, r.output
+    r = CliRunner().invoke(train_cli, [str(task / "art"), "--data", str(task / "train.jsonl"), "--out",
+                                       str(tmp_path / "run"), "--config", str(conf), "--lr", "-1", "--no-calibrate"])
+    assert r.exit_code == 1 and "got -1.0\n" in r.output and "--config" not in r.output  # the command line's own
