@@ -34,7 +34,7 @@ def _texts(path: Path, tokenizer) -> list[str]:
         if "text" in rec:
             out.append(rec["text"])
         elif "messages" in rec:
-            check_conversation(rec["messages"], rec["_where"])  # a data error named as one, not the template's
+            check_conversation(rec["messages"], rec["_where"], null_content=True)  # a data error, not the template's
             out.append(render_chat(tokenizer, rec["messages"], rec["_where"]))
         else:  # (strings, as pact-train asks: never the text of a number, a list or null)
             w = rec["_where"]

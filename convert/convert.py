@@ -160,12 +160,6 @@ def convert(
         source = open_source(str(src), revision=revision, workdir=workdir)
         if require_tokenizer:
             _check_tokenizer(source, src)
-        if Path(src).is_dir():  # (a hub id or a GGUF file has no folder of its own to protect)
-            o, s = Path(out).resolve(), Path(src).resolve()
-            if o.is_relative_to(s) or s.is_relative_to(o):
-                how = "inside" if o.is_relative_to(s) else "holding"
-                raise PactError(f"output {out} is {how} the source model {src}: pact-convert never writes into "
-                                "or over what it reads; choose a folder outside it")
         return _convert(source, out, scaling=scaling, block_scales=block_scales, keep_bf16=keep_bf16,
                         overwrite=overwrite, progress=progress, device=dev)
     except OSError as e:  # the writer has removed its temp folder; OUT is untouched

@@ -36,7 +36,7 @@ import torch
 from safetensors import SafetensorError
 
 from pact.formats import PactError, check_apart, default_cache, open_artifact
-from pact.formats.artifact import check_writable
+from pact.formats.artifact import check_outside_artifacts, check_writable
 from pact.formats.errors import write_error
 from pact.formats.families import classify
 from pact.formats.files import atomic_folder, recover_aside, save_safetensors
@@ -145,6 +145,7 @@ def _check_out(out: Path, overwrite: bool, sources: dict[str, Path]) -> None:
         raise PactError(f"--out {out} is a symbolic link: give the folder it points to (an export is put in "
                         "place by renaming folders)")
     check_apart(out, sources, "an export")
+    check_outside_artifacts(out, "--out")
     check_writable(out, "--out")
     recover_aside(out, "the export", lambda p: read_marker(p) is not None)
     if not out.exists():

@@ -101,9 +101,7 @@ def check_output(out: str | os.PathLike, overwrite: bool) -> Path:
     The folder it goes in must be writable. Called before long work, and again by the writer;
     removes what an interrupted run left beside it."""
     out = Path(out)
-    for above in out.resolve().parents:  # an artifact holds only what its manifest lists: never one inside it
-        if (above / "zarr.json").is_file() and _is_artifact(above):
-            raise ArtifactError(f"output {out} is inside the artifact {above}: choose a folder outside it")
+    check_outside_artifacts(out, "output", ArtifactError)
     recover_aside(out, "the artifact", _is_artifact)  # (a run killed between its two renames left it aside)
     if out.exists() and not overwrite:
         raise ArtifactError(f"output {out} already exists: pass --overwrite to replace it")
@@ -112,6 +110,14 @@ def check_output(out: str | os.PathLike, overwrite: bool) -> Path:
     check_writable(out, "output", ArtifactError)
     sweep_leftovers(out)
     return out
+
+
+def check_outside_artifacts(out: Path, label: str, error: type[PactError] = PactError) -> None:
+    """``out`` is not inside an artifact (resolved: links and '..' do not hide it): an artifact holds only
+    what its manifest lists, and a folder written into one makes it refuse --overwrite and pact-push."""
+    for above in Path(out).resolve().parents:
+        if (above / "zarr.json").is_file() and _is_artifact(above):
+            raise error(f"{label} {out} is inside the artifact {above}: choose a folder outside it")
 
 
 def check_writable(out: Path, label: str, error: type[PactError] = PactError) -> None:

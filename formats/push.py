@@ -12,7 +12,7 @@ import shutil
 from pathlib import Path
 
 from . import remote
-from .artifact import check_replaceable, open_artifact
+from .artifact import check_outside_artifacts, check_replaceable, open_artifact
 from .errors import PactError, write_error
 from .files import atomic_folder, recover_aside, sweep_leftovers
 from .layout import FORMAT_NAME
@@ -62,6 +62,7 @@ def _local_dest(src: Path, dst: Path, dest: str, overwrite: bool) -> Path:
     if d == s or s in d.parents or d in s.parents:
         raise PactError(f"{dest} is the artifact {src} itself, inside it or a folder holding it: pushing there would "
                         "destroy it; choose a destination outside it")
+    check_outside_artifacts(d, "destination")
     if d.exists() and not d.is_dir():
         raise PactError(f"{dest} is a file, not a folder: choose a new or empty folder as the destination")
     if d.is_dir() and any(d.iterdir()):

@@ -76,6 +76,9 @@ def file_url_path(url: str) -> Path:
     """The local path a file:// URL names: file:///abs/path, or file://localhost/abs/path (RFC 8089).
     Any other host is refused: file://name/p read as a path would be ./name/p, somewhere else."""
     parts = urlsplit(url)
+    if parts.query or parts.fragment or url.endswith(("?", "#")):  # (a local folder has neither: never cut there)
+        raise PactError(f"{url}: a '?' or '#' in a file:// URL starts a query or fragment, which names no folder: "
+                        "write them as %3F and %23, or give the path itself")
     if parts.netloc.lower() not in ("", "localhost") or not parts.path.startswith("/"):
         raise PactError(f"{url}: a file:// URL names an absolute path on this machine: file:///absolute/path (or "
                         f"file://localhost/absolute/path); for a relative folder give the path itself")

@@ -36,7 +36,7 @@ from .common import cli_errors, config_from, config_options, main_rank, with_con
 @cli_errors
 def main(config: str | None, **params) -> None:
     """Train LoRA adapters on ARTIFACT; the adapter is saved in PEFT format in --out."""
-    given = dict(params)
+    given = set(params)
     if config:
         params = _where_the_run_is(config, with_config_file(config, params))
     resume, quiet = params.pop("resume"), params.pop("quiet")
@@ -45,7 +45,8 @@ def main(config: str | None, **params) -> None:
         cfg = config_from(TrainConfig, params)  # every setting checked before a minute of calibration
     except PactError as e:  # a bad value the config file set: said with the file's name
         flag = str(e).split(" ", 1)[0].lstrip("-").replace("-", "_")
-        if config and flag in params and params[flag] != given.get(flag):
+        source = click.get_current_context().get_parameter_source(flag) if flag in given else None
+        if config and flag in params and source in (None, click.core.ParameterSource.DEFAULT):  # not the command line's
             raise PactError(f"{e} (set in --config {config})") from None
         raise
     if with_gptq is not False:
@@ -91,7 +92,8 @@ def main(config: str | None, **params) -> None:
         if main_rank():
             saved = any((Path(cfg.out) / "checkpoints").glob("step-*"))
             how = ("the same command with --resume continues from the last checkpoint" if saved else
-                   "no checkpoint was saved (--save-every N keeps some to resume from)")
+                   f"no checkpoint was saved: {'delete ' + str(cfg.out) + ' and ' if Path(cfg.out).exists() else ''}"
+                   "run the command again (--save-every N keeps checkpoints to resume from)")
             click.echo(f"\ninterrupted: {how}", err=True)
         raise click.Abort() from None
     if main_rank():  # under torchrun, one result

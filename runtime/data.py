@@ -317,14 +317,15 @@ def parse_record(rec: dict, *, text: bool = False) -> dict:
                     f"prompt/completion), or use {OTHER_FORMS}")
 
 
-def check_conversation(msgs, w: str) -> None:
+def check_conversation(msgs, w: str, *, null_content: bool = False) -> None:
     """``msgs`` is a conversation a chat template can render: a non-empty list of {role, content} objects,
-    each content text or a list of content parts (multimodal templates), never null."""
+    each content text or a list of content parts (multimodal templates); null only with ``null_content``
+    (calibration, which renders and never learns: an assistant turn that only calls tools)."""
     if (not isinstance(msgs, list) or not msgs
             or not all(isinstance(m, dict) and "role" in m and "content" in m for m in msgs)):
         raise PactError(f"{w}: 'messages' must be a non-empty list of {{role, content}} objects")
     for i, m in enumerate(msgs):
-        if not isinstance(m["content"], list):
+        if not isinstance(m["content"], list) and not (null_content and m["content"] is None):
             check_text(m["content"], w, f"message {i + 1}'s content")
 
 

@@ -364,12 +364,14 @@ def evaluate_artifact(artifact: str, data: str, *, adapter: str | None = None, m
                                     tool="pact-eval")
     records = read_records(data, "--data", split, default_splits=DEFAULT_SPLITS["--eval-data"])
     examples = tokenize(records, tokenizer, max_len=max_len, vocab_size=model.embed.shape[0])
-    prompted = [e for e in examples if e.prompt_ids]  # plain {"text"} records: a loss, no prompt to continue
+    prompted = [e for e in examples if e.prompt_ids]  # plain {"text"} records, empty prompts: a loss only
     if generate and not prompted:
-        raise PactError(f"--data {data}: every record is plain text ({{\"text\"}}): no prompt to generate from; "
-                        "drop --generate (the loss is measured without it)")
+        raise PactError(f"--data {data}: no record has a prompt to generate from (plain {{\"text\"}} records or "
+                        "empty prompts); drop --generate (the loss is measured without it)")
     result = {"adapter": adapter, **evaluate(model, examples, batch_size=batch_size, pad_id=pad_id(tokenizer),
                                              progress=progress, drop_eos=None if score_eos else tokenizer.eos_token_id)}
     if prompted and (generate or (generate is None and "eval_accuracy" not in result)):
+        if len(prompted) < len(examples):
+            log.info("generation scored on the %d of %d examples with a prompt", len(prompted), len(examples))
         result.update(evaluate_generation(model, prompted, tokenizer, max_new_tokens=max_new_tokens))
     return result

@@ -125,6 +125,7 @@ def check_inputs(cfg: TrainConfig, *, tokenize: bool = False) -> None:
     """The data files and the --report-to backends, before any model loads; ``tokenize`` (pact-train
     --calibrate, before its GPTQ): every record tokenized by the artifact's tokenizer as training will."""
     from pact.formats import check_apart, open_artifact
+    from pact.formats.artifact import check_outside_artifacts
     from pact.formats.families import text_config
 
     from .data import tokenize as to_examples  # (the flag's name hides the function here)
@@ -135,6 +136,7 @@ def check_inputs(cfg: TrainConfig, *, tokenize: bool = False) -> None:
         o, a = Path(cfg.out).resolve(), Path(cfg.artifact).resolve()
         if a == o or not a.is_relative_to(o):  # (an --out may hold its own calibrated/ artifact)
             check_apart(o, {"artifact": a}, "pact-train")
+    check_outside_artifacts(Path(cfg.out), "--out")  # (nor inside any other artifact)
     # what _setup refuses once the model is loaded, refused before it loads (and before a minute of GPTQ)
     device = resolve_device(cfg.device)  # a bad --device: its one-line error, not torch's
     resolve_kernels(cfg.kernels, device)
@@ -233,14 +235,15 @@ def _setup(cfg: TrainConfig, run: Path, resume: bool, dist: Dist, device: str | 
                       checkpoint=cfg.checkpoint, seed=cfg.seed, fp8_weights=cfg.fp8_weights, cuda_graphs=graphs,
                       backward_weights=cfg.backward_weights)
     model.graph_tokens = tokens
-    window = int(getattr(model.cfg, "max_position_embeddings", 0) or 0)
-    if window and cfg.max_len > window and dist.main:  # (said, not refused: a run may extend the context on purpose)
-        log.warning("--max-len %d is past the model's context (%d positions, max_position_embeddings): rows longer "
-                    "than %d train on positions it never saw; lower --max-len unless you mean to extend it",
-                    cfg.max_len, window, window)
     vocab = model.embed.shape[0]
     examples = tokenize(records, ses.tokenizer, max_len=cfg.max_len,
                         overlong=cfg.overlong, vocab_size=vocab)
+    window = int(getattr(model.cfg, "max_position_embeddings", 0) or 0)
+    longer = sum(len(e.ids) > window for e in examples) if window else 0
+    if longer and dist.main:  # (said, not refused: a run may extend the context on purpose)
+        log.warning("%d of %d examples are longer than the model's context (%d positions, max_position_embeddings; "
+                    "--max-len %d lets them through): they train on positions it never saw; lower --max-len to %d "
+                    "unless you mean to extend the context", longer, len(examples), window, cfg.max_len, window)
     if cfg.packing:
         n = len(examples)
         examples = pack(examples, cfg.max_len)

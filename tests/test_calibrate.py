@@ -865,7 +865,8 @@ def test_train_calibrate_refusals_and_recovery(tmp_path, caplog):
 def test_calibrate_refuses_bad_lengths_and_records_as_pact_train_does(setup, tmp_path):
     """--seq-len below 2 names the flag (not the prompts file, nor a traceback); a record whose fields are not
     text is refused as pact-train refuses it (never calibrated on str(5) or str(None)), a malformed
-    conversation as a data error (not the chat template's), and --source that is not a model as --source's."""
+    conversation as a data error (not the chat template's; a null content, a turn that only calls tools, is
+    the template's to render), and --source that is not a model as --source's."""
     ok = setup / "prompts.jsonl"
     for bad in ("-4", "0", "1"):
         r = CliRunner().invoke(calibrate_cli, [str(setup / "art"), "--prompts", str(ok), "--seq-len", bad,
@@ -876,7 +877,7 @@ def test_calibrate_refuses_bad_lengths_and_records_as_pact_train_does(setup, tmp
              '{"prompt": null, "completion": "x"}': "prompt must be a string, got null",
              '{"prompt": "a", "completion": 7}': "completion must be a string, got int",
              '{"messages": "hi"}': "'messages' must be a non-empty list of {role, content} objects",
-             '{"messages": [{"role": "user", "content": null}]}': "message 1's content must be a string, got null",
+             '{"messages": [{"role": "user", "content": 5}]}': "message 1's content must be a string, got int",
              '{"text": 5}': "text must be a string, got int"}
     for i, (line, why) in enumerate(cases.items()):
         f = tmp_path / f"bad{i}.jsonl"
@@ -892,3 +893,9 @@ def test_calibrate_refuses_bad_lengths_and_records_as_pact_train_does(setup, tmp
                                            str(tmp_path / "notmodel"), "--out", str(tmp_path / "c"), "--quiet"])
     assert r.exit_code == 1 and f"--source {tmp_path / 'notmodel'} has no config.json: not a model" in r.output
     assert "pact-convert" not in r.output and not (tmp_path / "c").exists()
+    from pact.runtime.data import check_conversation
+
+    calls = [{"role": "user", "content": "weather?"}, {"role": "assistant", "content": None, "tool_calls": []}]
+    check_conversation(calls, "f:1", null_content=True)  # calibration renders a turn that only calls tools
+    with pytest.raises(PactError, match="f:1: message 2's content must be a string, got null"):
+        check_conversation(calls, "f:1")  # training learns text

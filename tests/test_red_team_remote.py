@@ -386,3 +386,9 @@ def test_file_urls_localhost_and_other_hosts(art, tmp_path, monkeypatch):
     r = _push(art, "file://relhost/p")
     assert r.exit_code == 1 and "a file:// URL names an absolute path" in r.output
     assert not (tmp_path / "relhost").exists()
+    for url in (f"file://{tmp_path}/p#1", f"file://{tmp_path}/q?x=1"):  # (urlsplit would cut them: p, q)
+        r = _push(art, url)
+        assert r.exit_code == 1 and "write them as %3F and %23" in r.output, r.output
+    assert not (tmp_path / "p").exists() and not (tmp_path / "q").exists()
+    r = _push(art, tmp_path / "pushed" / "inner")  # never into another artifact
+    assert r.exit_code == 1 and f"is inside the artifact {tmp_path / 'pushed'}" in r.output, r.output

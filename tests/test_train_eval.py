@@ -243,16 +243,23 @@ def test_plain_text_eval_data_and_max_len_past_the_context(task, tmp_path, caplo
     plain.write_text("".join(json.dumps({"text": f"a plain text number {i} to score"}) + "\n" for i in range(4)))
     got = evaluate_artifact(str(task / "art"), str(plain), max_len=64)
     assert got["eval_loss"] > 0 and "eval_exact_match" not in got
-    with pytest.raises(PactError, match=r"every record is plain text .*drop --generate"):
+    with pytest.raises(PactError, match=r"no record has a prompt to generate from .*drop --generate"):
         evaluate_artifact(str(task / "art"), str(plain), max_len=64, generate=True)
     mixed = tmp_path / "mixed.jsonl"
     mixed.write_text(plain.read_text() + json.dumps({"prompt": "say 1", "completion": " word1"}) + "\n")
     got = evaluate_artifact(str(task / "art"), str(mixed), max_len=64, generate=True)
     assert got["eval_generated"] == 1
     window = json.loads((task / "art" / "hf" / "config.json").read_text())["max_position_embeddings"]
+    long = tmp_path / "long.jsonl"
+    long.write_text(json.dumps({"prompt": "word " * (window + 20), "completion": " fresh"}) + "\n"
+                    + (task / "train.jsonl").read_text())
+    with caplog.at_level(logging.WARNING):  # short rows only: nothing to say, whatever --max-len allows
+        train(_cfg(task, tmp_path / "short", max_len=window + 64, steps=1, eval_data=None), progress=False)
+    assert not any("longer than the model's context" in m for m in caplog.messages), caplog.messages
     with caplog.at_level(logging.WARNING):
-        train(_cfg(task, tmp_path / "long", max_len=window + 1, steps=1, eval_data=None), progress=False)
-    assert any(f"--max-len {window + 1} is past the model's context ({window} positions" in m
+        train(_cfg(task, tmp_path / "long", data=str(long), max_len=window + 64, steps=1, eval_data=None),
+              progress=False)
+    assert any(f"1 of 129 examples are longer than the model's context ({window} positions" in m
                for m in caplog.messages), caplog.messages
 
 
@@ -267,7 +274,8 @@ def test_interrupt_says_how_to_continue(task, tmp_path, monkeypatch):
     args = [str(task / "art"), "--data", str(task / "train.jsonl"), "--out", str(tmp_path / "run"), "--no-calibrate",
             "--quiet"]
     r = CliRunner().invoke(train_cli, args)
-    assert r.exit_code == 1 and "interrupted: no checkpoint was saved (--save-every N" in r.output, r.output
+    assert r.exit_code == 1 and "interrupted: no checkpoint was saved: run the command again (--save-every N" \
+        in r.output, r.output
     (tmp_path / "run" / "checkpoints" / "step-0000002").mkdir(parents=True)
     r = CliRunner().invoke(train_cli, args)
     assert "interrupted: the same command with --resume continues from the last checkpoint" in r.output, r.output
@@ -283,3 +291,18 @@ def test_bad_value_from_a_config_file_names_the_file(task, tmp_path):
     r = CliRunner().invoke(train_cli, [str(task / "art"), "--data", str(task / "train.jsonl"), "--out",
                                        str(tmp_path / "run"), "--config", str(conf), "--lr", "-1", "--no-calibrate"])
     assert r.exit_code == 1 and "got -1.0\n" in r.output and "--config" not in r.output  # the command line's own
+    r = CliRunner().invoke(train_cli, [str(task / "art"), "--data", str(task / "train.jsonl"), "--out",
+                                       str(tmp_path / "run"), "--config", str(conf), "--epochs", "nan",
+                                       "--no-calibrate"])
+    assert r.exit_code == 1 and "got nan\n" in r.output and "--config" not in r.output, r.output  # (nan != nan)
+
+
+def test_out_inside_another_artifact_is_refused(task, tmp_path):
+    """A run never writes into an artifact (not even one it does not read): it would hold files its manifest
+    does not list, which --overwrite and pact-push then refuse."""
+    import shutil
+
+    shutil.copytree(task / "art", tmp_path / "other")
+    with pytest.raises(PactError, match=f"--out {tmp_path / 'other' / 'run'} is inside the artifact"):
+        train(_cfg(task, tmp_path / "other" / "run"), progress=False)
+    assert not (tmp_path / "other" / "run").exists()
