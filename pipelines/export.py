@@ -60,11 +60,11 @@ def main(artifact, out, fmt, adapter, merge, merge_method, merge_data, merge_inp
         raise click.BadParameter("a gain is for the GPTQ merge into NVFP4 (--adapter RUN --merge, --merge-method "
                                  "gptq, not --format bf16): drop it, or merge", param_hint="--merge-gain")
     if adapter and Path(adapter).is_dir() and Path(artifact).is_dir():
-        from pact.formats import check_apart, open_artifact
+        from pact.formats import open_artifact
         from pact.runtime.evaluate import own_weights, warn_other_weights
 
-        named, artifact = artifact, own_weights(artifact, adapter)  # a run's own calibrated/, given the artifact
-        check_apart(out, {"artifact": Path(named)}, "an export")   # it was made from (which stays the user's)
+        # a run's own calibrated/, given the artifact it was made from (export refuses an --out inside any artifact)
+        artifact = own_weights(artifact, adapter)
         warn_other_weights(adapter, open_artifact(artifact), "pact-export")
     solver = None
     if merge_method == "gptq":

@@ -36,7 +36,6 @@ from .common import cli_errors, config_from, config_options, main_rank, with_con
 @cli_errors
 def main(config: str | None, **params) -> None:
     """Train LoRA adapters on ARTIFACT; the adapter is saved in PEFT format in --out."""
-    given = set(params)
     if config:
         params = _where_the_run_is(config, with_config_file(config, params))
     resume, quiet = params.pop("resume"), params.pop("quiet")
@@ -45,7 +44,7 @@ def main(config: str | None, **params) -> None:
         cfg = config_from(TrainConfig, params)  # every setting checked before a minute of calibration
     except PactError as e:  # a bad value the config file set: said with the file's name
         flag = str(e).split(" ", 1)[0].lstrip("-").replace("-", "_")
-        source = click.get_current_context().get_parameter_source(flag) if flag in given else None
+        source = click.get_current_context().get_parameter_source(flag)  # (None: not a parameter of this command)
         if config and flag in params and source in (None, click.core.ParameterSource.DEFAULT):  # not the command line's
             raise PactError(f"{e} (set in --config {config})") from None
         raise
