@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
-from pact.formats import PactError, check_apart, default_cache, open_artifact
+from pact.formats import Artifact, PactError, check_apart, default_cache, open_artifact
 from pact.formats.files import recover_aside, sha256_file, sweep_leftovers
 from pact.formats.layout import is_artifact
 from pact.runtime.data import parse_record, read_records
@@ -88,11 +88,12 @@ def calibrate_for_run(artifact: str, data: str, run: str | os.PathLike, *, split
     with run_lock(run):  # (another pact-train in this --out: refused here, and nothing of its removed)
         try:
             _check_ours(out)  # again under the lock
-            done = _recorded(out)
+            existing = _opened(out)
+            done = _recorded(existing)
             same = done.get("for_run") == want and done.get("prompts_sha256") == digest
             if resume and not _is_new(run):  # its checkpoints learned on the weights it trained on
                 _check_resume(run, out, same)
-            if same and _intact(out):
+            if same and _intact(existing):
                 sweep_leftovers(out)  # what a killed recalibration left beside it
                 log.info("calibration: reusing %s (same artifact, texts and settings)", out)
                 return out
@@ -203,7 +204,7 @@ def _other_texts(artifact: str, cal: dict, data: str, split: str | None) -> str 
 
 def _check_ours(out: Path) -> None:
     """An existing RUN/calibrated/ is replaced only when pact-train's calibration made it."""
-    if out.exists() and not _recorded(out):
+    if out.exists() and not _recorded(_opened(out)):
         raise PactError(f"{out} is not a readable artifact (damaged, or not made by pact-train): "
                         "remove it and run again")
     if out.exists() and not made_for_run(out):
@@ -246,19 +247,29 @@ def _check_resume(run: Path, out: Path, same: bool) -> None:
                         "or start a new --out")
 
 
-def _recorded(out: Path) -> dict:
+def _opened(out: Path) -> Artifact | None:
+    """An existing RUN/calibrated/, opened (its containment checked), or None: absent or unreadable."""
+    try:
+        return open_artifact(out)
+    except (PactError, OSError, KeyError, ValueError, TypeError):
+        return None
+
+
+def _recorded(art: Artifact | None) -> dict:
     """The calibration an existing RUN/calibrated/ records ({} if none, or unreadable)."""
     try:
-        return dict(open_artifact(out).meta["provenance"]["calibration"])
-    except (PactError, OSError, KeyError, ValueError, TypeError):
+        return dict(art.meta["provenance"]["calibration"]) if art is not None else {}
+    except (KeyError, ValueError, TypeError):
         return {}
 
 
-def _intact(out: Path) -> bool:
+def _intact(art: Artifact | None) -> bool:
     """Every byte of RUN/calibrated/ matches its manifest (a damaged one is made again, not reused)."""
+    if art is None:
+        return False
     try:
-        open_artifact(out).verify_cached(default_cache())  # the training session's check, done once
+        art.verify_cached(default_cache())  # the training session's check, done once
         return True
     except (PactError, OSError, ValueError):
-        log.warning("calibration: %s is damaged; calibrating again", out)
+        log.warning("calibration: %s is damaged; calibrating again", art.path)
         return False

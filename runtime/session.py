@@ -38,9 +38,10 @@ class Session:
         return model
 
 
-def open_session(artifact: str, *, device: str | None = None, tool: str = "pact-train",
+def open_session(artifact: str | Artifact, *, device: str | None = None, tool: str = "pact-train",
                  flag: str | None = None) -> Session:
-    """Device, verified artifact and tokenizer for ``tool``. ``flag``: the option that named the
+    """Device, verified artifact and tokenizer for ``tool``; ``artifact``: a path or URL, or one the
+    caller opened already (its checks are the opening's). ``flag``: the option that named the
     artifact, prefixed to a failed verification."""
     if tool != "pact-train" and env_world() > 1:
         raise PactError(f"{tool} runs in one process (WORLD_SIZE={os.environ['WORLD_SIZE']}): run it without "
@@ -48,7 +49,7 @@ def open_session(artifact: str, *, device: str | None = None, tool: str = "pact-
     dev = resolve_device(device)
     if dev.type == "cpu" and tool == "pact-train":
         log.warning("no GPU: training on the CPU (correct, slow; fine for tiny models and tests)")
-    art = open_artifact(artifact)
+    art = artifact if isinstance(artifact, Artifact) else open_artifact(artifact)
     try:  # every checksum, once per unchanged artifact: a damaged one is never used
         art.verify_cached(default_cache())
     except PactError as e:

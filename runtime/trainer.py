@@ -24,7 +24,7 @@ from typing import Iterator
 import torch
 from tqdm.auto import tqdm
 
-from pact.formats import PactError
+from pact.formats import Artifact, PactError
 from pact.formats.files import atomic_folder, recover_aside, replace_text
 from pact.formats.peft import reserve_peft_adapter, save_peft_adapter
 
@@ -121,9 +121,10 @@ def _peak_memory_gb(device: torch.device) -> float:
 # ------------------------------------------------------------------------------ loop
 
 
-def check_inputs(cfg: TrainConfig, *, tokenize: bool = False) -> None:
+def check_inputs(cfg: TrainConfig, *, tokenize: bool = False) -> Artifact:
     """The data files and the --report-to backends, before any model loads; ``tokenize`` (pact-train
-    --calibrate, before its GPTQ): every record tokenized by the artifact's tokenizer as training will."""
+    --calibrate, before its GPTQ): every record tokenized by the artifact's tokenizer as training will.
+    Returns the artifact it opened (training goes on with it: one opening, one containment walk)."""
     from pact.formats import check_apart, open_artifact
     from pact.formats.artifact import check_outside_artifacts
     from pact.formats.families import text_config
@@ -156,6 +157,7 @@ def check_inputs(cfg: TrainConfig, *, tokenize: bool = False) -> None:
     why = settings_refusal(str(device), cfg.lora_dropout, cfg.kernels)
     if cfg.cuda_graphs == "on" and why:  # (the model says the same later; this is before any GPTQ)
         raise PactError(f"--cuda-graphs on: {why}; use --cuda-graphs auto (eager where graphs cannot run) or off")
+    return art
 
 
 def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True, stop_after: int | None = None) -> dict:
@@ -167,7 +169,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True, stop
     """
     dist, device = from_env(cfg.device)
     run = Path(cfg.out)
-    check_inputs(cfg)
+    art = check_inputs(cfg)
     lock, error, created, owned = contextlib.ExitStack(), None, dist.main and not run.exists(), False
     fresh = dist.main and _is_new(run)  # no results yet (it may hold pact-train's calibration's calibrated/)
     if resume and fresh:
@@ -182,7 +184,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True, stop
         except PactError as e:
             error = e
         dist.check(error, device)  # every rank stops when rank 0 cannot own the folder
-        return _train(cfg, run, resume, progress and dist.main, stop_after, dist, device)
+        return _train(cfg, art, run, resume, progress and dist.main, stop_after, dist, device)
     finally:
         # a run that failed before its first step leaves no folder (or, in one that held only
         # pact-train's calibration's calibrated/, nothing beside it): only the lock holder removes it (a
@@ -213,12 +215,12 @@ class _Run:
     held: list | None = None  # --eval-data, tokenized
 
 
-def _setup(cfg: TrainConfig, run: Path, resume: bool, dist: Dist, device: str | None) -> _Run:
+def _setup(cfg: TrainConfig, art: Artifact, run: Path, resume: bool, dist: Dist, device: str | None) -> _Run:
     """Device, verified artifact, tokenizer and model (runtime/session.py), the tokenized data, the
     optimizer, and the state of the newest usable checkpoint when resuming; records the run's
     config, recipe and input fingerprints in train_config.json (rank 0)."""
     torch.manual_seed(cfg.seed)
-    ses = open_session(cfg.artifact, device=device, flag="--artifact")  # from_env's: cfg.device, or this rank's
+    ses = open_session(art, device=device, flag="--artifact")  # from_env's: cfg.device, or this rank's
     records = read_records(cfg.data, "--data", cfg.data_split)
     inputs = {"artifact": ses.artifact.fingerprint(), "data": data_fingerprint(cfg.data, records)}
     held_records = read_records(cfg.eval_data, "--eval-data", cfg.eval_split) if cfg.eval_data else None
@@ -445,11 +447,11 @@ def _out_of_memory(cfg: TrainConfig, where: str) -> PactError:
                      f"batch) or --max-len, or add --checkpoint{more}")
 
 
-def _train(cfg: TrainConfig, run: Path, resume: bool, progress: bool, stop_after: int | None,
+def _train(cfg: TrainConfig, art: Artifact, run: Path, resume: bool, progress: bool, stop_after: int | None,
            dist: Dist, device: str | None) -> dict:
     r, error = None, None
     try:
-        r = _setup(cfg, run, resume, dist, device)
+        r = _setup(cfg, art, run, resume, dist, device)
     except torch.cuda.OutOfMemoryError:  # loading the weights (both layouts) or the first allocations
         error = _out_of_memory(cfg, "while loading the model")
     except Exception as e:
