@@ -339,11 +339,13 @@ class ArtifactWriter:
 
 
 def _stat_key(f: Path) -> str:
+    """What says a file is the one verified: its size and modification time, and its inode and change time,
+    which a write with the modification time put back (os.utime, cp -p over it) cannot restore."""
     try:
         st = f.stat()
     except OSError:
         return f"{f}:missing"
-    return f"{f}:{st.st_size}:{st.st_mtime_ns}"
+    return f"{f}:{st.st_size}:{st.st_mtime_ns}:{st.st_ino}:{st.st_ctime_ns}"
 
 
 def _get(doc: Any, *keys: str, default: Any = None) -> Any:

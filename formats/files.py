@@ -133,12 +133,45 @@ def replace_by_rename(tmp: Path, out: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def open_new(path: Path, mode: str = "w"):
+    """``path`` as a new file, open for writing: whatever is there first (a stale temp file, or a link
+    planted in a folder from someone else) is removed, not written through, and the file is created
+    exclusively without following links."""
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        pass
+    return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666), mode)
+
+
 def replace_text(path: Path, text: str) -> None:
     """``path``'s new text, written beside it and renamed over it: a reader (or a killed writer)
     leaves the old file or the new one, never half of one."""
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
+    with open_new(tmp) as f:
+        f.write(text)
     os.replace(tmp, path)
+
+
+def check_plain_tree(folder: Path, what: str, fix: str, error: type[PactError] = PactError) -> None:
+    """Every entry under ``folder`` is a folder or a regular file: a symbolic link (which could lead a
+    writer or reader anywhere) or a named pipe, device or socket is refused with one error naming it."""
+    stack = [str(folder)]
+    while stack:
+        try:
+            listing = list(os.scandir(stack.pop()))
+        except FileNotFoundError:
+            continue
+        except OSError as e:
+            raise error(f"{what}: {e.filename}: cannot be listed ({e.strerror}): {fix}") from None
+        for d in listing:
+            if d.is_symlink():
+                raise error(f"{what}: {d.path} is a symbolic link: refusing it (links can lead outside the folder); "
+                            f"{fix}")
+            if d.is_dir(follow_symlinks=False):
+                stack.append(d.path)
+            elif not d.is_file(follow_symlinks=False):
+                raise error(f"{what}: {d.path} is not a regular file (a named pipe, device or socket): {fix}")
 
 
 def sweep_leftovers(out: Path) -> None:

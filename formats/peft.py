@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save
 
 from .errors import PactError
 from .families import PROJECTIONS
-from .files import check_regular, link_outside, own_roots, read_json
+from .files import check_regular, link_outside, open_new, own_roots, read_json
 
 ALL_TARGETS = tuple(PROJECTIONS)  # q_proj k_proj v_proj o_proj gate_proj up_proj down_proj
 
@@ -125,13 +125,14 @@ def _adapter_bytes(adapters: dict[str, tuple[torch.Tensor, torch.Tensor]], cfg: 
 def _write_into(path: Path, data: bytes) -> None:
     """``data`` into ``path``: overwritten in place when the file already holds exactly as many
     bytes (a reservation: no new disk blocks are needed), else written anew."""
-    if path.is_file() and path.stat().st_size == len(data):
-        with open(path, "r+b") as f:
+    if not path.is_symlink() and path.is_file() and path.stat().st_size == len(data):
+        with os.fdopen(os.open(path, os.O_RDWR | os.O_NOFOLLOW), "r+b") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
     else:
-        path.write_bytes(data)
+        with open_new(path, "wb") as f:  # (a link there is replaced, never written through)
+            f.write(data)
 
 
 def reserve_peft_adapter(out_dir: str | os.PathLike, adapters: dict[str, tuple[torch.Tensor, torch.Tensor]],

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from pact.formats import PactError, open_artifact
-from pact.formats.files import pid_alive, sha256_file
+from pact.formats.files import check_plain_tree, pid_alive, sha256_file
 
 from .checkpoints import CALIBRATED, _usable_checkpoints
 
@@ -98,6 +98,9 @@ def _clear_new_run(run: Path) -> None:
 def _prepare_run(run: Path, resume: bool) -> None:
     """The run folder is new, or (``resume``) an unfinished run with a checkpoint; never one whose
     results would be overwritten."""
+    # a run folder from someone else (--resume) may hold links under the names pact writes or reads
+    check_plain_tree(run, f"--out {run}", "a run folder holds only the files pact-train writes; remove the entry, "
+                     "or start a new --out")
     files = [p for p in run.iterdir() if not _not_a_result(p)] if run.is_dir() else []
     if files and not resume:
         raise PactError(f"--out {run} is not empty: pass --resume to continue that run, or choose another folder")

@@ -190,6 +190,21 @@ def test_a_stamp_from_an_older_verify_does_not_skip_the_scan(base, tmp_path):
         art.verify_cached(tmp_path / "cache")
 
 
+
+def test_bytes_changed_with_the_mtime_put_back_are_verified_again(base, tmp_path):
+    """The verified stamp keys on more than size and mtime: a chunk rewritten in place with its
+    modification time restored (os.utime, cp -p over it) is checked again, not trusted."""
+    path = _copy(base, tmp_path)
+    assert open_artifact(path).verify_cached(tmp_path / "cache")
+    assert not open_artifact(path).verify_cached(tmp_path / "cache")  # unchanged: the stamp holds
+    chunk = _chunk_file(path, Q, "fwd_scales")
+    st = chunk.stat()
+    with open(chunk, "r+b") as f:
+        f.write(b"\x7f" * 16)
+    os.utime(chunk, ns=(st.st_atime_ns, st.st_mtime_ns))
+    with pytest.raises(ArtifactError, match="checksum mismatch"):
+        open_artifact(path).verify_cached(tmp_path / "cache")
+
 def test_eval_never_scores_nan_scales(base, tmp_path, monkeypatch):
     """pact-eval verifies before it scores: an artifact with NaN block scales is one line, not a score."""
     from click.testing import CliRunner
