@@ -3,12 +3,13 @@ array storage dtypes and sizes, and the test for a folder holding a pact artifac
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from .files import read_json
 
 FORMAT_NAME = "pact-nvfp4"
 FORMAT_VERSION = 1
@@ -38,8 +39,10 @@ def array_nbytes(spec: dict) -> int:
 
 
 def is_artifact(path: Path) -> bool:
-    """A folder whose zarr.json carries a pact manifest (what --overwrite may replace)."""
+    """A folder whose zarr.json carries a pact manifest (what --overwrite may replace); read as any
+    metadata file is (read_json: a regular file, bounded in size and depth), so a pipe or a crafted file
+    there is no artifact rather than a hang or a traceback."""
     try:
-        return json.loads((path / "zarr.json").read_text())["attributes"]["pact"]["format"] == FORMAT_NAME
-    except (OSError, ValueError, KeyError, TypeError):
+        return read_json(path / "zarr.json", "")["attributes"]["pact"]["format"] == FORMAT_NAME
+    except (OSError, ValueError, KeyError, TypeError):  # (PactError is a ValueError)
         return False

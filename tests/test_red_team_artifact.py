@@ -525,3 +525,16 @@ def test_inconsistent_ct_checkpoint_is_refused_at_import(ct, tmp_path, edit, mat
     with pytest.raises(PactError, match=match):
         convert(str(bad), tmp_path / "art", progress=False)
     assert _nothing_written(tmp_path)
+
+
+def test_is_artifact_reads_zarr_json_as_metadata(tmp_path):
+    """What --overwrite and pact-push's destination check read: a pipe or a deeply nested zarr.json is no
+    artifact (False at once), never a hang or a RecursionError."""
+    from pact.formats.layout import is_artifact
+
+    deep, pipe = tmp_path / "deep", tmp_path / "pipe"
+    deep.mkdir()
+    pipe.mkdir()
+    (deep / "zarr.json").write_text("[" * 200_000 + "]" * 200_000)
+    os.mkfifo(pipe / "zarr.json")
+    assert not is_artifact(deep) and not is_artifact(pipe)
