@@ -212,6 +212,8 @@ def load_peft_adapter(
         if not sep or which not in ("A.weight", "B.weight"):
             raise PactError(f"{w_path}: tensor {key!r} is not a LoRA A/B weight: {fix}")
         out.setdefault(stem + ".weight", [None, None])["AB".index(which[0])] = t
+    if not out:  # (an empty file: nothing to apply, and its r alone would size the modules)
+        raise PactError(f"{w_path}: holds no LoRA A/B weights: {fix}")
     for k, (a, b) in out.items():
         if a is None or b is None or a.dim() != 2 or b.dim() != 2 or a.shape[0] != c["r"] or b.shape[1] != c["r"]:
             raise PactError(f"{w_path}: {k}: A/B missing or not of rank r={c['r']}: {fix}")

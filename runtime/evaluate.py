@@ -4,6 +4,7 @@ exact match and token F1 of greedy generations otherwise (``generate``)."""
 from __future__ import annotations
 
 import logging
+import math
 import re
 import string
 from collections import Counter
@@ -327,6 +328,12 @@ def load_adapted(artifact: str, adapter: str | None, *, device: str | None = Non
     log.info("loading %s%s (its checksums are verified on first use)", artifact, f" with {adapter}" if adapter else "")
     ses = open_session(artifact, device=device, tool=tool)  # a damaged artifact never runs
     lora_cfg, weights = load_peft_adapter(adapter) if adapter else (None, None)
+    if lora_cfg is not None:  # (the LoRA modules are sized by r before the adapter's tensors are compared)
+        widest = max(min(e["shape"]) for e in ses.artifact.meta["tensors"].values() if len(e["shape"]) == 2)
+        if lora_cfg.r > widest:
+            raise PactError(f"--adapter {adapter}: rank r={lora_cfg.r} in its adapter_config.json, more than any "
+                            f"projection of {ses.artifact.path} has ({widest}): not an adapter of this model; give "
+                            "the artifact it was trained on")
     if activations is None and adapter:  # the recipe the adapter was trained with
         recorded = run_record(str(run_folder(adapter))).get("activations")  # (RUN/best/: the run's)
         if recorded is not None and not isinstance(recorded, str):
@@ -370,6 +377,12 @@ def evaluate_artifact(artifact: str, data: str, *, adapter: str | None = None, m
                         "empty prompts); drop --generate (the loss is measured without it)")
     result = {"adapter": adapter, **evaluate(model, examples, batch_size=batch_size, pad_id=pad_id(tokenizer),
                                              progress=progress, drop_eos=None if score_eos else tokenizer.eos_token_id)}
+    if not math.isfinite(result["eval_loss"]):  # a score of NaN is no score: said, not printed
+        raise PactError(f"{f'--adapter {adapter}' if adapter else artifact}: the model computes non-finite values "
+                        "(NaN or inf) on --data: "
+                        + ("the adapter is not usable (check lora_alpha / r in its adapter_config.json: the update "
+                           "is scaled by their ratio), or retrain it" if adapter else
+                           "the artifact is damaged or crafted; re-copy it or re-run pact-convert"))
     if prompted and (generate or (generate is None and "eval_accuracy" not in result)):
         if len(prompted) < len(examples):
             log.info("generation scored on the %d of %d examples with a prompt", len(prompted), len(examples))

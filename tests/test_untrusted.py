@@ -8,6 +8,8 @@ import os
 import shutil
 
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
 
 from conftest import edit_manifest, make_model, rehash_artifact
 from pact.convert import convert
@@ -496,6 +498,9 @@ def test_non_utf8_data_names_the_line(base, tmp_path):
     (lambda c: c.update(lora_dropout="x"), "'lora_dropout' is invalid"),
     (lambda c: c.update(notes=functools.reduce(lambda a, _: [a], range(100), [])), "nested deeper"),
     ("link", "adapter_config.json: a symbolic link"),
+    (lambda c: c.update(lora_alpha=1e30), r"--adapter .*run: the model computes non-finite values .*lora_alpha / r"),
+    ("empty", "adapter_model.safetensors: holds no LoRA A/B weights"),
+    ("rank", r"rank r=200 in its adapter_config.json, more than any projection of .* has \(64\)"),
 ])
 def test_bad_adapter_config(base, tmp_path, edit, match):
     from pact.formats import PactError
@@ -508,6 +513,13 @@ def test_bad_adapter_config(base, tmp_path, edit, match):
     if edit == "link":  # the file itself elsewhere: a link out of the adapter's folder is not followed
         f.rename(tmp_path / "elsewhere.json")
         os.symlink(tmp_path / "elsewhere.json", f)
+    elif edit == "empty":  # (its r alone would size the LoRA modules)
+        save_file({}, tmp_path / "run" / "adapter_model.safetensors")
+    elif edit == "rank":  # consistent tensors of a rank no projection of this model has room for
+        w = tmp_path / "run" / "adapter_model.safetensors"
+        save_file({k: torch.zeros(200, t.shape[1]) if ".lora_A." in k else torch.zeros(t.shape[0], 200)
+                   for k, t in load_file(w).items()}, w)
+        f.write_text(json.dumps({**c, "r": 200}))
     else:
         edit(c)
         f.write_text(json.dumps(c))
