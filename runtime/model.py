@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import math
 
 import torch
 import torch.nn.functional as F
@@ -44,11 +45,20 @@ def _rotary(spec, cfg):
     module, name = spec.rotary
     rotary = getattr(importlib.import_module(f"transformers.models.{module}.modeling_{module}"), name)
     try:
-        return rotary(cfg)
+        rot = rotary(cfg)
     except (KeyError, ValueError, TypeError, AttributeError, ZeroDivisionError) as e:
         raise PactError(f"config.json: RoPE settings transformers cannot build a rotary embedding from "
                         f"({type(e).__name__}: {e}): the artifact is damaged or crafted; re-copy it or re-run "
                         "pact-convert") from None
+    # settings it builds from but warns about (a scaling factor of 0, say) give inf frequencies: a model
+    # computing NaN would score and train as if fine
+    scales = [v for k, v in vars(rot).items() if k.endswith("attention_scaling") and isinstance(v, (int, float))]
+    if not (all(bool(torch.isfinite(b).all()) for b in rot.buffers() if b.is_floating_point())
+            and all(math.isfinite(v) and v > 0 for v in scales)):
+        raise PactError("config.json: its RoPE settings (rope_parameters / rope_scaling) give non-finite rotary "
+                        "frequencies or scaling: the artifact is damaged or crafted; re-copy it or re-run "
+                        "pact-convert")
+    return rot
 
 
 def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

@@ -672,3 +672,19 @@ def test_hub_cache_snapshot_links_are_followed(base, tmp_path):
     os.symlink("/etc/hostname", snap / "special_tokens_map.json")  # a link elsewhere is refused, naming it
     with pytest.raises(PactError, match="special_tokens_map.json: a link to /etc/hostname, outside the model folder"):
         open_source(str(snap)).side_files()
+
+
+@pytest.mark.parametrize("factor", [0.0, 1e-300])
+def test_rope_settings_giving_non_finite_frequencies_are_refused(base, tmp_path, factor):
+    """A RoPE scaling factor transformers only warns about (0, or one whose inverse overflows) gives inf
+    frequencies: refused as one line before a model computes NaN."""
+    from pact.formats import PactError
+    from pact.runtime.session import open_session
+
+    art = _copy(base, tmp_path)
+    c = json.loads((art / "hf" / "config.json").read_text())
+    c["rope_parameters"] = {"rope_type": "linear", "factor": factor, "rope_theta": 10000.0}
+    (art / "hf" / "config.json").write_text(json.dumps(c))
+    rehash_artifact(art)
+    with pytest.raises(PactError, match="config.json: its RoPE settings .* give non-finite rotary frequencies"):
+        open_session(str(art), device="cpu", tool="test").model(None, backward=False)
