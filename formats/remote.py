@@ -3,25 +3,36 @@ pushed to one, manifest last.
 
     open_artifact("https://host/art/")   # http(s)://, s3://, hf://org/repo[/path], file://
 
-What is fetched is what the manifest names and nothing else: the root ``zarr.json`` (the manifest),
-``hf/zarr.json`` and the hf/ files it lists, and per tensor its group ``zarr.json``, and per array
-its ``zarr.json`` and its one chunk. Every path the manifest names is checked before any download,
-percent-decoded too (no ``..``, ``.``, empty segment, leading ``/``, backslash or NUL), and every
-URL built from one must lie under the artifact's URL. Every chunk and hf/ file is checked against
-the manifest's sha256 as it lands, and no file may grow past its bound while it streams (a chunk:
-its manifest size; an hf/ file: 64 MiB; a metadata file: 16 MiB); metadata files are checked by
-the reader when the cached copy opens. The copy is built in ``<digest>.partial/`` under
-``$PACT_CACHE/artifacts/`` (digest: sha256 of the manifest bytes) and renamed to ``<digest>/`` once
-complete, so the cache never holds half an artifact under its final name; an interrupted fetch
-resumes from what the partial folder holds (a partly received chunk from its last byte, where the
-server honours ranges). One process fetches a digest at a time (a lock file); others wait for it
-and then read its copy.
+What is fetched is the root ``zarr.json`` (the manifest), the hf/ files it lists and per array its
+one chunk: every one of them covered by the manifest's sha256, checked as it lands. No other file
+comes from the source: the zarr.json of every group and array, which no checksum covers, is written
+here from the manifest as pact's writer writes it, so no file of the copy can carry what its
+publisher (or a link in a file:// folder) put there unchecked. Before any download the manifest
+passes every check a local open runs on one (artifact.py: _upgrade, _check_manifest, the writer's
+array paths), each path it names percent-decoded too (no ``..``, ``.``, empty segment, leading
+``/``, backslash or NUL; no path both a file and a folder), every URL built from one must lie under
+the artifact's URL, and its tensors must fit the cache's disk. The hf/ files come first; then the
+copy is checked as a local open checks it (hf/config.json against the tensor shapes included), and
+only then is any tensor data fetched. No file may grow past its bound while it streams (a chunk:
+its manifest size; an hf/ file: 64 MiB; the manifest: 16 MiB).
+
+The copy is built in ``<digest>.partial/`` under ``$PACT_CACHE/artifacts/`` (digest: sha256 of the
+manifest bytes) and renamed to ``<digest>/`` once complete, so the cache never holds half an
+artifact under its final name. A fetch the connection or the local disk stopped resumes from what
+the partial folder holds (a partly received chunk from its last byte, where the server honours
+ranges); a refused one (a check failed, bytes that are not the manifest's) removes it, so the cache
+keeps nothing of it. One process fetches a digest at a time (a lock file, removed when released);
+others wait for it and then read its copy.
+
+A file:// folder is first checked as a local artifact (no symbolic link, pipe or code anywhere in
+it), then read by pact itself, each file opened one path component at a time without following a
+link (O_NOFOLLOW) and only if it is a regular file: a link put in after the check leads nowhere.
 
 http(s):// is read by pact's own small client (http.client), not fsspec's: one keep-alive
 connection to the artifact's origin; a redirect is followed only within that origin (scheme, host
 and port), never to another; every request is bounded in time (``PACT_FETCH_TIMEOUT`` seconds
 without a byte, and below ``PACT_FETCH_MIN_RATE`` bytes/s on average once that long has passed).
-s3://, hf://, file:// and memory:// go through fsspec with the same size and rate bounds.
+s3://, hf:// and memory:// go through fsspec with the same size and rate bounds.
 
 Pushing (``pact-push``) writes to a local folder (plain path or file://) through a temp folder
 renamed into place, or to s3:// / hf:// / memory:// with the old manifest removed first and the new
@@ -32,20 +43,26 @@ non-empty folder that is not a pact artifact.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
+import functools
 import hashlib
 import http.client
 import json
 import os
 import posixpath
+import shutil
 import time
 from pathlib import Path
 from typing import Callable, Iterator
 from urllib.parse import quote, unquote, urljoin, urlsplit
 
+import numpy as np
+
+from .artifact import Artifact, _check_manifest, _upgrade, _zarr_json
 from .errors import ArtifactError, PactError, install_hint, require, write_error
-from .files import default_cache, sha256_file
-from .layout import FORMAT_NAME, FORMAT_VERSION, array_nbytes
+from .files import check_regular, default_cache, sha256_file
+from .layout import _STORAGE, FORMAT_NAME, FORMAT_VERSION, HF_DIR, array_nbytes
 
 SCHEMES = ("http", "https", "s3", "hf", "file", "memory")
 PUSH_SCHEMES = ("s3", "hf", "file", "memory")  # http(s) servers take no uploads
@@ -145,9 +162,28 @@ def _plan(meta: dict) -> list[tuple[str, str | None, int | None]]:
     except (KeyError, TypeError, AttributeError) as e:
         raise ArtifactError(f"manifest is malformed ({type(e).__name__}: {e}): not an artifact this version "
                             "reads") from None
+    seen: set[str] = set()
     for rel, _, _ in files:
-        _check_rel(rel)
+        if _check_rel(rel) in seen:
+            raise ArtifactError(f"manifest names {rel!r} twice: the artifact is malformed or hostile")
+        seen.add(rel)
+    for rel in seen:  # a file is never also a folder of another's path (mkdir would fail mid-fetch)
+        if above := next((rel[:i] for i, c in enumerate(rel) if c == "/" and rel[:i] in seen), None):
+            raise ArtifactError(f"manifest names both {above!r} and {rel!r}: a file cannot also be a folder; the "
+                                "artifact is malformed or hostile")
     return files
+
+
+def _metadata(meta: dict) -> dict[str, bytes]:
+    """The zarr.json of every group and array, as pact's writer makes them (from the manifest's
+    shapes and dtypes): written, not fetched, since no checksum covers them."""
+    group = _zarr_json(None, None)
+    out = {f"{HF_DIR}/zarr.json": group, "tensors/zarr.json": group}
+    for name, e in meta["tensors"].items():
+        out[f"tensors/{name}/zarr.json"] = group
+        for spec in e["arrays"].values():
+            out[f"{spec['path']}/zarr.json"] = _zarr_json(tuple(spec["shape"]), np.dtype(_STORAGE[spec["dtype"]][0]))
+    return out
 
 
 # --------------------------------------------------------------------------------------
@@ -255,6 +291,44 @@ class _Fsspec:
             yield f.read, start, None
 
 
+class _Local:
+    """A file:// artifact folder (checked as a local artifact first), read without following any
+    symbolic link below it: each path component is opened from its parent with O_NOFOLLOW, and a
+    file is read only if it is a regular one (O_NONBLOCK: opening a pipe does not wait)."""
+
+    def __init__(self, root: Path):
+        self.root = root
+
+    def close(self) -> None:
+        pass
+
+    @contextlib.contextmanager
+    def open(self, rel: str, start: int = 0) -> Iterator[tuple[Callable[[int], bytes], int, int | None]]:
+        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)  # (the folder the user named)
+        at = self.root
+        try:
+            for name in rel.split("/"):
+                at = at / name
+                try:
+                    nxt = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=fd)
+                except OSError as e:
+                    if e.errno == errno.ELOOP:
+                        raise ArtifactError(f"{at}: a symbolic link inside the artifact: refusing it "
+                                            "(links can lead outside the folder); copy the artifact without links "
+                                            "from a source you trust") from None
+                    if e.errno == errno.ENOTDIR:  # a file where the path needs a folder
+                        raise FileNotFoundError(self.root / rel) from None
+                    raise
+                os.close(fd)
+                fd = nxt
+            st = os.fstat(fd)
+            check_regular(at, st.st_mode, "remove it, or re-copy the artifact from a source you trust")
+            os.lseek(fd, start, os.SEEK_SET)
+            yield functools.partial(os.read, fd), start, st.st_size
+        finally:
+            os.close(fd)
+
+
 def _open_at(fs, src: str, have: int):
     """The remote file positioned at byte ``have`` (a range request), or from its start when the
     server does not honour ranges (then ``have`` is 0): (file, position)."""
@@ -274,6 +348,11 @@ def _source(url: str):
 
 class _TooLong(Exception):
     pass
+
+
+class _Interrupted(PactError):
+    """A fetch stopped by the connection or the local disk, not by what it fetched: its partial copy
+    stays for a rerun to resume."""
 
 
 class _TooSlow(Exception):
@@ -328,59 +407,124 @@ def _read_small(src, url: str, rel: str, what: str) -> bytes:
 
 @contextlib.contextmanager
 def _locked(lock: Path) -> Iterator[None]:
+    """``lock`` held (a second fetch of the same artifact waits here), and removed before its release,
+    so the cache keeps no lock files: a waiter that then holds a removed file's lock takes it again."""
     lock.parent.mkdir(parents=True, exist_ok=True)
-    with open(lock, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)  # a second fetch of the same artifact waits here
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+    while True:
+        f = open(lock, "a")
+        fcntl.flock(f, fcntl.LOCK_EX)
+        with contextlib.suppress(FileNotFoundError):
+            if os.stat(lock).st_ino == os.fstat(f.fileno()).st_ino:
+                break
+        f.close()
+    try:
+        yield
+    finally:
+        lock.unlink(missing_ok=True)
+        f.close()
 
 
 def fetch_artifact(url: str, cache: Path | None = None) -> Path:
     """The local copy of the artifact at ``url`` (fetched, or already in the cache and complete)."""
-    where = url
-    if url.split("://", 1)[0].lower() == "file":  # a local folder: said missing as one, not as a bad upload
+    if url.split("://", 1)[0].lower() == "file":
         local = file_url_path(url)
-        if not local.is_dir():
+        if not local.is_dir():  # said missing as a folder, not as a bad upload
             raise ArtifactError(f"{url}: no such folder {local}")
-        where = f"file://{local}"  # (fsspec reads the rest as a path, unquoted)
-    src = _source(where)
+        Artifact(local)  # checked as a local open checks it (no link, pipe or code in it) before anything is copied
+        src = _Local(local)
+    else:
+        src = _source(url)
     try:
         return _fetch(src, url, cache)
     finally:
         src.close()
 
 
-def _fetch(src, url: str, cache: Path | None) -> Path:
-    raw = _read_small(src, url, "zarr.json", "zarr.json (the manifest)")
+def _checked_manifest(raw: bytes, url: str) -> tuple[dict, list[tuple[str, str | None, int | None]]]:
+    """The manifest (its ``pact`` attributes) and its _plan, after every check a local open runs on a
+    manifest: nothing is downloaded for one that fails."""
+    where = url.rstrip("/")
     try:
         meta = json.loads(raw)["attributes"]["pact"]
         fmt, version = meta.get("format"), meta.get("format_version")
         assert isinstance(meta.get("tensors"), dict) and isinstance(meta.get("files"), dict)
     except (ValueError, KeyError, TypeError, AssertionError, AttributeError):
-        raise ArtifactError(f"{url}/zarr.json: no pact manifest: not a pact artifact") from None
+        raise ArtifactError(f"{where}/zarr.json: no pact manifest: not a pact artifact") from None
     if fmt != FORMAT_NAME:
-        raise ArtifactError(f"{url}/zarr.json: format is {fmt!r}, not {FORMAT_NAME!r}")
+        raise ArtifactError(f"{where}/zarr.json: format is {fmt!r}, not {FORMAT_NAME!r}")
     if not isinstance(version, int) or version > FORMAT_VERSION:
         raise ArtifactError(f"{url}: artifact format version {version} is newer than this pact reads "
                             f"({FORMAT_VERSION}): upgrade pact ({install_hint(upgrade=True)})")
+    meta = _upgrade(meta, where)
+    _check_manifest(meta, where)  # (its messages name where/zarr.json)
+    try:
+        plan = _plan(meta)
+    except ArtifactError as e:
+        raise ArtifactError(f"{where}/zarr.json: {e}") from None
+    for name, entry in meta["tensors"].items():
+        for part, spec in entry["arrays"].items():
+            if spec["path"] != f"tensors/{name}/{part}":  # where the writer puts it: no array read as another's
+                raise ArtifactError(f"{where}/zarr.json: manifest array {name}/{part} has path {spec['path']!r}, "
+                                    f"not tensors/{name}/{part}: the artifact is damaged or was not written by pact")
+    return meta, plan
+
+
+def _check_room(base: Path, part: Path, plan: list, url: str) -> None:
+    """The cache's disk holds the tensors the manifest declares (less what an interrupted fetch of it
+    holds): a manifest's sizes never fill the disk."""
+    need = sum(size for _, _, size in plan if size)
+    if part.is_dir():
+        need -= sum(f.stat().st_size for f in part.rglob("*") if f.is_file())
+    where = base
+    while not where.exists():
+        where = where.parent
+    free = shutil.disk_usage(where).free
+    if need > free:
+        raise PactError(f"{url}: its tensors need {need / 2**30:.2f} GiB in {base}, where {free / 2**30:.2f} GiB "
+                        "are free: free space, or set PACT_CACHE to a folder on a larger disk")
+
+
+def _fetch(src, url: str, cache: Path | None) -> Path:
+    raw = _read_small(src, url, "zarr.json", "zarr.json (the manifest)")
+    meta, plan = _checked_manifest(raw, url)
     digest = hashlib.sha256(raw).hexdigest()
     base = (cache or default_cache()) / "artifacts"
-    final = base / digest
+    final, part = base / digest, base / f"{digest}.partial"
     if (final / "zarr.json").is_file():
         return final
-    plan = _plan(meta)
-    with _locked(base / f"{digest}.lock"):
-        if (final / "zarr.json").is_file():  # another process finished it while this one waited
-            return final
-        part = base / f"{digest}.partial"
-        part.mkdir(parents=True, exist_ok=True)
-        for rel, sha, size in plan:
-            _fetch_file(src, url, rel, part / rel, sha, size)
-        _write_local(part / "zarr.json", raw, url)  # last: the folder is complete
-        os.replace(part, final)
+    _check_room(base, part, plan, url)
+    try:
+        with _locked(base / f"{digest}.lock"):
+            if (final / "zarr.json").is_file():  # another process finished it while this one waited
+                return final
+            try:
+                _fill(src, url, part, meta, plan, raw)
+            except _Interrupted:
+                raise
+            except PactError as e:  # refused: nothing of it stays; said with the URL, not the cache's temp path
+                shutil.rmtree(part, ignore_errors=True)
+                raise type(e)(str(e).replace(str(part), url.rstrip("/"))) from None
+            os.replace(part, final)
+    except OSError as e:  # the cache folder itself: not writable, or its disk full
+        raise _Interrupted(str(write_error(e, base, f"run again to resume {url}"))) from None
     return final
+
+
+def _fill(src, url: str, part: Path, meta: dict, plan: list, raw: bytes) -> None:
+    """``part`` made a complete copy: the metadata pact writes, the hf/ files, the manifest; then the
+    checks of a local open (hf/config.json against the tensor shapes included), and only then the
+    tensor data."""
+    for rel, data in _metadata(meta).items():
+        (part / rel).parent.mkdir(parents=True, exist_ok=True)
+        _write_local(part / rel, data, url)
+    for rel, sha, size in plan:
+        if sha is not None and size is None:  # an hf/ file
+            _fetch_file(src, url, rel, part / rel, sha, size)
+    _write_local(part / "zarr.json", raw, url)
+    Artifact(part)
+    for rel, sha, size in plan:
+        if size is not None:  # a chunk
+            _fetch_file(src, url, rel, part / rel, sha, size)
 
 
 def _write_local(dst: Path, data: bytes, url: str) -> None:
@@ -392,16 +536,13 @@ def _write_local(dst: Path, data: bytes, url: str) -> None:
         os.replace(tmp, dst)
     except OSError as e:
         tmp.unlink(missing_ok=True)
-        raise write_error(e, dst, f"run again to resume {url}") from None
+        raise _Interrupted(str(write_error(e, dst, f"run again to resume {url}"))) from None
 
 
-def _fetch_file(src, url: str, rel: str, dst: Path, sha: str | None, size: int | None) -> None:
-    if dst.is_file() and (sha is None or sha256_file(dst) == sha):
+def _fetch_file(src, url: str, rel: str, dst: Path, sha: str, size: int | None) -> None:
+    if dst.is_file() and sha256_file(dst) == sha:
         return  # from an interrupted fetch, and right
     dst.parent.mkdir(parents=True, exist_ok=True)
-    if sha is None:
-        _write_local(dst, _read_small(src, url, rel, rel), url)
-        return
     limit = size if size is not None else _SIDE_MAX
     tmp = dst.with_name(dst.name + ".part")
     have = tmp.stat().st_size if tmp.is_file() else 0
@@ -415,7 +556,7 @@ def _fetch_file(src, url: str, rel: str, dst: Path, sha: str | None, size: int |
         try:
             fout.write(block)
         except OSError as e:  # local: a full disk, not the connection
-            raise write_error(e, tmp, f"run again to resume {url}") from None
+            raise _Interrupted(str(write_error(e, tmp, f"run again to resume {url}"))) from None
 
     try:
         with src.open(rel, have) as (read, have, total):
@@ -425,7 +566,7 @@ def _fetch_file(src, url: str, rel: str, dst: Path, sha: str | None, size: int |
             try:
                 fout = open(tmp, "ab" if have else "wb")
             except OSError as e:
-                raise write_error(e, tmp, "nothing else was changed") from None
+                raise _Interrupted(str(write_error(e, tmp, "nothing else was changed"))) from None
             _pump(read, put, have, limit)
     except PactError:
         raise
@@ -440,13 +581,13 @@ def _fetch_file(src, url: str, rel: str, dst: Path, sha: str | None, size: int |
         raise ArtifactError(f"{url}: {rel}: the server sent more than {bound}: stopped there and discarded the copy; "
                             "the server or the artifact there is broken") from None
     except Exception as e:  # OSError, timeouts, aiohttp / botocore errors from the connection: it dropped
-        raise PactError(_broken(url, rel, tmp, size, _why(e))) from None
+        raise _Interrupted(_broken(url, rel, tmp, size, _why(e))) from None
     finally:
         if fout is not None:
             fout.close()
     got = tmp.stat().st_size
     if (size is not None and got != size) or (size is None and total is not None and got != total):
-        raise PactError(_broken(url, rel, tmp, size if size is not None else total, "the connection closed early"))
+        raise _Interrupted(_broken(url, rel, tmp, size if size is not None else total, "the connection closed early"))
     if sha256_file(tmp) != sha:
         tmp.unlink()
         raise ArtifactError(f"{url}: {rel}: sha256 differs from the manifest's (the server sent other bytes): "

@@ -8,6 +8,8 @@ import errno
 import hashlib
 import http.server
 import json
+import os
+import re
 import shutil
 import threading
 import time
@@ -392,3 +394,165 @@ def test_file_urls_localhost_and_other_hosts(art, tmp_path, monkeypatch):
     assert not (tmp_path / "p").exists() and not (tmp_path / "q").exists()
     r = _push(art, tmp_path / "pushed" / "inner")  # never into another artifact
     assert r.exit_code == 1 and f"is inside the artifact {tmp_path / 'pushed'}" in r.output, r.output
+
+
+# --------------------------------------------------------------------------------------
+# what a fetch copies, and when it checks it
+
+
+def _files(cache):
+    """Everything a fetch left in the cache but folders (a refused fetch leaves nothing)."""
+    return sorted(p.relative_to(cache).as_posix() for p in cache.rglob("*") if not p.is_dir())
+
+
+@pytest.fixture
+def served_copy(www, tmp_path):
+    """A copy of the artifact to edit, served: (its folder, the server's handler, its URL)."""
+    shutil.copytree(www / "art", tmp_path / "srv" / "art")
+    server, handler, base = _serve(tmp_path / "srv")
+    yield tmp_path / "srv" / "art", handler, f"{base}/art"
+    server.shutdown()
+
+
+def _edit(art, edit):
+    doc = json.loads((art / "zarr.json").read_text())
+    edit(doc["attributes"]["pact"])
+    (art / "zarr.json").write_text(json.dumps(doc))
+
+
+_LINK = "a symbolic link inside the artifact: refusing it"
+_NORM = "tensors/model.norm.weight"
+
+
+@pytest.mark.parametrize("where", ["tensors/model.norm.weight/zarr.json", "hf/zarr.json", "notes.txt", "tensors/x",
+                                   "fifo"])
+def test_file_url_links_and_pipes_refused(art, tmp_path, cache, where):
+    """HIGH: a file:// folder is checked as a local artifact before anything is copied: a link (to a
+    secret file, or a folder) anywhere in it, named by the manifest or not, or a named pipe, is one
+    error naming it; the cache gets nothing, and pact-push publishes nothing."""
+    secret = tmp_path / "id_rsa"
+    secret.write_text('{"token": "hunter2"}')
+    p = art / where
+    if where == "fifo":
+        os.mkfifo(p)
+    else:
+        p.unlink(missing_ok=True)
+        p.symlink_to(tmp_path if where == "tensors/x" else secret)
+    why = "not a regular file" if where == "fifo" else _LINK
+    with pytest.raises(ArtifactError, match=rf"^{re.escape(str(p))}: {why}"):
+        open_artifact(f"file://{art}")
+    r = _push(f"file://{art}", tmp_path / "published")
+    assert r.exit_code == 1 and r.output.startswith(f"Error: {p}: {why}"), r.output
+    assert not (tmp_path / "published").exists() and _files(cache) == []
+
+
+@pytest.mark.parametrize("where", [f"{_NORM}/data/c/0", _NORM, "hf/config.json"])
+def test_file_url_link_planted_after_check_not_followed(art, tmp_path, cache, monkeypatch, where):
+    """HIGH: a link put in after the folder was checked (a race on a shared disk), to a file or a
+    folder holding the very bytes the manifest wants, is never followed: one error naming it."""
+    real = remote.Artifact
+
+    def check_then_plant(path):
+        out = real(path)
+        if path == art:
+            target = tmp_path / "elsewhere"
+            shutil.move(art / where, target)
+            (art / where).symlink_to(target)
+        return out
+
+    monkeypatch.setattr(remote, "Artifact", check_then_plant)
+    with pytest.raises(ArtifactError, match=rf"^{re.escape(str(art / where))}: {_LINK}"):
+        open_artifact(f"file://{art}")
+    assert _files(cache) == []
+
+
+def test_fetch_writes_metadata_never_copies_it(served_copy, cache, www):
+    """HIGH: no file the manifest's sha256 does not cover comes from the source: every group's and
+    array's zarr.json is written from the manifest (the array ones byte for byte the writer's), so
+    what a server put in them never reaches the cache; none is even requested."""
+    art, handler, url = served_copy
+    for f in art.rglob("zarr.json"):
+        if f != art / "zarr.json":
+            doc = json.loads(f.read_text())
+            doc.setdefault("attributes", {})["leak"] = "hunter2"
+            f.write_text(json.dumps(doc))
+    got = open_artifact(url)
+    got.verify()
+    assert not [f for f in got.path.rglob("*") if f.is_file() and b"hunter2" in f.read_bytes()]
+    assert [p for p in handler.seen if p.endswith("zarr.json")] == ["/art/zarr.json"]
+    for f in (www / "art").rglob("zarr.json"):
+        if f.parent.name != "hf":  # (the writer's hf/zarr.json carries a descriptive attribute)
+            assert (got.path / f.relative_to(www / "art")).read_bytes() == f.read_bytes(), f
+
+
+def test_declared_size_refused_before_download(served_copy, cache):
+    """MEDIUM: a manifest declaring the final norm as 2**29 values (1 GiB) is refused by the config
+    check a local open runs, before any tensor data is requested; the cache keeps nothing."""
+    art, handler, url = served_copy
+
+    def grow(m):
+        e = m["tensors"]["model.norm.weight"]
+        e["shape"] = e["arrays"]["data"]["shape"] = [1 << 29]
+
+    _edit(art, grow)
+    with pytest.raises(PactError, match=rf"^{url}/hf/config.json: model.norm.weight is \[536870912\] but the "
+                                        r"config's hidden_size give \[64\]"):
+        open_artifact(url)
+    assert not [p for p in handler.seen if "/c/" in p] and _files(cache) == []
+
+
+def test_manifest_checked_before_any_download(served_copy, cache):
+    """MEDIUM: the local open's manifest checks run on the fetched manifest: a 2-D norm is refused
+    with only the manifest requested."""
+    art, handler, url = served_copy
+
+    def flat(m):
+        e = m["tensors"]["model.norm.weight"]
+        e["shape"] = e["arrays"]["data"]["shape"] = [8, 8]
+
+    _edit(art, flat)
+    with pytest.raises(ArtifactError, match=rf"^{url}/zarr.json: manifest entry 'model.norm.weight' is a norm of "
+                                            r"shape \[8, 8\]: a norm has 1 dimension\(s\)"):
+        open_artifact(url)
+    assert handler.seen == ["/art/zarr.json"] and _files(cache) == []
+
+
+def test_tensors_larger_than_the_disk_refused(served_copy, cache, monkeypatch):
+    """MEDIUM: tensors that would not fit the cache's disk are refused before anything is written."""
+    _, handler, url = served_copy
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(1 << 30, 1 << 30, 1000))
+    with pytest.raises(PactError, match=rf"^{url}: its tensors need 0.00 GiB in {cache}/artifacts, where 0.00 GiB are "
+                                        "free: free space, or set PACT_CACHE to a folder on a larger disk$"):
+        open_artifact(url)
+    assert handler.seen == ["/art/zarr.json"] and _files(cache) == []
+
+
+def test_refused_download_leaves_nothing(served_copy, cache):
+    """MEDIUM: a chunk longer than the manifest's size (a file:// source: refused before a byte
+    is read) or with other bytes (http): one error, and the partial copy is removed, lock file and
+    all."""
+    art, _, url = served_copy
+    chunk = art / _NORM / "data" / "c" / "0"
+    chunk.write_bytes(chunk.read_bytes() + b"\0\0")
+    with pytest.raises(ArtifactError, match=rf"^file://{art}: {_NORM}/data/c/0 is 130 bytes on the server, the "
+                                            "manifest says 128"):
+        open_artifact(f"file://{art}")
+    assert _files(cache) == []
+    chunk.write_bytes(b"\1" * 128)
+    with pytest.raises(ArtifactError, match=rf"^{url}: {_NORM}/data/c/0: sha256 differs from the manifest's"):
+        open_artifact(url)
+    assert _files(cache) == []
+
+
+@pytest.mark.parametrize("names", [["a", "a/b"], ["a/b", "a"], ["zarr.json"]])
+def test_manifest_file_and_folder_collide(served_copy, cache, names):
+    """LOW: a manifest naming hf/a and hf/a/b (in either order), or an hf/ file where the group's
+    zarr.json goes, is one error before any download (not a FileExistsError traceback)."""
+    art, handler, url = served_copy
+    sha = hashlib.sha256(b"x").hexdigest()
+    _edit(art, lambda m: m["files"].update(dict.fromkeys(names, sha)))
+    why = "names both 'hf/a' and 'hf/a/b': a file cannot also be a folder;" if len(names) == 2 else \
+        "names 'hf/zarr.json' twice:"
+    with pytest.raises(ArtifactError, match=rf"^{url}/zarr.json: manifest {why} the artifact is malformed or hostile$"):
+        open_artifact(url)
+    assert handler.seen == ["/art/zarr.json"] and _files(cache) == []
