@@ -17,7 +17,7 @@ from .errors import PactError, write_error
 from .files import atomic_folder, recover_aside, sweep_leftovers
 from .layout import FORMAT_NAME
 from .layout import is_artifact as _is_artifact
-from .remote import _META_MAX, PUSH_SCHEMES, _plan, _why
+from .remote import _META_MAX, PUSH_SCHEMES, _metadata, _plan, _why
 
 
 def push_artifact(path, dest: str, *, overwrite: bool = False) -> str:
@@ -82,11 +82,22 @@ def _push_local(art, d: Path, dest: str) -> None:
     rel = "zarr.json"
     try:
         with atomic_folder(d) as tmp:  # d: absent, empty or an artifact (checked by _local_dest)
-            for rel in [r for r, _, _ in _plan(art.meta)] + ["zarr.json"]:
+            for rel, data in _metadata(art.meta).items():
+                (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+                (tmp / rel).write_bytes(data)
+            for rel in _checked_files(art):
                 (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(art.path / rel, tmp / rel)
     except OSError as e:
         raise write_error(e, d / rel, f"nothing at {dest} was changed") from None
+
+
+def _checked_files(art) -> list[str]:
+    """What a push copies as it is: the files the manifest's sha256 covers (hf/ files, chunks), then the
+    manifest. The zarr.json of groups and arrays, which no checksum covers, are written from the manifest
+    (remote._metadata) as the writer writes them: a copy never carries what an artifact from someone
+    else put there unchecked."""
+    return [r for r, sha, _ in _plan(art.meta) if sha is not None] + ["zarr.json"]
 
 
 _MARK = ".pact-push"  # written first by a remote push, removed last: what it left, a rerun may resume
@@ -123,7 +134,10 @@ def _push_remote(art, fs, root: str, dest: str, overwrite: bool) -> None:
         fs.pipe_file(f"{root}/{_MARK}", b"an interrupted pact-push; run it again to finish\n")
         if state == "artifact":
             fs.rm(manifest)  # readers see no artifact until the new manifest lands
-        for rel in [r for r, _, _ in _plan(art.meta)] + ["zarr.json"]:  # the manifest last
+        for rel, data in _metadata(art.meta).items():
+            fs.makedirs(posixpath.dirname(f"{root}/{rel}"), exist_ok=True)
+            fs.pipe_file(f"{root}/{rel}", data)
+        for rel in _checked_files(art):  # the manifest last
             fs.makedirs(posixpath.dirname(f"{root}/{rel}"), exist_ok=True)
             fs.put_file(str(art.path / rel), f"{root}/{rel}")
     except Exception as e:

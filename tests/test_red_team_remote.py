@@ -340,14 +340,21 @@ def test_push_disk_full_remote(art, monkeypatch, failing):
     from fsspec.implementations.memory import MemoryFileSystem
 
     dest = f"memory://pact-red-team/full-{failing.replace('/', '-')}"
-    real = MemoryFileSystem.put_file
+    real, real_pipe = MemoryFileSystem.put_file, MemoryFileSystem.pipe_file  # (metadata is written, not copied)
+    bad = f"full-{failing.replace('/', '-')}/{failing}"
 
     def full(self, lpath, rpath, *a, **k):
-        if rpath.endswith(f"full-{failing.replace('/', '-')}/{failing}"):
+        if rpath.endswith(bad):
             raise OSError(errno.ENOSPC, "No space left on device")
         return real(self, lpath, rpath, *a, **k)
 
+    def full_pipe(self, path, *a, **k):
+        if path.endswith(bad):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_pipe(self, path, *a, **k)
+
     monkeypatch.setattr(MemoryFileSystem, "put_file", full)
+    monkeypatch.setattr(MemoryFileSystem, "pipe_file", full_pipe)
     r = _push(art, dest)
     assert r.exit_code == 1 and f"{dest}/{failing}: could not write (the disk is full)" in r.output, r.output
     assert "the manifest was not written, so readers see no artifact there" in r.output
@@ -356,6 +363,7 @@ def test_push_disk_full_remote(art, monkeypatch, failing):
     with pytest.raises(ArtifactError, match="is missing on the server"):
         open_artifact(dest)
     monkeypatch.setattr(MemoryFileSystem, "put_file", real)
+    monkeypatch.setattr(MemoryFileSystem, "pipe_file", real_pipe)
     assert _push(art, dest).exit_code == 0  # a rerun finishes what the failed push left (its marker)
     open_artifact(dest).verify()
     assert not fs.exists(f"/pact-red-team/full-{failing.replace('/', '-')}/{push._MARK}")
@@ -556,3 +564,19 @@ def test_manifest_file_and_folder_collide(served_copy, cache, names):
     with pytest.raises(ArtifactError, match=rf"^{url}/zarr.json: manifest {why} the artifact is malformed or hostile$"):
         open_artifact(url)
     assert handler.seen == ["/art/zarr.json"] and _files(cache) == []
+
+
+def test_push_writes_metadata_never_copies_it(art, tmp_path):
+    """A local artifact from someone else whose group / array zarr.json (no checksum covers them) carry
+    other bytes: pact-push publishes the writer's metadata, not theirs."""
+    name = next(p.name for p in (art / "tensors").iterdir() if p.is_dir())
+    spots = [art / "hf" / "zarr.json", art / "tensors" / name / "zarr.json"]
+    spots.append(next(p for p in (art / "tensors" / name).iterdir() if p.is_dir()) / "zarr.json")
+    made = {p: p.read_bytes() for p in spots}
+    for p in spots:  # (an array's keeps what the reader checks of it)
+        p.write_text(json.dumps({**json.loads(p.read_text()), "attributes": {"HF_TOKEN": "hunter2"}}))
+    assert _push(art, tmp_path / "out").exit_code == 0
+    for p, data in made.items():
+        sent = (tmp_path / "out" / p.relative_to(art)).read_bytes()
+        assert b"hunter2" not in sent and (sent == data or p.parent.name == "hf")  # (hf/: a bare group)
+    open_artifact(tmp_path / "out").verify()
