@@ -585,8 +585,8 @@ def _check_contained(path: Path, meta: dict) -> None:
             p = Path(d.path)
             if d.is_symlink():
                 raise ArtifactError(f"{p}: a symbolic link inside the artifact: refusing it (links can lead "
-                                    "outside the folder); copy the artifact without links (cp -rL) from a "
-                                    "source you trust, or re-run pact-convert")
+                                    "outside the folder); re-copy the artifact from a source you trust, or re-run "
+                                    "pact-convert (a copy that follows links, cp -rL, takes in whatever they lead to)")
             if d.is_dir(follow_symlinks=False):
                 stack.append(d.path)
             elif not d.is_file(follow_symlinks=False):  # a named pipe, device or socket
@@ -596,12 +596,49 @@ def _check_contained(path: Path, meta: dict) -> None:
                 raise ArtifactError(f"{p}: the artifact ships code: refusing it (pact never runs code from an "
                                     "artifact); remove the file or re-run pact-convert on a trusted model")
     hf = path / HF_DIR
-    for f in sorted(hf.glob("*.json")) if hf.is_dir() else []:
-        # parsed here once, so a damaged one is one line now, not a traceback in transformers later
-        doc = read_json(f, "the artifact is damaged or crafted; re-copy it or re-run pact-convert")
+    if hf.is_dir():
+        _check_hf(hf)
+
+
+# transformers passes these files' keys to the tokenizer as arguments, and opens a file one names as written
+# (joined onto hf/, or from the working directory: '..' and absolute paths included)
+_TOKENIZER_ARGS = ("tokenizer_config.json", "special_tokens_map.json")
+# tokenizer_config.json keys that transformers replaces with the folder's own file (old saves hold absolute paths)
+_REPLACED_FILE_KEYS = frozenset({"tokenizer_file", "special_tokens_map_file", "added_tokens_file",
+                                 "tokenizer_config_file", "chat_template_file"})
+
+
+def _check_hf(hf: Path) -> None:
+    """The hf/ files transformers reads, safe to read: each of bounded size (it reads tokenizer, template and
+    vocabulary files whole: a 3 GiB sparse chat_template.jinja took 6 GiB of memory), each JSON one parsed
+    once here (a damaged one is one line now, not a traceback in transformers later), none asking for code
+    or naming a file for the tokenizer to open (a tokenizer read from outside the artifact, any host file)."""
+    fix = "the artifact is damaged or crafted; re-copy it or re-run pact-convert"
+    for folder, _, names in os.walk(hf):  # (links and special files were refused above)
+        for name in names:
+            f = Path(folder, name)
+            if (size := f.stat().st_size) > JSON_MAX:  # pact-convert ships no larger side file
+                raise ArtifactError(f"{f}: {size} bytes, more than the {JSON_MAX} bytes a config, tokenizer or "
+                                    f"chat template file may hold (transformers reads it whole): {fix}")
+
+    def file_key(doc: Any, top: bool) -> str | None:
+        for k, v in doc.items() if isinstance(doc, dict) else ():
+            if v is not None and (k.endswith(("_file", "_files")) or k in ("vocab", "merges") and isinstance(v, str)):
+                if not (top and k in _REPLACED_FILE_KEYS):
+                    return k
+            if isinstance(v, dict) and (k := file_key(v, False)):  # sp_model_kwargs: {model_file: ...}
+                return k
+        return None
+
+    for f in sorted(hf.glob("*.json")):
+        doc = read_json(f, fix)
         if isinstance(doc, dict) and "auto_map" in doc:
             raise ArtifactError(f"{f}: asks for custom code (auto_map): refusing it (pact never runs code from "
                                 "an artifact); re-run pact-convert on a model that transformers supports natively")
+        if f.name in _TOKENIZER_ARGS and (key := file_key(doc, f.name == "tokenizer_config.json")):
+            raise ArtifactError(f"{f}: '{key}' names a file for the tokenizer to open: refusing it (transformers "
+                                "opens it as written, outside the artifact too; the tokenizer's files are hf/'s "
+                                f"own); {fix} from a source without the key")
 
 
 # --------------------------------------------------------------------------------------

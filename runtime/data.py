@@ -10,8 +10,10 @@ assistant turn (and the end-of-turn token the template writes after it).
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
+import math
 import random
 import re
 import signal
@@ -27,7 +29,8 @@ from pact.formats import PactError
 log = logging.getLogger(__name__)
 IGNORE = -100
 TEMPLATE_SECONDS = 10  # one conversation's chat-template rendering; a template from an artifact may loop
-TEMPLATE_CHARS = 1 << 20  # and the rendered text's bound
+TEMPLATE_CHARS = 1 << 20  # and the rendered text's bound (and the template's)
+MUL_MAX = 1024  # the largest repeat count a chat template may write (`'-' * 80`): see template_hazard
 TEMPLATE_FIX = ("the artifact's chat template (hf/tokenizer_config.json or chat_template.jinja) is faulty or hostile; "
                 "use prompt/completion records or fix the template")
 RECORD_BYTES = 4 << 20  # one JSONL line (a record of 40 MB took 75 s and 6 GB of memory to tokenize)
@@ -235,13 +238,93 @@ def _time_limit(seconds: float):
         signal.signal(signal.SIGALRM, old)
 
 
+@functools.cache
+def _template_parser():
+    """A parser of chat templates with transformers' extensions: its {% generation %} block and loop controls."""
+    import jinja2
+    import jinja2.ext
+    import jinja2.sandbox
+
+    class Generation(jinja2.ext.Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.Scope(body, lineno=lineno)
+
+    return jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                        extensions=[Generation, jinja2.ext.loopcontrols])
+
+
+def _number(node, bound: float) -> bool:
+    """``node`` is a number written in the template, at most ``bound`` in size."""
+    from jinja2 import nodes
+
+    v = node.value if isinstance(node, nodes.Const) else None
+    return isinstance(v, (int, float)) and abs(v) <= bound
+
+
+@functools.lru_cache(maxsize=16)
+def template_hazard(src: str) -> str | None:
+    """What in the chat template ``src`` could outrun TEMPLATE_SECONDS, or None. SIGALRM only stops
+    Python between operations, and jinja runs these in C for as long as a number in them says
+    (``7 ** 777777777``: minutes): a power, a repetition by a computed count (``'a' * n``; a written
+    one stays: ``'-' * 80``), ``round`` to a computed precision (a power of ten), ``sum`` from a
+    computed start (adding up lists: quadratic). Real chat templates use none of them. A template
+    that does not parse raises jinja2's TemplateSyntaxError."""
+    from jinja2 import nodes
+
+    if len(src) > TEMPLATE_CHARS:
+        return f"is {len(src)} characters (bound {TEMPLATE_CHARS})"
+    for node in _template_parser().parse(src).find_all((nodes.Pow, nodes.Mul, nodes.Filter)):
+        if isinstance(node, nodes.Pow):
+            what = "raises to a power (**)"
+        elif isinstance(node, nodes.Mul):
+            ok = _number(node.left, MUL_MAX) or _number(node.right, MUL_MAX)
+            what = None if ok else f"multiplies by a computed count or one over {MUL_MAX} (*)"
+        else:
+            what = _filter_hazard(node)
+        if what:
+            return f"{what} on line {node.lineno}: jinja computes it in C, where no time bound can stop it"
+    return None
+
+
+def _filter_hazard(node) -> str | None:
+    from jinja2 import nodes
+
+    name, args, kw = node.name, list(node.args), {k.key: k.value for k in node.kwargs}
+    if node.dyn_args or node.dyn_kwargs:
+        return f"calls {name} with unpacked arguments"
+    while name == "map" and args:  # map('sum', ...): that filter on each item (map(attribute=...) maps no filter)
+        if not (isinstance(args[0], nodes.Const) and isinstance(args[0].value, str)):
+            return "maps a computed filter"
+        name = args.pop(0).value
+    for filt, i, key, bound in (("round", 0, "precision", MUL_MAX), ("sum", 1, "start", math.inf)):
+        arg = args[i] if len(args) > i else kw.get(key)
+        if name == filt and arg is not None and not _number(arg, bound):
+            return f"calls {filt} with a computed {key}"
+    return None
+
+
+def check_templates(tokenizer, where: str) -> None:
+    """Each of the tokenizer's chat templates free of template_hazard's operations (one error naming it)."""
+    t = getattr(tokenizer, "chat_template", None)
+    for name, src in (t.items() if isinstance(t, dict) else [(None, t)]):
+        if isinstance(src, str) and (why := template_hazard(src)):
+            raise PactError(f"{where}: the chat template{f' {name!r}' if name else ''} {why}: {TEMPLATE_FIX}")
+
+
 def render_chat(tokenizer, messages: list[dict], where: str, **kw) -> str:
     """The tokenizer's chat template applied to ``messages``, bounded in time and size: the
     template comes from the artifact (someone else's file), and a loop in it must not hang a run."""
     fix = TEMPLATE_FIX
     try:
+        check_templates(tokenizer, where)  # (one that does not parse fails here, never reaching jinja's compiler)
         with _time_limit(TEMPLATE_SECONDS):
             text = tokenizer.apply_chat_template(messages, tokenize=False, **kw)
+    except PactError:
+        raise
     except _TemplateTimeout:
         raise PactError(f"{where}: rendering the chat template took over {TEMPLATE_SECONDS} s: {fix}") from None
     except Exception as e:  # jinja errors: a template that cannot render this conversation

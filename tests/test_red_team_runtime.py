@@ -95,33 +95,33 @@ def test_resume_skips_a_checkpoint_with_an_absurd_step(task, tmp_path):
 def test_a_full_disk_fails_before_training_not_at_the_final_adapter(task, tmp_path, monkeypatch):
     """The final adapter's space is claimed when the run starts (its last write overwrites that
     space in place): a disk too full for it fails the run at once, with no adapter half-written."""
-    from pathlib import Path
+    from pact.formats import peft
 
-    real = Path.write_bytes
+    real = peft.open_new  # (what the adapter's files are written anew through)
 
-    def full(self, data):
-        if self.name.startswith(".adapter_model"):
+    def full(path, mode="w"):
+        if path.name.startswith(".adapter_model"):
             raise OSError(errno.ENOSPC, "No space left on device")
-        return real(self, data)
+        return real(path, mode)
 
-    monkeypatch.setattr(Path, "write_bytes", full)
+    monkeypatch.setattr(peft, "open_new", full)
     with pytest.raises(PactError, match=r"adapter_model.safetensors.*(space|full)"):
         train(_cfg(task, tmp_path / "a"), progress=False)
     assert not (tmp_path / "a" / "metrics.jsonl").exists() or not (tmp_path / "a" / "metrics.jsonl").read_text()
 
 
 def test_final_adapter_written_in_the_reserved_space(task, tmp_path, monkeypatch):
-    from pathlib import Path
+    from pact.formats import peft
 
     run = tmp_path / "b"
-    real = Path.write_bytes
+    real = peft.open_new
     written = []
 
-    def spy(self, data):
-        written.append(self.name)
-        return real(self, data)
+    def spy(path, mode="w"):
+        written.append(path.name)
+        return real(path, mode)
 
-    monkeypatch.setattr(Path, "write_bytes", spy)
+    monkeypatch.setattr(peft, "open_new", spy)
     train(_cfg(task, run), progress=False)
     # written anew once (the reservation at the start), overwritten in place at the end
     assert written.count(".adapter_model.safetensors.tmp") == 1

@@ -1,0 +1,594 @@
+# ruff: noqa: E501 (the real chat templates below are kept as their models ship them)
+"""An artifact's tokenizer is someone else's: its config names no file for transformers to open (a
+tokenizer from outside the artifact, any host file), no hf/ file is larger than a tokenizer file, its
+chat template computes nothing whose cost a number sets (jinja runs that in C, past any time bound),
+and its regexes neither backtrack for hours nor end a run in a Rust panic's traceback."""
+
+import json
+import re
+import shutil
+import time
+
+import pytest
+
+from conftest import make_model, rehash_artifact
+from pact.convert import convert
+from pact.formats import ArtifactError, PactError, open_artifact
+from pact.formats.files import JSON_MAX
+from pact.runtime import data
+from pact.runtime.session import load_tokenizer, regex_hazard
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tokenizer")
+    make_model(d / "src", "llama")
+    convert(str(d / "src"), d / "art", progress=False)
+    return d
+
+
+def _copy(base, tmp_path):
+    art = tmp_path / "art"
+    shutil.copytree(base / "art", art, symlinks=True)
+    return art
+
+
+def _edit_json(path, **changes):
+    doc = json.loads(path.read_text()) if path.exists() else {}
+    path.write_text(json.dumps({**doc, **changes}))
+
+
+def _outside_tokenizer(art, tmp_path):
+    """A copy of the artifact's tokenizer.json outside it, with a token the artifact's own does not have."""
+    tj = json.loads((art / "hf" / "tokenizer.json").read_text())
+    tj["added_tokens"].append({"id": len(tj["model"]["vocab"]) + 10, "content": "OUTSIDE", "single_word": False,
+                               "lstrip": False, "rstrip": False, "normalized": False, "special": True})
+    (tmp_path / "victim").mkdir()
+    out = tmp_path / "victim" / "tokenizer.1.0.json"
+    out.write_text(json.dumps(tj))
+    return out
+
+
+# ---- no file named for the tokenizer to open
+
+
+@pytest.mark.parametrize("file,key,value,reported", [
+    ("tokenizer_config.json", "fast_tokenizer_files", ["../../victim/tokenizer.1.0.json"], "fast_tokenizer_files"),
+    ("tokenizer_config.json", "fast_tokenizer_files", ["tokenizer.1.json.d/" + "../" * 12 + "etc/passwd"],
+     "fast_tokenizer_files"),
+    ("tokenizer_config.json", "merges_file", "/etc/passwd", "merges_file"),
+    ("tokenizer_config.json", "gguf_file", "/tmp/model.gguf", "gguf_file"),
+    ("tokenizer_config.json", "vocab", "/etc/passwd", "vocab"),
+    ("tokenizer_config.json", "sp_model_kwargs", {"model_file": "/dev/zero"}, "model_file"),
+    # merged into the tokenizer's arguments after transformers' own files: it is opened as written
+    ("special_tokens_map.json", "tokenizer_file", "/tmp/victim/tokenizer.1.0.json", "tokenizer_file"),
+])
+def test_a_config_naming_a_file_is_refused(base, tmp_path, file, key, value, reported):
+    art = _copy(base, tmp_path)
+    _edit_json(art / "hf" / file, **{key: value})
+    with pytest.raises(ArtifactError, match=rf"hf/{file}: '{reported}' names a file for the tokenizer to open: "
+                                            r"refusing it .*re-run pact-convert from a source without the key"):
+        open_artifact(art)
+
+
+def test_before_the_check_an_outside_tokenizer_was_read(base, tmp_path):
+    """What the check stops (the red team's repro): transformers joins fast_tokenizer_files onto hf/ as written."""
+    from transformers import AutoTokenizer
+
+    art = _copy(base, tmp_path)
+    _outside_tokenizer(art, tmp_path)  # in tmp_path/victim/: two folders above hf/
+    _edit_json(art / "hf" / "tokenizer_config.json", fast_tokenizer_files=["../../victim/tokenizer.1.0.json"])
+    assert "OUTSIDE" in AutoTokenizer.from_pretrained(art / "hf").get_vocab()
+    with pytest.raises(ArtifactError, match="'fast_tokenizer_files' names a file"):
+        open_artifact(art)
+
+
+def test_file_keys_transformers_replaces_are_accepted_and_ignored(base, tmp_path):
+    """Old saves hold absolute tokenizer_file / special_tokens_map_file paths in tokenizer_config.json:
+    transformers replaces them with the folder's own files, so they open, and the outside file is never read."""
+    art = _copy(base, tmp_path)
+    outside = _outside_tokenizer(art, tmp_path)
+    _edit_json(art / "hf" / "tokenizer_config.json", tokenizer_file=str(outside), special_tokens_map_file=str(outside),
+               vocab_file=None)
+    _edit_json(art / "hf" / "special_tokens_map.json", eos_token="<|im_end|>")
+    tok = load_tokenizer(open_artifact(art))
+    assert "OUTSIDE" not in tok.get_vocab() and tok.eos_token == "<|im_end|>"
+
+
+# ---- every hf/ file bounded
+
+
+@pytest.mark.parametrize("rel", ["chat_template.jinja", "merges.txt", "tokenizer.model",
+                                 "additional_chat_templates/tools.jinja"])
+def test_an_oversized_hf_file_is_refused(base, tmp_path, rel):
+    art = _copy(base, tmp_path)
+    f = art / "hf" / rel
+    f.parent.mkdir(exist_ok=True)
+    with open(f, "ab") as fh:  # sparse: costs the sender nothing, transformers reads it whole
+        fh.truncate(JSON_MAX + 1)
+    with pytest.raises(ArtifactError, match=rf"hf/{rel}: {JSON_MAX + 1} bytes, more than the {JSON_MAX} bytes a "
+                                            r"config, tokenizer or chat template file may hold \(transformers reads "
+                                            r"it whole\): .*re-copy it or re-run pact-convert"):
+        open_artifact(art)
+    with open(f, "r+b") as fh:
+        fh.truncate(JSON_MAX)
+    open_artifact(art)  # the bound itself is allowed
+
+
+# ---- chat templates: nothing whose cost a number sets
+
+
+@pytest.mark.parametrize("template,why", [
+    ("{% set x = 7 ** 777777777 %}{{ messages[0]['content'] }}", r"raises to a power \(\*\*\) on line 1"),
+    ("{% for m in messages %}\n{{ 'a' * m['content']|length }}{% endfor %}",
+     r"multiplies by a computed count or one over 1024 \(\*\) on line 2"),
+    ("{{ 'a' * 1000000000 }}", "multiplies by a computed count or one over 1024"),
+    ("{% set ns = namespace(n=10) %}{% for i in range(40) %}{% set ns.n = ns.n * ns.n %}{% endfor %}",
+     "multiplies by a computed count"),
+    ("{{ 5|round(-100000000) }}", "calls round with a computed precision"),
+    ("{{ 5|round(2, 'floor')|round(precision=n) }}", "calls round with a computed precision"),
+    ("{{ [[0]]|sum(start=[]) }}", "calls sum with a computed start"),
+    ("{{ xs|map('sum', 'a', []) }}", "calls sum with a computed start"),
+    ("{{ xs|map('sum', attribute='a', start=[]) }}", "calls sum with a computed start"),
+    ("{{ xs|map('map', 'round', n) }}", "calls round with a computed precision"),
+    ("{{ xs|map(name) }}", "maps a computed filter"),
+    ("{{ x|round(*args) }}", "calls round with unpacked arguments"),
+    ("{% filter round(n) %}5{% endfilter %}", "calls round with a computed precision"),
+    ("{% generation %}{{ 2 ** 99999999 }}{% endgeneration %}", r"raises to a power"),
+])
+def test_template_hazards_are_named(template, why):
+    hazard = data.template_hazard(template)
+    assert re.match(why, hazard) and hazard.endswith(": jinja computes it in C, where no time bound can stop it")
+
+
+def test_an_oversized_template_is_refused():
+    assert data.template_hazard("x" * (data.TEMPLATE_CHARS + 1)) == \
+        f"is {data.TEMPLATE_CHARS + 1} characters (bound {data.TEMPLATE_CHARS})"
+
+
+@pytest.mark.parametrize("template", [
+    "{{ '-' * 80 }}{{ 3 * loop_count }}{{ x * 2.5 }}", "{% for m in messages %}{{ loop.index0 % 2 }}{% endfor %}",
+    "{{ x|round }}{{ x|round(2) }}{{ x|round(1, 'ceil') }}",
+    "{{ xs|sum }}{{ xs|sum('n') }}{{ xs|sum(attribute='n', start=1) }}",
+    "{{ messages|map(attribute='role')|join(', ') }}{{ xs|map('trim')|list }}{{ xs|map('round', 2)|list }}",
+])
+def test_ordinary_template_arithmetic_is_allowed(template):
+    assert data.template_hazard(template) is None
+
+
+LLAMA_3_1 = """{{- bos_token }}
+{%- if custom_tools is defined %}
+    {%- set tools = custom_tools %}
+{%- endif %}
+{%- if not tools_in_user_message is defined %}
+    {%- set tools_in_user_message = true %}
+{%- endif %}
+{%- if not date_string is defined %}
+    {%- set date_string = "26 Jul 2024" %}
+{%- endif %}
+{%- if not tools is defined %}
+    {%- set tools = none %}
+{%- endif %}
+{%- if messages[0]['role'] == 'system' %}
+    {%- set system_message = messages[0]['content']|trim %}
+    {%- set messages = messages[1:] %}
+{%- else %}
+    {%- set system_message = "" %}
+{%- endif %}
+{{- "<|start_header_id|>system<|end_header_id|>\\n\\n" }}
+{%- if builtin_tools is defined or tools is not none %}
+    {{- "Environment: ipython\\n" }}
+{%- endif %}
+{%- if builtin_tools is defined %}
+    {{- "Tools: " + builtin_tools | reject('equalto', 'code_interpreter') | join(", ") + "\\n\\n"}}
+{%- endif %}
+{{- "Cutting Knowledge Date: December 2023\\n" }}
+{{- "Today Date: " + date_string + "\\n\\n" }}
+{%- if tools is not none and not tools_in_user_message %}
+    {{- "You have access to the following functions. To call a function, please respond with JSON for a function call." }}
+    {{- 'Respond in the format {"name": function name, "parameters": dictionary of argument name and its value}.' }}
+    {{- "Do not use variables.\\n\\n" }}
+    {%- for t in tools %}
+        {{- t | tojson(indent=4) }}
+        {{- "\\n\\n" }}
+    {%- endfor %}
+{%- endif %}
+{{- system_message }}
+{{- "<|eot_id|>" }}
+{%- if tools_in_user_message and not tools is none %}
+    {%- if messages | length != 0 %}
+        {%- set first_user_message = messages[0]['content']|trim %}
+        {%- set messages = messages[1:] %}
+    {%- else %}
+        {{- raise_exception("Cannot put tools in the first user message when there's no first user message!") }}
+{%- endif %}
+    {{- '<|start_header_id|>user<|end_header_id|>\\n\\n' -}}
+    {{- "Given the following functions, please respond with a JSON for a function call " }}
+    {{- "with its proper arguments that best answers the given prompt.\\n\\n" }}
+    {{- 'Respond in the format {"name": function name, "parameters": dictionary of argument name and its value}.' }}
+    {{- "Do not use variables.\\n\\n" }}
+    {%- for t in tools %}
+        {{- t | tojson(indent=4) }}
+        {{- "\\n\\n" }}
+    {%- endfor %}
+    {{- first_user_message + "<|eot_id|>"}}
+{%- endif %}
+{%- for message in messages %}
+    {%- if not (message.role == 'ipython' or message.role == 'tool' or 'tool_calls' in message) %}
+        {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'+ message['content'] | trim + '<|eot_id|>' }}
+    {%- elif 'tool_calls' in message %}
+        {%- if not message.tool_calls|length == 1 %}
+            {{- raise_exception("This model only supports single tool-calls at once!") }}
+        {%- endif %}
+        {%- set tool_call = message.tool_calls[0].function %}
+        {%- if builtin_tools is defined and tool_call.name in builtin_tools %}
+            {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' -}}
+            {{- "<|python_tag|>" + tool_call.name + ".call(" }}
+            {%- for arg_name, arg_val in tool_call.arguments | items %}
+                {{- arg_name + '="' + arg_val + '"' }}
+                {%- if not loop.last %}
+                    {{- ", " }}
+                {%- endif %}
+                {%- endfor %}
+            {{- ")" }}
+        {%- else  %}
+            {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' -}}
+            {{- '{"name": "' + tool_call.name + '", ' }}
+            {{- '"parameters": ' }}
+            {{- tool_call.arguments | tojson }}
+            {{- "}" }}
+        {%- endif %}
+        {%- if builtin_tools is defined %}
+            {{- "<|eom_id|>" }}
+        {%- else %}
+            {{- "<|eot_id|>" }}
+        {%- endif %}
+    {%- elif message.role == "tool" or message.role == "ipython" %}
+        {{- "<|start_header_id|>ipython<|end_header_id|>\\n\\n" }}
+        {%- if message.content is mapping or message.content is iterable %}
+            {{- message.content | tojson }}
+        {%- else %}
+            {{- message.content }}
+        {%- endif %}
+        {{- "<|eot_id|>" }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}
+{%- endif %}
+"""
+
+QWEN_2_5 = """{%- if tools %}
+    {{- '<|im_start|>system\\n' }}
+    {%- if messages[0]['role'] == 'system' %}
+        {{- messages[0]['content'] }}
+    {%- else %}
+        {{- 'You are Qwen, created by Alibaba Cloud. You are a helpful assistant.' }}
+    {%- endif %}
+    {{- "\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>" }}
+    {%- for tool in tools %}
+        {{- "\\n" }}
+        {{- tool | tojson }}
+    {%- endfor %}
+    {{- "\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n</tool_call><|im_end|>\\n" }}
+{%- else %}
+    {%- if messages[0]['role'] == 'system' %}
+        {{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}
+    {%- else %}
+        {{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\\n' }}
+    {%- endif %}
+{%- endif %}
+{%- for message in messages %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first) or (message.role == "assistant" and not message.tool_calls) %}
+        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}
+    {%- elif message.role == "assistant" %}
+        {{- '<|im_start|>' + message.role }}
+        {%- if message.content %}
+            {{- '\\n' + message.content }}
+        {%- endif %}
+        {%- for tool_call in message.tool_calls %}
+            {%- if tool_call.function is defined %}
+                {%- set tool_call = tool_call.function %}
+            {%- endif %}
+            {{- '\\n<tool_call>\\n{"name": "' }}
+            {{- tool_call.name }}
+            {{- '", "arguments": ' }}
+            {{- tool_call.arguments | tojson }}
+            {{- '}\\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\\n' }}
+    {%- elif message.role == "tool" %}
+        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\\n<tool_response>\\n' }}
+        {{- message.content }}
+        {{- '\\n</tool_response>' }}
+        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
+            {{- '<|im_end|>\\n' }}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+{%- endif %}
+"""
+
+SMOLLM2 = """{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system
+You are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>
+' }}{% endif %}{{'<|im_start|>' + message['role'] + '
+' + message['content'] + '<|im_end|>' + '
+'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant
+' }}{% endif %}"""
+
+GEMMA_3 = """{{ bos_token }}
+{%- if messages[0]['role'] == 'system' -%}
+    {%- if messages[0]['content'] is string -%}
+        {%- set first_user_prefix = messages[0]['content'] + '\\n\\n' -%}
+    {%- else -%}
+        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\\n\\n' -%}
+    {%- endif -%}
+    {%- set loop_messages = messages[1:] -%}
+{%- else -%}
+    {%- set first_user_prefix = "" -%}
+    {%- set loop_messages = messages -%}
+{%- endif -%}
+{%- for message in loop_messages -%}
+    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
+        {{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}
+    {%- endif -%}
+    {%- if (message['role'] == 'assistant') -%}
+        {%- set role = "model" -%}
+    {%- else -%}
+        {%- set role = message['role'] -%}
+    {%- endif -%}
+    {{ '<start_of_turn>' + role + '\\n' + (first_user_prefix if loop.first else "") }}
+    {%- if message['content'] is string -%}
+        {{ message['content'] | trim }}
+    {%- elif message['content'] is iterable -%}
+        {%- for item in message['content'] -%}
+            {%- if item['type'] == 'image' -%}
+                {{ '<start_of_image>' }}
+            {%- elif item['type'] == 'text' -%}
+                {{ item['text'] | trim }}
+            {%- endif -%}
+        {%- endfor -%}
+    {%- else -%}
+        {{ raise_exception("Invalid content type") }}
+    {%- endif -%}
+    {{ '<end_of_turn>\\n' }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{'<start_of_turn>model\\n'}}
+{%- endif -%}
+"""
+
+MISTRAL_V3 = """{%- if messages[0]["role"] == "system" %}
+    {%- set system_message = messages[0]["content"] %}
+    {%- set loop_messages = messages[1:] %}
+{%- else %}
+    {%- set loop_messages = messages %}
+{%- endif %}
+{%- if not tools is defined %}
+    {%- set tools = none %}
+{%- endif %}
+{%- set user_messages = loop_messages | selectattr("role", "equalto", "user") | list %}
+{%- set ns = namespace() %}
+{%- set ns.index = 0 %}
+{%- for message in loop_messages %}
+    {%- if not (message.role == "tool" or message.role == "tool_results" or (message.tool_calls is defined and message.tool_calls is not none)) %}
+        {%- if (message["role"] == "user") != (ns.index % 2 == 0) %}
+            {{- raise_exception("After the optional system message, conversation roles must alternate user/assistant/user/assistant/...") }}
+        {%- endif %}
+        {%- set ns.index = ns.index + 1 %}
+    {%- endif %}
+{%- endfor %}
+{{- bos_token }}
+{%- for message in loop_messages %}
+    {%- if message["role"] == "user" %}
+        {%- if tools is not none and (message == user_messages[-1]) %}
+            {{- "[AVAILABLE_TOOLS] [" }}
+            {%- for tool in tools %}
+                {%- set tool = tool.function %}
+                {{- '{"type": "function", "function": {' }}
+                {%- for key, val in tool.items() if key != "return" %}
+                    {%- if val is string %}
+                        {{- '"' + key + '": "' + val + '"' }}
+                    {%- else %}
+                        {{- '"' + key + '": ' + val|tojson }}
+                    {%- endif %}
+                    {%- if not loop.last %}
+                        {{- ", " }}
+                    {%- endif %}
+                {%- endfor %}
+                {{- "}}" }}
+                {%- if not loop.last %}
+                    {{- ", " }}
+                {%- else %}
+                    {{- "]" }}
+                {%- endif %}
+            {%- endfor %}
+            {{- "[/AVAILABLE_TOOLS]" }}
+            {%- endif %}
+        {%- if loop.last and system_message is defined %}
+            {{- "[INST] " + system_message + "\\n\\n" + message["content"] + "[/INST]" }}
+        {%- else %}
+            {{- "[INST] " + message["content"] + "[/INST]" }}
+        {%- endif %}
+    {%- elif message.tool_calls is defined and message.tool_calls is not none %}
+        {{- "[TOOL_CALLS] [" }}
+        {%- for tool_call in message.tool_calls %}
+            {%- set out = tool_call.function|tojson %}
+            {{- out[:-1] }}
+            {%- if not tool_call.id is defined or tool_call.id|length != 9 %}
+                {{- raise_exception("Tool call IDs should be alphanumeric strings with length 9!") }}
+            {%- endif %}
+            {{- ', "id": "' + tool_call.id + '"}' }}
+            {%- if not loop.last %}
+                {{- ", " }}
+            {%- else %}
+                {{- "]" + eos_token }}
+            {%- endif %}
+        {%- endfor %}
+    {%- elif message["role"] == "assistant" %}
+        {{- " " + message["content"]|trim + eos_token}}
+    {%- elif message["role"] == "tool_results" or message["role"] == "tool" %}
+        {%- if message.content is defined and message.content.content is defined %}
+            {%- set content = message.content.content %}
+        {%- else %}
+            {%- set content = message.content %}
+        {%- endif %}
+        {{- '[TOOL_RESULTS] {"content": ' + content|string + ", " }}
+        {%- if not message.tool_call_id is defined or message.tool_call_id|length != 9 %}
+            {{- raise_exception("Tool call IDs should be alphanumeric strings with length 9!") }}
+        {%- endif %}
+        {{- '"call_id": "' + message.tool_call_id + '"}[/TOOL_RESULTS]' }}
+    {%- else %}
+        {{- raise_exception("Only user and assistant roles are supported, with the exception of an initial optional system message!") }}
+    {%- endif %}
+{%- endfor %}
+"""
+
+TAGGED = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'assistant' %}{% generation %}"
+          "{{ m['content'] }}<|im_end|>{% endgeneration %}{% else %}{{ m['content'] }}<|im_end|>{% endif %}\n"
+          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def tok(base):
+    return load_tokenizer(open_artifact(base / "art"))
+
+
+@pytest.mark.parametrize("name,template", [
+    ("llama-3.1", LLAMA_3_1), ("qwen-2.5", QWEN_2_5), ("smollm2", SMOLLM2), ("gemma-3", GEMMA_3),
+    ("mistral-v0.3", MISTRAL_V3), ("generation-tags", TAGGED), ("tests' own", None),
+])
+def test_real_chat_templates_render(tok, monkeypatch, name, template):
+    from conftest import VL_TEMPLATE
+
+    for src in ([template] if template else [tok.chat_template, VL_TEMPLATE]):
+        assert data.template_hazard(src) is None, name
+        monkeypatch.setattr(tok, "chat_template", src)
+        text = data.render_chat(tok, [{"role": "user", "content": "the movie"},
+                                      {"role": "assistant", "content": "was fresh"}], "x")
+        assert "the movie" in text and "was fresh" in text
+
+
+def test_a_hostile_template_is_refused_before_jinja_compiles_it(base, tmp_path):
+    """The red team's repro (minutes in C before): one error, at once, from training's tokenization."""
+    art = _copy(base, tmp_path)
+    (art / "hf" / "chat_template.jinja").write_text(
+        "{% set x = 7 ** 777777777 %}{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    rehash_artifact(art)
+    tok = load_tokenizer(open_artifact(art))  # prompt/completion records never render it
+    assert data.tokenize([{"prompt": "the movie", "completion": " fresh", "_where": "d.jsonl:1"}], tok, max_len=64)
+    t = time.monotonic()
+    with pytest.raises(PactError, match=r"^chat.jsonl:1: the chat template raises to a power \(\*\*\) on line 1: "
+                                        r"jinja computes it in C, where no time bound can stop it: the artifact's "
+                                        r"chat template .* is faulty or hostile"):
+        data.tokenize([{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}],
+                        "_where": "chat.jsonl:1"}], tok, max_len=64)
+    assert time.monotonic() - t < 5
+
+
+def test_a_named_template_is_checked_and_named(tok, monkeypatch):
+    monkeypatch.setattr(tok, "chat_template", {"default": SMOLLM2, "tool_use": "{{ 2 ** 99999999 }}"})
+    with pytest.raises(PactError, match=r"^x: the chat template 'tool_use' raises to a power"):
+        data.render_chat(tok, [{"role": "user", "content": "hi"}], "x")
+
+
+def test_a_template_that_does_not_parse_still_fails_rendering(tok, monkeypatch):
+    monkeypatch.setattr(tok, "chat_template", "{% for m in messages %}{{ m['content'] }}")
+    with pytest.raises(PactError, match=r"^x: the chat template failed to render \(TemplateSyntaxError: "):
+        data.render_chat(tok, [{"role": "user", "content": "hi"}], "x")
+
+
+# ---- tokenizer regexes: no hours of backtracking, no panic traceback
+
+REAL_PATTERNS = {
+    "gpt-2": r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""",
+    "llama-3": r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"""
+               r"""\s*[\r\n]+|\s+(?!\S)|\s+""",
+    "qwen2": r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"""
+             r"""\s+(?!\S)|\s+""",
+    "o200k": r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|"""
+             r"""'ll|'d)?|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|"""
+             r"""'ve|'m|'ll|'d)?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+""",
+    "tekken": r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+|[^\r\n\p{L}\p{N}]?"""
+              r"""[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|"""
+              r"""\s*[\r\n]+|\s+(?!\S)|\s+""",
+    "deepseek-v3": r"""[!"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+| ?"""
+                   r"""[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""",
+    "kimi-k2": r"""[\p{Han}]+|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*"""
+               r"""[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+"""
+               r"""[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""",
+    "bloom": r""" ?[^(\s|[.,!?…。，、।۔،])]+""",
+    "t5-spaces": r""" {2,}""",
+    "literal-bracket": r"""[]a]+|[^]b]*""",
+}
+
+
+@pytest.mark.parametrize("name", REAL_PATTERNS)
+def test_real_tokenizer_regexes_pass(name):
+    assert regex_hazard(REAL_PATTERNS[name]) is None
+
+
+@pytest.mark.parametrize("pattern,why", [
+    (r"(\w+\s?)+$", "repeats a group"), (r"(?:\w|\d)+", "repeats a group"), (r"(a){3}", "repeats a group"),
+    (r"a**", "stacks quantifiers (a repeat of a repeat)"), (r"a{2,}+", "stacks quantifiers"),
+    (r"x|\w*\w*\w*!", "holds more than two repeats, two optional parts or one alternation group in one alternative"),
+    (r"\w{0,50}\w{0,50}\w{0,50}!", "holds more than two repeats"), (r"a?a?a?aaa", "holds more than two repeats"),
+    (r"(?:a|aa)(?:a|aa)", "holds more than two repeats"),
+    ("(?:" + "|".join("abcdefghi") + ")", "has a group of 9 alternatives"),
+    (r"(?<a>a\g<a>?)", "calls a subexpression or has an absent operator"), (r"(?~ab)", "calls a subexpression"),
+    (r"[[a]+", "has an unclosed character class"), (r"a)+", "has an unbalanced ')'"),
+    ("a" * 1025, "is 1025 characters (bound 1024)"),
+])
+def test_backtracking_regexes_are_named(pattern, why):
+    assert regex_hazard(pattern).startswith(why)
+
+
+def _with_split(base, tmp_path, regex):
+    art = _copy(base, tmp_path)
+    f = art / "hf" / "tokenizer.json"
+    tj = json.loads(f.read_text())
+    tj["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": regex}, "behavior": "Isolated", "invert": False}, tj["pre_tokenizer"]]}
+    f.write_text(json.dumps(tj))
+    rehash_artifact(art)
+    return art
+
+
+def test_a_backtracking_regex_is_warned_of_at_load(base, tmp_path, caplog):
+    """The check is a heuristic, so it warns (a real model's tokenizer is never refused by it); the hours it
+    could take end in Oniguruma's limit, whose panic is one error (below)."""
+    art = _with_split(base, tmp_path, r"(\w+\s?)+$")  # the red team's: hours of tokenizing, or a panic
+    with caplog.at_level("WARNING", logger="pact.runtime.session"):
+        assert load_tokenizer(open_artifact(art))("fresh")["input_ids"]
+    assert re.search(r"hf/tokenizer.json: the pre_tokenizer's regex '\(\\\\w\+\\\\s\?\)\+\$' repeats a group: "
+                     r"it may backtrack for very long", caplog.text), caplog.text
+
+
+def test_a_tokenizer_panic_is_one_error(base, tmp_path):
+    """A regex within the checks still panics past Oniguruma's limit on a long enough run: PanicException is
+    a BaseException, which no `except Exception` sees; every tokenizer call turns it into a PactError."""
+    art = _with_split(base, tmp_path, r"[^.]*[^.]*$")
+    tok = load_tokenizer(open_artifact(art))
+    assert tok("the movie. was fresh")["input_ids"] and tok.decode(tok("fresh")["input_ids"]) == "fresh"
+    text = "a" * 6000 + "."
+    match = r"hf/tokenizer.json: the tokenizer failed in its Rust library \(Onig: .*retry-limit-in-match over\)"
+    for call in (lambda: tok(text), lambda: tok.encode(text), lambda: tok.tokenize(text),
+                 lambda: data.tokenize([{"prompt": text, "completion": "x", "_where": "d.jsonl:1"}], tok, max_len=64)):
+        with pytest.raises(PactError, match=match):
+            call()
+
+
+def test_a_tokenizer_panic_is_one_line_from_pact_generate(base, tmp_path):
+    from click.testing import CliRunner
+
+    from pact.pipelines.generate import generate_cmd
+
+    art = _with_split(base, tmp_path, r"[^.]*[^.]*$")
+    r = CliRunner().invoke(generate_cmd, [str(art), "--prompt", "a" * 6000 + ".", "--max-new-tokens", "2"])
+    assert r.exit_code == 1 and "Traceback" not in r.output, r.output
+    assert r.output.strip().splitlines()[-1].startswith(f"Error: {art}/hf/tokenizer.json: the tokenizer failed")
