@@ -105,6 +105,9 @@ CALIBRATIONS = {  # -> (calibration texts, --block-scales, --act-order[, other c
     # another task's training texts (OTHER_TASK): what calibration gains on its own, apart from fitting the task
     "gptq-xtask": ("xtask", "auto", False),
     "gptq-damp10": ("task", "auto", False, {"damp": 0.1}),  # 10x the damping: nearer round-to-nearest
+    # with a frozen rank-R bf16 correction of what the NVFP4 weights miss (pact-calibrate --correct-rank R)
+    "gptq-corr16": ("task", "auto", False, {"correct_rank": 16}),
+    "gptq-corr64": ("task", "auto", False, {"correct_rank": 64}),
     "gptq-s512": ("task", "auto", False, {"max_samples": 512}),  # 4x the texts: less fit to a few
     # 8x: tasks whose texts are short give GPTQ few tokens (strategyqa's first 128: 2,181)
     "gptq-s1024": ("task", "auto", False, {"max_samples": 1024}),
@@ -425,12 +428,20 @@ def weights(rtn, artifacts, json_out) -> None:
               help="The Hugging Face folder the artifacts were converted from (its *.safetensors).")
 @click.option("--artifact", "artifacts", multiple=True, required=True, metavar="NAME=PATH")
 @click.option("--rank", "ranks", multiple=True, type=click.IntRange(min=1), default=(16,), show_default=True)
+@click.option("--texts", type=click.Path(exists=True, dir_okay=False), default=None,
+              help=".jsonl records (text, or prompt + completion): also weigh the error by the projections' "
+                   "inputs on these texts (the source model's), the error a layer's output sees.")
+@click.option("--samples", default=64, show_default=True, help="Records of --texts read (<= MAX_LEN tokens each).")
 @click.option("--json-out", type=click.Path(dir_okay=False, path_type=Path), default=None)
-def lowrank(source, artifacts, ranks, json_out) -> None:
+def lowrank(source, artifacts, ranks, texts, samples, json_out) -> None:
     """How low-rank the weights' error is: over every NVFP4 projection, the share of ||W - Q(W)||^2 (source
     minus dequantized forward weights) that its best rank-r approximation holds, the most a LoRA of rank r
     started from the error (LoftQ's one-step init) could take back; and ||W - Q(W)|| / ||W|| before and after
-    it. A random matrix's share is about r / min(shape)."""
+    it. A random matrix's share is about r / min(shape). With ``--texts``, the same for the output error
+    ||X (W - Q(W))^T||^2 = ||E H^1/2||^2 (H = X^T X, X the projection's inputs on the texts in the source
+    model): the share of the output error's energy the best rank-r correction for those inputs holds
+    (``act_share``: an activation-weighted LoftQ's ceiling), and the output error relative to ||X W^T||;
+    ``act_unit_*`` the same with every token's input scaled to norm 1 (each token weighs the same)."""
     from safetensors import safe_open
 
     from pact.formats import open_artifact
@@ -442,11 +453,12 @@ def lowrank(source, artifacts, ranks, json_out) -> None:
     for f in files:
         with safe_open(str(f), "pt") as h:
             where.update(dict.fromkeys(h.keys(), f))
+    roots = _input_roots(source, texts, samples) if texts else {}
     res = {}
     for name, _, path in (a.partition("=") for a in artifacts):
         art = open_artifact(path)
         err = w2 = 0.0
-        held = dict.fromkeys(ranks, 0.0)
+        held, sums = dict.fromkeys(ranks, 0.0), {}
         for n in art.names("nvfp4"):
             if n not in where:
                 raise click.BadParameter(f"{source} has no tensor {n} of {path}: another model's folder?",
@@ -458,12 +470,63 @@ def lowrank(source, artifacts, ranks, json_out) -> None:
             err, w2 = err + float(sv2.sum()), w2 + float(w.pow(2).sum())
             for r in ranks:
                 held[r] += float(sv2[:r].sum())
+            for kind, root in roots.get(n.removesuffix(".weight"), {}).items():
+                asv2 = torch.linalg.svdvals(e.double() @ root).pow(2)
+                acc = sums.setdefault(kind, {"err": 0.0, "w2": 0.0, **{r: 0.0 for r in ranks}})
+                acc["err"] += float(asv2.sum())
+                acc["w2"] += float((w.double() @ root).pow(2).sum())
+                for r in ranks:
+                    acc[r] += float(asv2[:r].sum())
         res[name] = {"rel_error": round((err / w2) ** 0.5, 4),
                      **{f"rank{r}": {"share": round(held[r] / err, 4),
                                      "rel_error_after": round(((err - held[r]) / w2) ** 0.5, 4)} for r in ranks}}
+        for kind, acc in sums.items():  # act: every token's inputs as they are; act_unit: each token's scaled to 1
+            res[name][f"{kind}_rel_error"] = round((acc["err"] / acc["w2"]) ** 0.5, 4)
+            for r in ranks:
+                after = ((acc["err"] - acc[r]) / acc["w2"]) ** 0.5
+                res[name][f"rank{r}"].update({f"{kind}_share": round(acc[r] / acc["err"], 4),
+                                              f"{kind}_rel_error_after": round(after, 4)})
         click.echo(json.dumps({"artifact": name, **res[name]}))
     if json_out:
         json_out.write_text(json.dumps(res, indent=1))
+
+
+def _input_roots(source: Path, texts: str, samples: int) -> dict[str, dict[str, torch.Tensor]]:
+    """H^1/2 (float64, symmetric) of every nn.Linear's inputs X in the source model over ``samples`` records
+    of ``texts`` (<= MAX_LEN tokens each): {module name: {"act": of X, "act_unit": of X with each row
+    scaled to norm 1, so that a few tokens' huge inputs (the first token's, say) do not outweigh the rest}}."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pact.runtime.data import read_records
+
+    tok = AutoTokenizer.from_pretrained(source)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+    hess, hooks = {}, []
+
+    def keep(name):
+        def hook(_, args):
+            x = args[0].reshape(-1, args[0].shape[-1]).double()
+            u = x / x.norm(dim=1, keepdim=True).clamp(min=1e-30)  # each token counted once, however large
+            h = hess.setdefault(name, {"act": 0, "act_unit": 0})
+            h["act"], h["act_unit"] = h["act"] + x.T @ x, h["act_unit"] + u.T @ u
+        return hook
+
+    for name, mod in model.named_modules():
+        if isinstance(mod, torch.nn.Linear) and name != "lm_head":
+            hooks.append(mod.register_forward_pre_hook(keep(name)))
+    with torch.no_grad():
+        for r in read_records(texts)[:samples]:
+            text = r["text"] if "text" in r else r.get("prompt", "") + r.get("completion", "")
+            ids = tok(text, return_tensors="pt", truncation=True, max_length=MAX_LEN).input_ids
+            model(ids)
+    for h in hooks:
+        h.remove()
+    roots = {}
+    for name, hs in hess.items():
+        for kind, h in hs.items():
+            vals, vecs = torch.linalg.eigh(h)
+            roots.setdefault(name, {})[kind] = (vecs * vals.clamp(min=0).sqrt()) @ vecs.T
+    return roots
 
 
 @cli.command()

@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 from pact import __version__
 from pact.convert.sources import open_source, remove_tree
 from pact.formats import ArtifactWriter, PactError, check_apart, check_output
+from pact.formats.artifact import CORRECTION_MAX_RANK
 from pact.formats.errors import write_error
 from pact.formats.files import sha256_file, work_path
 from pact.formats.nvfp4 import SCALE_RULES, NVFP4Tensor, dequantize, quantize, quantize_weight, transpose_2d
@@ -44,6 +45,24 @@ BATCH_TOKENS = 4096  # text prompts go through a layer in right-padded batches o
 class SourceError(PactError):
     """The artifact's source model cannot be read as the one it was converted from (gone, emptied, its
     weights removed, or another model at its path): GPTQ needs the original weights."""
+
+
+def _correction(E: torch.Tensor, H: torch.Tensor, rank: int, damp: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """U [N, R], V [R, K] (fp32) of the rank-R C = U V closest to the weights' error E = W - Q on the
+    inputs H = X^T X stands for: C minimizes ||(E - C) Hd^1/2|| with Hd = H + damp * mean(diag H) I (the
+    damping keeps C small along directions the inputs barely reach): with E Hd^1/2 = P S Z^T, C = P_R S_R
+    Z_R^T Hd^-1/2, split as U = P_R S_R^1/2, V = S_R^1/2 Z_R^T Hd^-1/2. A LoRA started from the error alone
+    (LoftQ) holds ~10% of it at rank 16 on SmolLM2; weighed by the inputs, 60% (BENCHMARKS.md)."""
+    Hd = H.double()
+    Hd = Hd + damp * float(Hd.diagonal().mean().clamp(min=1e-12)) * torch.eye(Hd.shape[0], dtype=Hd.dtype,
+                                                                               device=Hd.device)
+    vals, vecs = torch.linalg.eigh(Hd)
+    vals = vals.clamp(min=float(vals.max()) * 1e-12)
+    root, inv = (vecs * vals.sqrt()) @ vecs.T, (vecs / vals.sqrt()) @ vecs.T
+    P, S, Zt = torch.linalg.svd(E.double() @ root, full_matrices=False)
+    r = min(rank, S.numel())
+    s = S[:r].sqrt()
+    return (P[:, :r] * s).float(), (s[:, None] * (Zt[:r] @ inv)).float()
 
 
 def _output_error(W: torch.Tensor, Q: torch.Tensor, H: torch.Tensor) -> torch.Tensor:
@@ -110,6 +129,7 @@ def calibrate(
     blocksize: int = 128,
     block_scales: str = "auto",
     backward_layout: str = "forward",
+    correct_rank: int = 0,
     device: str | None = None,
     overwrite: bool = False,
     progress: bool = True,
@@ -127,7 +147,11 @@ def calibrate(
     the calibrated weights, transposed and rounded again along the other dimension. "source": W^T
     rounded to nearest from the source weights, as pact-convert makes it: GPTQ lowers the forward
     GEMM's error on inputs like the prompts by moving the weights away from the source, which raises
-    the backward GEMM's error on the gradients (BENCHMARKS.md "Calibration downstream")."""
+    the backward GEMM's error on the gradients (BENCHMARKS.md "Calibration downstream").
+
+    ``correct_rank`` R > 0: each projection also stores a frozen rank-R correction U V (bf16) of what
+    the NVFP4 weights still miss, fitted to the prompts' inputs (`_correction`); the model computes
+    with dequantize(W_q) + U V."""
     if prompts is not None and model_texts:
         raise PactError("--prompts and --model-texts: give one of them (--model-texts samples the texts instead)")
     if prompts is None and not model_texts:
@@ -140,6 +164,8 @@ def calibrate(
         raise PactError(f"--seed must be in [0, 2**63), got {seed}")
     if not 0 < damp < 1:
         raise PactError(f"--damp must be in (0, 1), got {damp}")
+    if not 0 <= correct_rank <= CORRECTION_MAX_RANK:
+        raise PactError(f"--correct-rank must be in [0, {CORRECTION_MAX_RANK}] (0: no correction), got {correct_rank}")
     if model_texts and max_samples < 1:
         raise PactError(f"--max-samples must be >= 1 (texts to sample), got {max_samples}")
     if max_samples < 0 or (max_samples == 0 and not min_tokens):
@@ -207,7 +233,8 @@ def calibrate(
         taken = {"max_samples": max_samples, "seq_len": seq_len, **({"min_tokens": min_tokens} if min_tokens else {})}
         return _calibrate(ses, src, samples, out, clock, prompts=None if model_texts else Path(prompts), texts=texts,
                           damp=damp, actorder=actorder, static_scales=static_scales, blocksize=blocksize,
-                          scale_rule=rule, backward_layout=backward_layout, overwrite=overwrite, progress=progress,
+                          scale_rule=rule, backward_layout=backward_layout, correct_rank=correct_rank,
+                          overwrite=overwrite, progress=progress,
                           label=prompts_label, record={**taken, **(record or {})})
     except OSError as e:  # the writer has removed its temp folder; OUT is untouched
         raise write_error(e, getattr(e, "filename", None) or out, f"nothing was written to {out}") from None
@@ -216,7 +243,8 @@ def calibrate(
 
 
 def _calibrate(ses: Session, src, samples, out: Path, clock: _Clock, *, prompts: Path | None, texts, damp, actorder,
-               static_scales, blocksize, scale_rule, backward_layout, overwrite, progress, label, record) -> Path:
+               static_scales, blocksize, scale_rule, backward_layout, correct_rank, overwrite, progress, label,
+               record) -> Path:
     art, dev = ses.artifact, ses.device
     scaling = art.meta["provenance"]["scaling"]
     model = ses.model(None, backward=False)  # forward only: the backward layouts are read from disk when written
@@ -229,11 +257,17 @@ def _calibrate(ses: Session, src, samples, out: Path, clock: _Clock, *, prompts:
     for li, L in enumerate(tqdm(model.layers, desc="calibrate", unit="layer", disable=not progress)):
         groups = {name: getattr(L, name) for name in GROUPS}
         hess = {id(g.weight): GPTQ(g.weight.shape[1], dev) for g in groups.values() if g.weight is not None}
+        unit = {k: torch.zeros(h.columns, h.columns, device=dev) for k, h in hess.items()} if correct_rank else {}
         with torch.no_grad():
             for u in units:
                 def add(w, x, u=u):  # the GEMM's input rows (as the recipe feeds it), padding rows left out
                     if id(w) in hess:
-                        hess[id(w)].add_batch(x if u.real is None else x[u.real])
+                        rows = x if u.real is None else x[u.real]
+                        hess[id(w)].add_batch(rows)
+                        if unit:  # every token's input scaled to norm 1: each token weighs the same
+                            r = rows.float()
+                            r = r / r.norm(dim=1, keepdim=True).clamp(min=1e-30)
+                            unit[id(w)].addmm_(r.t(), r)
 
                 with model.observing(add):
                     model.layer(L, u.x, u.cos, u.sin, u.B, u.S)
@@ -252,7 +286,7 @@ def _calibrate(ses: Session, src, samples, out: Path, clock: _Clock, *, prompts:
             q = NVFP4Quantizer(g.weight.global_scale, scaling=scaling, static=static_scales, scale_rule=scale_rule)
             Q, _ = H.quantize(torch.cat(Ws), q, blocksize=blocksize, percdamp=damp, actorder=actorder)
             fwd_all = q.pack(Q)
-            r0 = 0
+            r0, corr = 0, []
             for name, W in zip(g.names, Ws):
                 r1 = r0 + W.shape[0]
                 Qn = Q[r0:r1]
@@ -265,21 +299,28 @@ def _calibrate(ses: Session, src, samples, out: Path, clock: _Clock, *, prompts:
                            quantize(Qn.t().contiguous(), global_scale=fwd.global_scale, scale_rule=scale_rule))
                 rtn = dequantize(art.nvfp4(name, "fwd")).to(dev)
                 errors[name] = {"rtn": _output_error(W, rtn, H.H), "gptq": _output_error(W, Qn, H.H)}
-                new[name] = (fwd, bwd, (W - Qn).norm() / W.norm())  # a tensor: read after the sweep, no sync here
+                c = _correction(W - Qn, unit[id(g.weight)], correct_rank, damp) if correct_rank else None
+                if c is not None:
+                    errors[name]["corrected"] = _output_error(W, Qn + c[0] @ c[1], H.H)
+                    c = (c[0].to(torch.bfloat16), c[1].to(torch.bfloat16))
+                corr.append(c)
+                new[name] = (fwd, bwd, (W - Qn).norm() / W.norm(), c)  # a tensor: read after the sweep, no sync
                 r0 = r1
             # the layer now runs on the calibrated weights (forward only: no backward layout needed here)
             g.weight = type(g.weight)(fwd_all.packed, fwd_all.scales, g.weight.global_scale)
+            g.corr = corr if correct_rank else g.corr  # (and with its correction)
             clock.lap("solve")
         with torch.no_grad():
             for u in units:
                 u.x = model.layer(L, u.x, u.cos, u.sin, u.B, u.S)
         clock.lap("activations")
-    new = {k: (f, b, float(rel)) for k, (f, b, rel) in new.items()}
+    new = {k: (f, b, float(rel), c) for k, (f, b, rel, c) in new.items()}
     errors = {k: {m: float(v) for m, v in e.items()} for k, e in errors.items()}
     clock.lap("solve")
     return _write(art, out, new, errors, clock, overwrite=overwrite, prompts=prompts, label=label, record=record,
                   samples=samples, damp=damp, actorder=actorder, static_scales=static_scales, blocksize=blocksize,
                   block_scales=scale_rule, backward_layout=backward_layout,
+                  **({"correct_rank": correct_rank} if correct_rank else {}),
                   # the source layout keeps the converter's rule, whatever --block-scales says
                   backward_block_scales=art.block_scale_rule if backward_layout == "source" else scale_rule,
                   **({"model_texts": {"seed": texts[2], "temperature": 1.0}} if texts is not None else {}))
@@ -364,11 +405,11 @@ def _write(art, out: Path, new: dict, errors: dict, clock: _Clock, *, overwrite,
             e = art.entry(name)
             info = {k: v for k, v in e.items() if k not in skip}
             if name in new:
-                fwd, bwd, rel = new[name]
-                w.add_nvfp4(name, fwd, bwd, **{**info, "error": rel, "calibrated": "gptq",
-                                               "output_error": errors[name]})
+                fwd, bwd, rel, corr = new[name]
+                w.add_nvfp4(name, fwd, bwd, corr, **{**info, "error": rel, "calibrated": "gptq",
+                                                     "output_error": errors[name]})
             elif e["kind"] == "nvfp4":
-                w.add_nvfp4(name, art.nvfp4(name, "fwd"), art.nvfp4(name, "bwd"), **info)
+                w.add_nvfp4(name, art.nvfp4(name, "fwd"), art.nvfp4(name, "bwd"), art.correction(name), **info)
             else:
                 w.add_dense(name, art.dense(name), **info)
         for rel in art.meta["files"]:

@@ -86,6 +86,10 @@ def export(artifact: str, out: str | os.PathLike, *, fmt: str = "compressed-tens
     check_apart(out, sources, "an export")
     art.verify_cached(default_cache())
     _check_config(art)
+    if art.corrected and fmt != "bf16":
+        raise PactError(f"{art.path}: its projections carry low-rank corrections (pact-calibrate --correct-rank), "
+                        f"which an NVFP4 checkpoint cannot hold: export --format bf16 (the corrections folded in "
+                        "exactly), or export an artifact calibrated without --correct-rank")
     lora_cfg, adapters = load_peft_adapter(adapter) if adapter else (None, {})
     _check_adapter(adapter, adapters, art)
     merged = merge or fmt == "bf16"  # bf16 folders take the adapter folded in
@@ -286,6 +290,14 @@ def _nvfp4(art, name: str) -> NVFP4Tensor:
     return t
 
 
+def _effective(art, name: str) -> torch.Tensor:
+    """The weight the model computes with (fp32): the checked NVFP4 one, its low-rank correction added."""
+    w = dequantize(_nvfp4(art, name))
+    if (c := art.correction(name)) is not None:
+        w = w + c[0].float() @ c[1].float()
+    return w
+
+
 def merged_weight(w: torch.Tensor, name: str, adapters: dict, scale: float) -> torch.Tensor:
     """W + scale * B A for an adapted ``name`` (W as given otherwise), refused when not finite."""
     if name not in adapters:
@@ -361,7 +373,7 @@ class BF16Writer(Writer):
     name, folds_adapter = "bf16", True
 
     def projections(self, members, merged, solved, added):
-        return {m: (merged[m] if merged else dequantize(_nvfp4(self.art, m))).to(torch.bfloat16) for m in members}
+        return {m: (merged[m] if merged else _effective(self.art, m)).to(torch.bfloat16) for m in members}
 
 
 WRITERS: dict[str, type[Writer]] = {w.name: w for w in (CompressedTensorsWriter, BF16Writer)}
@@ -398,7 +410,7 @@ def _write(art, tmp: Path, fmt: str, lora_cfg, adapters: dict, merge: bool, prog
         members = groups[e.get("group") or name]
         merged = None
         if merge and (writer.folds_adapter or any(m in adapters for m in members)):
-            merged = {m: merged_weight(dequantize(_nvfp4(art, m)), m, adapters, scale) for m in members}
+            merged = {m: merged_weight(_effective(art, m), m, adapters, scale) for m in members}
         done.update(members)
         if merged is not None and keep & set(members):  # the adapter folded in exactly, in bf16
             for m in members:

@@ -271,12 +271,17 @@ class ArtifactWriter:
         self._pending.append((entry, self._pool.submit(_write_chunk, chunk, data), data.nbytes))
         return entry
 
-    def add_nvfp4(self, name: str, fwd: NVFP4Tensor, bwd: NVFP4Tensor, **info: Any) -> None:
-        """A frozen projection W [N, K]: forward layout and the backward (W^T) layout."""
+    def add_nvfp4(self, name: str, fwd: NVFP4Tensor, bwd: NVFP4Tensor,
+                  correction: tuple[torch.Tensor, torch.Tensor] | None = None, **info: Any) -> None:
+        """A frozen projection W [N, K]: forward layout and the backward (W^T) layout; ``correction``
+        (U [N, R], V [R, K], stored bf16): the weight the model computes with is dequantize(fwd) + U V."""
         arrays = {}
         for layout, t in (("fwd", fwd), ("bwd", bwd)):
             arrays[f"{layout}_packed"] = self._array(name, f"{layout}_packed", t.packed)
             arrays[f"{layout}_scales"] = self._array(name, f"{layout}_scales", t.scales)
+        if correction is not None:
+            for part, t in zip(("corr_u", "corr_v"), correction):
+                arrays[part] = self._array(name, part, t.to(torch.bfloat16).contiguous())
         self.tensors[name] = {
             **info,
             "kind": "nvfp4",
@@ -413,6 +418,7 @@ def _upgrade(meta: dict, path: Path) -> dict:
 _ENTRY_KEYS = {"kind": str, "role": str, "shape": list, "arrays": dict}
 _ARRAY_KEYS = {"path": str, "dtype": str, "shape": list, "sha256": str}
 _NVFP4_PARTS = {f"{layout}_{p}" for layout in LAYOUTS for p in ("packed", "scales")}
+CORRECTION_MAX_RANK = 1024  # a low-rank correction's rank bound (pact-calibrate --correct-rank; used: 16-64)
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _FP32_MAX = float(np.finfo(np.float32).max)
 # dense tensors the runtime binds by role: their rank (a 3-D norm would fail deep in the forward)
@@ -525,6 +531,12 @@ def _check_nvfp4_entry(name: str, e: dict, bad: Callable[[str], ArtifactError]) 
     if len(shape) != 2 or shape[0] % BLOCK or shape[1] % BLOCK:
         raise bad(f"{what} is NVFP4 of shape {shape}: a projection is [N, K] with both divisible by {BLOCK}")
     want = _nvfp4_arrays(*shape)
+    corr = e["arrays"].get("corr_u"), e["arrays"].get("corr_v")
+    if all(isinstance(c, dict) for c in corr):  # a low-rank correction (pact-calibrate --correct-rank): [N, R], [R, K]
+        r = corr[0]["shape"][-1] if len(corr[0]["shape"]) == 2 else 0
+        if not 1 <= r <= min(CORRECTION_MAX_RANK, *shape):
+            raise bad(f"{what} has a correction of rank {r} (1 to {min(CORRECTION_MAX_RANK, *shape)})")
+        want = {**want, "corr_u": ("bfloat16", [shape[0], r]), "corr_v": ("bfloat16", [r, shape[1]])}
     if set(e["arrays"]) != set(want):
         raise bad(f"{what} has arrays {sorted(e['arrays'])}, not {sorted(want)}")
     for part, (dtype, ashape) in want.items():
@@ -866,13 +878,29 @@ class Artifact:
     def dense(self, name: str) -> torch.Tensor:
         return self.array(name, "data")
 
+    def correction(self, name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The projection's low-rank correction (U [N, R], V [R, K] bf16: the model computes with
+        dequantize(fwd) + U V), or None."""
+        arrays = self.entry(name)["arrays"]
+        return (self.array(name, "corr_u"), self.array(name, "corr_v")) if "corr_u" in arrays else None
+
+    @property
+    def corrected(self) -> bool:
+        """Whether any projection carries a low-rank correction."""
+        return any("corr_u" in e["arrays"] for e in self.meta["tensors"].values())
+
     def dequantize(self, name: str, layout: str = "fwd") -> torch.Tensor:
-        """The float32 effective weight: shaped like the source for "fwd", transposed for "bwd"."""
+        """The float32 effective weight (the low-rank correction added, where there is one): shaped
+        like the source for "fwd", transposed for "bwd"."""
         e = self.entry(name)
         if e["kind"] == "dense":
             t = self.dense(name).float()
             return t.t() if layout == "bwd" else t
-        return _dequantize(self.nvfp4(name, layout))
+        w = _dequantize(self.nvfp4(name, layout))
+        if (c := self.correction(name)) is not None:
+            uv = c[0].float() @ c[1].float()
+            w = w + (uv.t() if layout == "bwd" else uv)
+        return w
 
     def verify(self) -> int:
         """Recompute every checksum and, in the same read, look for values no converter writes (NaN

@@ -44,24 +44,31 @@ from .common import ARTIFACT, OUT, cli_errors
                    "calibrated weights transposed and rounded again; source = W^T rounded to nearest from the "
                    "source, as pact-convert makes it (GPTQ's weights lower the forward error on texts like the "
                    "prompts and raise the backward error on gradients).")
+@click.option("--correct-rank", type=int, default=0, show_default=True, metavar="R",
+              help="Also store, per projection, a frozen rank-R bf16 correction of what the NVFP4 weights miss, "
+                   "fitted to the prompts' inputs; the model computes with the NVFP4 weights + the correction "
+                   "(0: none; an NVFP4 checkpoint export cannot hold it: README \"Calibrate\").")
 @click.option("--device", default=None, help="cuda or cpu (default: cuda if available).")
 @click.option("--overwrite", is_flag=True)
 @click.option("--quiet", is_flag=True)
 @cli_errors
 def main(artifact, prompts, model_texts, seed, out, source, max_samples, seq_len, min_tokens, damp, act_order,
-         static_scales, blocksize, block_scales, backward_layout, device, overwrite, quiet) -> None:
+         static_scales, blocksize, block_scales, backward_layout, correct_rank, device, overwrite, quiet) -> None:
     """Calibrate ARTIFACT's NVFP4 weights with GPTQ on PROMPTS (or on texts the model writes
     itself: --model-texts); writes a new artifact."""
     path = calibrate(artifact, prompts, out, model_texts=model_texts, seed=seed, source=source,
                      max_samples=max_samples, seq_len=seq_len, min_tokens=min_tokens, damp=damp,
                      actorder=act_order, static_scales=static_scales, blocksize=blocksize, block_scales=block_scales,
-                     backward_layout=backward_layout, device=device,
+                     backward_layout=backward_layout, correct_rank=correct_rank, device=device,
                      overwrite=overwrite, progress=not quiet)
     errs = open_artifact(path).meta["provenance"]["calibration"]["layer_output_error"]
     ratios = sorted(e["gptq"] / e["rtn"] for e in errs.values() if e["rtn"] > 0)
-    click.echo(json.dumps({"out": str(path), "projections": len(errs), "backward_layout": backward_layout,
-                           "output_error_ratio_gptq_over_rtn": {"median": ratios[len(ratios) // 2], "max": ratios[-1]}},
-                          indent=2))
+    doc = {"out": str(path), "projections": len(errs), "backward_layout": backward_layout,
+           "output_error_ratio_gptq_over_rtn": {"median": ratios[len(ratios) // 2], "max": ratios[-1]}}
+    if correct_rank:
+        fixed = sorted(e["corrected"] / e["rtn"] for e in errs.values() if e["rtn"] > 0)
+        doc["output_error_ratio_corrected_over_rtn"] = {"median": fixed[len(fixed) // 2], "max": fixed[-1]}
+    click.echo(json.dumps(doc, indent=2))
 
 
 if __name__ == "__main__":

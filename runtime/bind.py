@@ -131,6 +131,9 @@ def _bind_group(art: Artifact, members: list[str], names: set[str], dev: torch.d
         if resident is not None:
             g.weight = resident(g.weight)
             g.weight_t = None if g.weight_t is None else resident(g.weight_t)
+        corr = [art.correction(m) for m in members]
+        if any(c is not None for c in corr):
+            g.corr = [None if c is None else (c[0].to(dev, torch.bfloat16), c[1].to(dev, torch.bfloat16)) for c in corr]
     else:
         # a member kept in bf16: the group runs dense (NVFP4 members decoded once to bf16)
         g.dense = torch.cat([art.dequantize(m).to(torch.bfloat16) for m in members], 0).to(dev)

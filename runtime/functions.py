@@ -63,6 +63,9 @@ class FrozenGroup:
     dense: torch.Tensor | None = None
     bias: torch.Tensor | None = None
     loras: list[Lora | None] = field(default_factory=list)
+    # per member: its frozen low-rank correction (U [N_i, R], V [R, K] bf16; pact-calibrate --correct-rank), the
+    # weight it computes with being the NVFP4 one + U V; empty: none (a dense group holds it in ``dense``)
+    corr: list[tuple[torch.Tensor, torch.Tensor] | None] = field(default_factory=list)
 
     def lora_params(self) -> list[torch.nn.Parameter]:
         return [p for lo in self.loras if lo is not None for p in (lo.A, lo.B)]
@@ -105,6 +108,7 @@ def project(ops, g: FrozenGroup, a, x_hat: torch.Tensor, a_hat: torch.Tensor | N
         y = mm(dense_a, g.dense.t())
     if g.bias is not None:
         y = y + g.bias
+    _correct(g, y, x_hat)
     if not any(lo is not None for lo in g.loras):
         return y, [None] * len(g.loras), [None] * len(g.loras)
     seeds = [_new_seed() if lo is not None and lo.dropout > 0 else None for lo in g.loras]
@@ -127,6 +131,32 @@ def project(ops, g: FrozenGroup, a, x_hat: torch.Tensor, a_hat: torch.Tensor | N
     return y, xas, seeds
 
 
+def _correct(g: FrozenGroup, y: torch.Tensor, x: torch.Tensor) -> None:
+    """y += x V_i^T U_i^T in each corrected member's slice of y (one GEMM for every member's x V^T)."""
+    if not any(c is not None for c in g.corr):
+        return
+    xv, col, off = mm(x, torch.cat([c[1] for c in g.corr if c is not None]).t()), 0, 0  # [T, sum R]
+    for c, n in zip(g.corr, g.sizes):
+        if c is not None:
+            r = c[1].shape[0]
+            addmm_(y[:, off : off + n], xv[:, col : col + r], c[0].t())
+            col += r
+        off += n
+
+
+def _correct_backward(g: FrozenGroup, dy: torch.Tensor, dx: torch.Tensor) -> None:
+    """dx += (dy_i U_i) V_i summed over the corrected members (the correction is frozen: no gradient of its own)."""
+    if not any(c is not None for c in g.corr):
+        return
+    parts, off = [], 0
+    for c, n in zip(g.corr, g.sizes):
+        if c is not None:
+            parts.append(mm(dy[:, off : off + n], c[0]))
+        off += n
+    addmm_(dx, torch.cat(parts, 1) if len(parts) > 1 else parts[0],
+           torch.cat([c[1] for c in g.corr if c is not None]).to(dx.dtype))
+
+
 def project_backward(ops, g: FrozenGroup, dy: torch.Tensor, x_hat: torch.Tensor, xas: list, seeds: list):
     """dX (bf16 [T,K]) and the LoRA grads [(dA, dB) or None per member].
 
@@ -141,6 +171,7 @@ def project_backward(ops, g: FrozenGroup, dy: torch.Tensor, x_hat: torch.Tensor,
             raise RuntimeError("a backward through a model built with backward=False (no backward layouts loaded): "
                                "build it with backward=True to train")
         dx = ops.dgrad_gemm(dy, w)
+    _correct_backward(g, dy, dx)
     if not any(lo is not None for lo in g.loras):
         return dx, [None] * len(g.loras)
     batched = _batched(g)

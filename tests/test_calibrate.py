@@ -899,3 +899,83 @@ def test_calibrate_refuses_bad_lengths_and_records_as_pact_train_does(setup, tmp
     check_conversation(calls, "f:1", null_content=True)  # calibration renders a turn that only calls tools
     with pytest.raises(PactError, match="f:1: message 2's content must be a string, got null"):
         check_conversation(calls, "f:1")  # training learns text
+
+
+# ---- --correct-rank: a frozen low-rank correction of what the NVFP4 weights miss
+
+
+@pytest.fixture(scope="module")
+def corrected(setup, tmp_path_factory):
+    out = tmp_path_factory.mktemp("corr") / "c"
+    return open_artifact(calibrate(str(setup / "art"), setup / "prompts.jsonl", out, correct_rank=4, seq_len=64,
+                                   progress=False))
+
+
+def test_correction_is_stored_and_lowers_the_output_error(corrected):
+    """Each projection stores U [N, 4], V [4, K] in bf16; the model's weight is dequantize + U V; on the
+    calibration inputs the layer outputs come nearer the source's than GPTQ's alone."""
+    corrected.verify()
+    cal = corrected.meta["provenance"]["calibration"]
+    assert cal["correct_rank"] == 4 and corrected.corrected
+    ratios = []
+    for name in corrected.names("nvfp4"):
+        n, k = corrected.entry(name)["shape"]
+        u, v = corrected.correction(name)
+        assert (u.dtype, tuple(u.shape), v.dtype, tuple(v.shape)) == (torch.bfloat16, (n, 4), torch.bfloat16, (4, k))
+        torch.testing.assert_close(corrected.dequantize(name),
+                                   F.dequantize(corrected.nvfp4(name)) + u.float() @ v.float())
+        torch.testing.assert_close(corrected.dequantize(name, "bwd"), corrected.dequantize(name).t())
+        e = cal["layer_output_error"][name]
+        ratios.append(e["corrected"] / e["gptq"])
+    ratios.sort()
+    assert ratios[len(ratios) // 2] < 0.9 and ratios[-1] < 1.05, ratios
+
+
+def test_correction_in_forward_and_backward(corrected, setup):
+    """The model computes with the corrected weights both ways: transformers + PEFT on dequantize + U V
+    (the reference) give the same loss and LoRA gradients."""
+    import test_model as tm
+    from pact.formats.peft import LoraConfig
+    from pact.runtime.model import PactModel
+
+    model = PactModel(corrected, LoraConfig(r=tm.R, alpha=tm.ALPHA), activations="bf16")
+    assert any(c is not None for L in model.layers for c in L.gate_up.corr)
+    ours, ref, cos = tm._against_hf(corrected, setup / "src", model)
+    assert ours == pytest.approx(ref, rel=2e-3)
+    assert min(cos.values()) >= 0.999, min(cos.items(), key=lambda kv: kv[1])
+
+
+def test_correction_exports_to_bf16_only(corrected, tmp_path):
+    """An NVFP4 checkpoint cannot hold the correction: that export is refused, in one line naming the fix;
+    the bf16 export holds the weights the model computes with."""
+    from pact.convert.export import export
+
+    with pytest.raises(PactError, match=r"low-rank corrections .* export --format bf16"):
+        export(str(corrected.path), tmp_path / "ct")
+    export(str(corrected.path), tmp_path / "bf16", fmt="bf16")
+    sd = load_file(tmp_path / "bf16" / "model.safetensors")
+    name = corrected.names("nvfp4")[0]
+    torch.testing.assert_close(sd[name].float(), corrected.dequantize(name).to(torch.bfloat16).float())
+
+
+@pytest.mark.parametrize("edit,match", [
+    (lambda e: e["arrays"].pop("corr_v"), "has arrays"),
+    (lambda e: e["arrays"]["corr_u"].update(shape=[e["shape"][0], 5]), "is bfloat16"),
+    (lambda e: e["arrays"]["corr_u"].update(shape=[e["shape"][0], 10**6]), "a correction of rank 1000000"),
+])
+def test_a_malformed_correction_is_refused(corrected, tmp_path, edit, match):
+    import shutil
+
+    from conftest import edit_manifest
+
+    art = tmp_path / "a"
+    shutil.copytree(corrected.path, art)
+    edit_manifest(art, lambda m: edit(m["tensors"][corrected.names("nvfp4")[0]]))
+    with pytest.raises(ArtifactError, match=match):
+        open_artifact(art)
+
+
+def test_correct_rank_is_checked(setup, tmp_path):
+    r = CliRunner().invoke(calibrate_cli, [str(setup / "art"), "--prompts", str(setup / "prompts.jsonl"), "--out",
+                                           str(tmp_path / "c"), "--correct-rank", "-1"])
+    assert r.exit_code != 0 and "--correct-rank must be in [0, 1024]" in r.output and not (tmp_path / "c").exists()
