@@ -47,15 +47,13 @@ class SourceError(PactError):
     weights removed, or another model at its path): GPTQ needs the original weights."""
 
 
-def _correction(E: torch.Tensor, roots: tuple[torch.Tensor, torch.Tensor], rank: int
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+def _correction(E: torch.Tensor, L: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """U [N, R], V [R, K] (fp32) of the rank-R C = U V closest to the weights' error E = W - Q on the
-    inputs: C minimizes ||(E - C) Hd^1/2|| (``roots`` = Hd^1/2, Hd^-1/2: `_input_roots`): with E Hd^1/2 =
-    P S Z^T, C = P_R S_R Z_R^T Hd^-1/2, split as U = P_R S_R^1/2, V = S_R^1/2 Z_R^T Hd^-1/2. A LoRA started
-    from the error alone (LoftQ) holds ~10% of it at rank 16 on SmolLM2; weighed by the inputs, 60%
-    (BENCHMARKS.md "Calibration downstream")."""
-    root, inv = roots
-    M = E.float() @ root
+    inputs: C minimizes ||(E - C) L|| with L L^T = Hd (`_input_factor`), as ||M L||^2 = tr(M Hd M^T) for
+    any such factor: with E L = P S Z^T, C = P_R S_R Z_R^T L^-1, split as U = P_R S_R^1/2, V = S_R^1/2
+    Z_R^T L^-1. A LoRA started from the error alone (LoftQ) holds ~10% of it at rank 16 on SmolLM2;
+    weighed by the inputs, 60% (BENCHMARKS.md "Calibration downstream")."""
+    M = E.float() @ L
     r = min(rank, *M.shape)
     if r * 4 < min(M.shape):  # the top R only: a randomized range finder (Halko et al.), a few passes over M
         P, S, Z = torch.svd_lowrank(M, q=min(r + 16, *M.shape), niter=4)
@@ -63,17 +61,15 @@ def _correction(E: torch.Tensor, roots: tuple[torch.Tensor, torch.Tensor], rank:
     else:
         P, S, Zt = torch.linalg.svd(M, full_matrices=False)
     s = S[:r].sqrt()
-    return P[:, :r] * s, s[:, None] * (Zt[:r] @ inv)
+    return P[:, :r] * s, torch.linalg.solve_triangular(L, s[:, None] * Zt[:r], upper=False, left=False)
 
 
-def _input_roots(H: torch.Tensor, damp: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Hd^1/2 and Hd^-1/2 (fp32) of Hd = H + damp * mean(diag H) I, one per group (its members share the
+def _input_factor(H: torch.Tensor, damp: float) -> torch.Tensor:
+    """L (lower, fp32) with L L^T = Hd = H + damp * mean(diag H) I, one per group (its members share the
     inputs): the damping keeps the correction small along directions the inputs barely reach."""
-    Hd = H.float().clone()  # (fp32: the damping bounds its condition number near 100 K / 1; half fp64's time)
+    Hd = H.float().clone()
     Hd.diagonal().add_(damp * float(Hd.diagonal().mean().clamp(min=1e-12)))
-    vals, vecs = torch.linalg.eigh(Hd)
-    vals = vals.clamp(min=float(vals.max()) * 1e-7)
-    return (vecs * vals.sqrt()) @ vecs.T, (vecs / vals.sqrt()) @ vecs.T
+    return torch.linalg.cholesky(Hd)
 
 
 def _output_error(W: torch.Tensor, Q: torch.Tensor, H: torch.Tensor) -> torch.Tensor:
@@ -298,7 +294,7 @@ def _calibrate(ses: Session, src, samples, out: Path, clock: _Clock, *, prompts:
             Q, _ = H.quantize(torch.cat(Ws), q, blocksize=blocksize, percdamp=damp, actorder=actorder)
             fwd_all = q.pack(Q)
             r0, corr = 0, []
-            roots = _input_roots(unit[id(g.weight)], damp) if correct_rank else None
+            factor = _input_factor(unit[id(g.weight)], damp) if correct_rank else None
             for name, W in zip(g.names, Ws):
                 r1 = r0 + W.shape[0]
                 Qn = Q[r0:r1]
@@ -311,7 +307,7 @@ def _calibrate(ses: Session, src, samples, out: Path, clock: _Clock, *, prompts:
                            quantize(Qn.t().contiguous(), global_scale=fwd.global_scale, scale_rule=scale_rule))
                 rtn = dequantize(art.nvfp4(name, "fwd")).to(dev)
                 errors[name] = {"rtn": _output_error(W, rtn, H.H), "gptq": _output_error(W, Qn, H.H)}
-                c = _correction(W - Qn, roots, correct_rank) if correct_rank else None
+                c = _correction(W - Qn, factor, correct_rank) if correct_rank else None
                 if c is not None:
                     errors[name]["corrected"] = _output_error(W, Qn + c[0] @ c[1], H.H)
                     c = (c[0].to(torch.bfloat16), c[1].to(torch.bfloat16))
