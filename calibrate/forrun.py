@@ -102,7 +102,9 @@ def calibrate_for_run(artifact: str, data: str, run: str | os.PathLike, *, split
             with tempfile.TemporaryDirectory(prefix="pact-calibration-texts-") as tmp:
                 texts = Path(tmp) / "train-texts.jsonl"
                 texts.write_text(body, encoding="utf-8")
-                calibrate(artifact, texts, out, max_samples=n, seq_len=seq_len, device=device,
+                # an artifact with a low-rank correction is calibrated again with one of the same rank
+                rank = (art.meta["provenance"].get("calibration") or {}).get("correct_rank", 0)
+                calibrate(artifact, texts, out, max_samples=n, seq_len=seq_len, device=device, correct_rank=rank,
                           overwrite=out.exists(), progress=progress, record={"for_run": want},
                           prompts_label=f"pact-train: the first {n} records of --data {data}"
                                         f"{f' (split {split})' if split else ''}, <= {seq_len} tokens each")

@@ -979,3 +979,15 @@ def test_correct_rank_is_checked(setup, tmp_path):
     r = CliRunner().invoke(calibrate_cli, [str(setup / "art"), "--prompts", str(setup / "prompts.jsonl"), "--out",
                                            str(tmp_path / "c"), "--correct-rank", "-1"])
     assert r.exit_code != 0 and "--correct-rank must be in [0, 1024]" in r.output and not (tmp_path / "c").exists()
+
+
+def test_a_run_recalibrates_a_corrected_artifact_with_its_rank(corrected, setup, tmp_path):
+    """pact-train's calibration of a corrected artifact on the run's texts keeps a correction of the same
+    rank (it would otherwise drop what the user chose)."""
+    from pact.calibrate.forrun import calibrate_for_run
+
+    data = make_sentiment_jsonl(tmp_path / "train.jsonl", 32)
+    out = calibrate_for_run(str(corrected.path), str(data), tmp_path / "run", samples=16, seq_len=64, progress=False)
+    art = open_artifact(out)
+    assert art.meta["provenance"]["calibration"]["correct_rank"] == 4
+    assert all(art.correction(n)[1].shape[0] == 4 for n in art.names("nvfp4"))
