@@ -334,17 +334,19 @@ def _calibrate(ses: Session, src, samples, out: Path, clock: _Clock, *, prompts:
                   **({"model_texts": {"seed": texts[2], "temperature": 1.0}} if texts is not None else {}))
 
 
-def _warn_few_tokens(hessians) -> None:
+_MORE_CALIBRATION_TEXT = ("calibrate on more or longer texts (pact-calibrate: more --prompts texts, --max-samples / "
+                          "--seq-len or --min-tokens N; pact-train: more --data records, --calibrate-samples or "
+                          "--max-len; 128 x 128 tokens is what BENCHMARKS.md measured)")
+
+
+def _warn_few_tokens(hessians, what: str = "calibration", fix: str = _MORE_CALIBRATION_TEXT) -> None:
     """GPTQ's Hessian has rank at most the token count: with fewer calibration tokens than a
     projection's input columns the damping decides most of the solve. Said once, not refused
     (a smoke test on a few texts is legitimate)."""
     tokens, widest = min(h.nsamples for h in hessians), max(h.columns for h in hessians)
     if tokens < widest:
-        log.warning("calibration: %d tokens, fewer than the widest projection's %d input columns: the Hessian is "
-                    "rank-deficient and the result stays near round-to-nearest; calibrate on more or longer texts "
-                    "(pact-calibrate: more --prompts texts, --max-samples / --seq-len or --min-tokens N; pact-train: "
-                    "more --data records, --calibrate-samples or --max-len; 128 x 128 tokens is what BENCHMARKS.md "
-                    "measured)", tokens, widest)
+        log.warning("%s: %d tokens, fewer than the widest projection's %d input columns: the Hessian is "
+                    "rank-deficient and the result stays near round-to-nearest; %s", what, tokens, widest, fix)
 
 
 def _units(model: PactModel, art, samples) -> list[Unit]:

@@ -27,7 +27,7 @@ from pact.formats.peft import load_peft_adapter
 from pact.runtime.data import read_records, tokenize
 from pact.runtime.session import open_session
 
-from .calibrate import GROUPS, _Clock, _output_error, _units
+from .calibrate import GROUPS, _Clock, _output_error, _units, _warn_few_tokens
 from .gptq import GPTQ
 from .quantizer import NVFP4Quantizer
 
@@ -81,6 +81,7 @@ def gptq_merge(artifact: str | os.PathLike, adapter: str | os.PathLike, data: st
     out: dict[str, NVFP4Tensor] = {}
     errors: dict[str, dict[str, float]] = {}
     gains: dict[str, dict] = {}
+    warned = False
     for L in tqdm(model.layers, desc="merge", unit="layer", disable=not progress):
         groups = {n: getattr(L, n) for n in GROUPS}
         todo = {n: g for n, g in groups.items() if g.weight is not None and any(m in weights for m in g.names)}
@@ -97,6 +98,10 @@ def gptq_merge(artifact: str | os.PathLike, adapter: str | os.PathLike, data: st
                 if inputs == "adapted":
                     u.x = y
         clock.lap("activations")
+        if hess and not warned:  # (the first layer with an adapted group: as few tokens as every other)
+            _warn_few_tokens(hess.values(), "pact-export --merge", "give --merge-data more or longer texts like the "
+                             "training data (or train on more records: the run's own texts are the default)")
+            warned = True
         for g in todo.values():
             H = hess[id(g.weight)]
             Ws, Ts = [], []

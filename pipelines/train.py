@@ -53,6 +53,9 @@ def main(config: str | None, **params) -> None:
 
         check_samples(samples)
     auto = with_gptq is None
+    from pact.runtime.runfolder import check_run
+
+    check_run(Path(cfg.out), resume)  # a taken --out is said first, not after a note about calibration
     if auto:  # the default: calibrate when it can, or say why not
         from pact.calibrate.forrun import auto_calibrate
         from pact.runtime.evaluate import own_weights

@@ -179,8 +179,7 @@ def _load_checkpoint(run: Path, ck: Path, model: PactModel, opt: torch.optim.Opt
         state.pop("best")
     if not isinstance(state.get("bad_evals", 0), int):
         state["bad_evals"] = 0
-    log.info("resumed from %s (step %d)", ck, state["step"])
-    return state
+    return state  # (the trainer says where it continues from)
 
 
 def _truncate_metrics(path: Path, step: int) -> None:

@@ -325,9 +325,9 @@ def load_adapted(artifact: str, adapter: str | None, *, device: str | None = Non
     from .session import open_session
 
     artifact = own_weights(artifact, adapter)  # a run's own calibrated/, given the artifact it was made from
+    lora_cfg, weights = load_peft_adapter(adapter) if adapter else (None, None)  # (a bad one said before "loading")
     log.info("loading %s%s (its checksums are verified on first use)", artifact, f" with {adapter}" if adapter else "")
     ses = open_session(artifact, device=device, tool=tool)  # a damaged artifact never runs
-    lora_cfg, weights = load_peft_adapter(adapter) if adapter else (None, None)
     if lora_cfg is not None:  # (the LoRA modules are sized by r before the adapter's tensors are compared)
         widest = max(min(e["shape"]) for e in ses.artifact.meta["tensors"].values() if len(e["shape"]) == 2)
         if lora_cfg.r > widest:

@@ -97,7 +97,17 @@ def _clear_new_run(run: Path) -> None:
 
 def _prepare_run(run: Path, resume: bool) -> None:
     """The run folder is new, or (``resume``) an unfinished run with a checkpoint; never one whose
-    results would be overwritten."""
+    results would be overwritten (check_run), and made."""
+    check_run(run, resume)
+    try:
+        run.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise PactError(f"--out {run}: cannot create it ({e.strerror}): choose a writable folder") from None
+
+
+def check_run(run: Path, resume: bool) -> None:
+    """What _prepare_run refuses, without making anything: pact-train says it before any note or minute of
+    calibration."""
     # a run folder from someone else (--resume) may hold links under the names pact writes or reads
     check_plain_tree(run, f"--out {run}", "a run folder holds only the files pact-train writes; remove the entry, "
                      "or start a new --out")
@@ -111,10 +121,6 @@ def _prepare_run(run: Path, resume: bool) -> None:
                             "--save-every N); train more in a new --out (its adapter stays as it is)")
         raise PactError(f"--resume: {run} has no usable checkpoint (train with --save-every N); "
                         "start again in an empty --out")
-    try:
-        run.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise PactError(f"--out {run}: cannot create it ({e.strerror}): choose a writable folder") from None
 
 
 def _trained(run: Path) -> bool:

@@ -581,3 +581,14 @@ def test_import_modelopt_nvfp4(tmp_path):
     r = train(TrainConfig(artifact=str(art.path), data=str(tmp_path / "train.jsonl"), out=str(tmp_path / "run"),
                           steps=1, batch_size=4, max_len=64), progress=False)
     assert r["step"] == 1
+
+
+def test_gptq_merge_on_few_tokens_says_so(trained, caplog):
+    """A merge on fewer tokens than a projection has input columns (a run on a few short records) says that
+    its GPTQ stays near round-to-nearest, as calibration does, naming --merge-data."""
+    from pact.calibrate.merge import gptq_merge
+
+    with caplog.at_level("WARNING", logger="pact.calibrate.calibrate"):
+        gptq_merge(str(trained / "art"), str(trained / "run"), str(trained / "train.jsonl"), max_samples=2)
+    said = [r.getMessage() for r in caplog.records if "rank-deficient" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("pact-export --merge: ") and "--merge-data" in said[0], said

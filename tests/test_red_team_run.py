@@ -63,3 +63,19 @@ def test_writers_replace_a_planted_link(tmp_path):
         f.write("new")
     assert (run / "x").read_text() == "new" and not (run / "x").is_symlink()
     assert victim.read_text() == KEEP
+
+
+def test_a_taken_out_is_said_first(tmp_path):
+    """pact-train refuses an --out holding another run before anything else it would say (a note that it
+    trains uncalibrated, then the refusal, read as if it had trained)."""
+    from click.testing import CliRunner
+
+    from conftest import make_converted_llama
+    from pact.pipelines.train import main
+
+    d = make_converted_llama(tmp_path, 8)  # 8 records: too few to calibrate, which a note would say
+    (d / "run").mkdir()
+    (d / "run" / "metrics.jsonl").write_text('{"step": 1}\n')
+    r = CliRunner().invoke(main, [str(d / "art"), "--data", str(d / "train.jsonl"), "--out", str(d / "run")])
+    assert r.exit_code == 1 and r.output.startswith("Error: --out ") and "is not empty" in r.output, r.output
+    assert "note:" not in r.output
