@@ -55,7 +55,8 @@ def main(config: str | None, **params) -> None:
     auto = with_gptq is None
     from pact.runtime.runfolder import check_run
 
-    check_run(Path(cfg.out), resume)  # a taken --out is said first, not after a note about calibration
+    # a taken --out is said first, not after a note about calibration (which checks a calibrated/ in it)
+    check_run(Path(cfg.out), resume, calibrated_aside=with_gptq is not False)
     if auto:  # the default: calibrate when it can, or say why not
         from pact.calibrate.forrun import auto_calibrate
         from pact.runtime.evaluate import own_weights

@@ -105,13 +105,15 @@ def _prepare_run(run: Path, resume: bool) -> None:
         raise PactError(f"--out {run}: cannot create it ({e.strerror}): choose a writable folder") from None
 
 
-def check_run(run: Path, resume: bool) -> None:
+def check_run(run: Path, resume: bool, *, calibrated_aside: bool = False) -> None:
     """What _prepare_run refuses, without making anything: pact-train says it before any note or minute of
-    calibration."""
+    calibration (``calibrated_aside``: a calibrated/ folder left to calibration's own checks, which say
+    what is wrong with one that pact-train did not make)."""
     # a run folder from someone else (--resume) may hold links under the names pact writes or reads
     check_plain_tree(run, f"--out {run}", "a run folder holds only the files pact-train writes; remove the entry, "
                      "or start a new --out")
-    files = [p for p in run.iterdir() if not _not_a_result(p)] if run.is_dir() else []
+    files = [p for p in run.iterdir() if not _not_a_result(p) and not (calibrated_aside and p.name == CALIBRATED)
+             ] if run.is_dir() else []
     if files and not resume:
         raise PactError(f"--out {run} is not empty: pass --resume to continue that run, or choose another folder")
     if resume and files and not _usable_checkpoints(run, warn=False):

@@ -276,7 +276,12 @@ def test_interrupt_says_how_to_continue(task, tmp_path, monkeypatch):
     r = CliRunner().invoke(train_cli, args)
     assert r.exit_code == 1 and "interrupted: no checkpoint was saved: run the command again (--save-every N" \
         in r.output, r.output
-    (tmp_path / "run" / "checkpoints" / "step-0000002").mkdir(parents=True)
+
+    def interrupted_after_a_checkpoint(cfg, **kw):
+        (tmp_path / "run" / "checkpoints" / "step-0000002").mkdir(parents=True)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train_module, "train", interrupted_after_a_checkpoint)
     r = CliRunner().invoke(train_cli, args)
     assert "interrupted: the same command with --resume continues from the last checkpoint" in r.output, r.output
 
