@@ -316,7 +316,7 @@ def _calibrate(ses: Session, src, samples, out: Path, clock: _Clock, *, prompts:
                 r0 = r1
             # the layer now runs on the calibrated weights (forward only: no backward layout needed here)
             g.weight = type(g.weight)(fwd_all.packed, fwd_all.scales, g.weight.global_scale)
-            g.corr = corr if correct_rank else g.corr  # (and with its correction)
+            g.corr = corr if correct_rank else []  # (with its correction, or none: an earlier one fits other codes)
             clock.lap("solve")
         with torch.no_grad():
             for u in units:

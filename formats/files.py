@@ -153,13 +153,19 @@ def replace_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def check_plain_tree(folder: Path, what: str, fix: str, error: type[PactError] = PactError) -> None:
+def check_plain_tree(folder: Path, what: str, fix: str, error: type[PactError] = PactError,
+                     opaque: tuple[str, ...] = ()) -> None:
     """Every entry under ``folder`` is a folder or a regular file: a symbolic link (which could lead a
-    writer or reader anywhere) or a named pipe, device or socket is refused with one error naming it."""
+    writer or reader anywhere) or a named pipe, device or socket is refused with one error naming it.
+    ``opaque``: names of sub-folders of ``folder`` whose contents are another program's (links there are its
+    own; pact neither reads nor writes inside them): the folder itself is checked, not what it holds."""
     stack = [str(folder)]
     while stack:
+        here = stack.pop()
+        if here != str(folder) and os.path.basename(here) in opaque and os.path.dirname(here) == str(folder):
+            continue
         try:
-            listing = list(os.scandir(stack.pop()))
+            listing = list(os.scandir(here))
         except FileNotFoundError:
             continue
         except OSError as e:

@@ -265,14 +265,24 @@ def _number(node, bound: float) -> bool:
     return isinstance(v, (int, float)) and abs(v) <= bound
 
 
+def _short_text(node) -> bool:
+    """A written string of at most 16 characters: its repeat by a computed count (tool templates indent
+    by depth) costs what the count costs, a number the template can make large only by multiplying
+    computed values, which is refused."""
+    from jinja2 import nodes
+
+    return isinstance(node, nodes.Const) and isinstance(node.value, str) and len(node.value) <= 16
+
+
 @functools.lru_cache(maxsize=16)
 def template_hazard(src: str) -> str | None:
     """What in the chat template ``src`` could outrun TEMPLATE_SECONDS, or None. SIGALRM only stops
     Python between operations, and jinja runs these in C for as long as a number in them says
-    (``7 ** 777777777``: minutes): a power, a repetition by a computed count (``'a' * n``; a written
-    one stays: ``'-' * 80``), ``round`` to a computed precision (a power of ten), ``sum`` from a
-    computed start (adding up lists: quadratic). Real chat templates use none of them. A template
-    that does not parse raises jinja2's TemplateSyntaxError."""
+    (``7 ** 777777777``: minutes): a power, a product of two computed values (``n * n``: a written
+    count stays, ``'-' * 80``, ``x * 2``, and so does a short written string's repeat, ``'  ' * depth``),
+    ``round`` to a computed precision (a power of ten), ``sum`` from a computed start (adding up lists:
+    quadratic). Real chat templates use none of them. A template that does not parse raises jinja2's
+    TemplateSyntaxError."""
     from jinja2 import nodes
 
     if len(src) > TEMPLATE_CHARS:
@@ -281,7 +291,9 @@ def template_hazard(src: str) -> str | None:
         if isinstance(node, nodes.Pow):
             what = "raises to a power (**)"
         elif isinstance(node, nodes.Mul):
-            ok = _number(node.left, MUL_MAX) or _number(node.right, MUL_MAX)
+            ok = (_number(node.left, MUL_MAX) or _number(node.right, MUL_MAX)
+                  or (_short_text(node.left) and not _number(node.right, math.inf))  # an indent: '  ' * depth
+                  or (_short_text(node.right) and not _number(node.left, math.inf)))  # (a written count: bound)
             what = None if ok else f"multiplies by a computed count or one over {MUL_MAX} (*)"
         else:
             what = _filter_hazard(node)

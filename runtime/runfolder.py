@@ -111,7 +111,7 @@ def check_run(run: Path, resume: bool, *, calibrated_aside: bool = False) -> Non
     what is wrong with one that pact-train did not make)."""
     # a run folder from someone else (--resume) may hold links under the names pact writes or reads
     check_plain_tree(run, f"--out {run}", "a run folder holds only the files pact-train writes; remove the entry, "
-                     "or start a new --out")
+                     "or start a new --out", opaque=("wandb",))  # (W&B's own folder, with its own links)
     files = [p for p in run.iterdir() if not _not_a_result(p) and not (calibrated_aside and p.name == CALIBRATED)
              ] if run.is_dir() else []
     if files and not resume:

@@ -991,3 +991,29 @@ def test_a_run_recalibrates_a_corrected_artifact_with_its_rank(corrected, setup,
     art = open_artifact(out)
     assert art.meta["provenance"]["calibration"]["correct_rank"] == 4
     assert all(art.correction(n)[1].shape[0] == 4 for n in art.names("nvfp4"))
+
+
+def test_recalibrating_without_a_correction_drops_the_old_one(corrected, setup, tmp_path, monkeypatch):
+    """Calibrated again without --correct-rank, a corrected artifact keeps no correction, and once a group is
+    solved the layers after it see its new weights alone: a correction fitted to older codes is dropped."""
+    from pact.runtime import functions
+
+    seen = []
+    real = functions._correct
+
+    def spy(g, y, x):
+        seen.append(bool(g.corr))
+        return real(g, y, x)
+
+    monkeypatch.setattr(functions, "_correct", spy)
+    again = open_artifact(calibrate(str(corrected.path), setup / "prompts.jsonl", tmp_path / "a", seq_len=64,
+                                    progress=False))
+    assert not again.corrected
+    groups = 4 * corrected.meta["hf_config"]["num_hidden_layers"]  # q|k|v, o, gate|up, down in every layer
+    # each layer runs twice a unit (the Hessians' pass on the artifact's weights, then the pass on the solved
+    # ones that feeds the next layer): the second holds no correction
+    per_layer = len(seen) // corrected.meta["hf_config"]["num_hidden_layers"]
+    for i in range(0, len(seen), per_layer):
+        first, second = seen[i:i + per_layer // 2], seen[i + per_layer // 2:i + per_layer]
+        assert all(first) and not any(second), (i, first, second)
+    assert len(seen) % groups == 0

@@ -79,3 +79,22 @@ def test_a_taken_out_is_said_first(tmp_path):
     r = CliRunner().invoke(main, [str(d / "art"), "--data", str(d / "train.jsonl"), "--out", str(d / "run")])
     assert r.exit_code == 1 and r.output.startswith("Error: --out ") and "is not empty" in r.output, r.output
     assert "note:" not in r.output
+
+
+def test_wandb_keeps_its_own_links(tmp_path):
+    """W&B, which --report-to wandb starts in RUN/wandb, makes links there (latest-run, debug.log): a run it
+    logged still resumes. The folder itself being a link, or a link anywhere else, is still refused."""
+    from pact.formats.files import check_plain_tree
+
+    run = tmp_path / "run"
+    (run / "wandb" / "offline-run-1").mkdir(parents=True)
+    os.symlink(run / "wandb" / "offline-run-1", run / "wandb" / "latest-run")
+    check_plain_tree(run, "--out", "fix", opaque=("wandb",))
+    os.symlink(tmp_path, run / "checkpoints")
+    with pytest.raises(PactError, match="checkpoints is a symbolic link"):
+        check_plain_tree(run, "--out", "fix", opaque=("wandb",))
+    (run / "checkpoints").unlink()
+    os.rename(run / "wandb", tmp_path / "elsewhere")
+    os.symlink(tmp_path / "elsewhere", run / "wandb")
+    with pytest.raises(PactError, match="wandb is a symbolic link"):
+        check_plain_tree(run, "--out", "fix", opaque=("wandb",))

@@ -120,8 +120,9 @@ def test_an_oversized_hf_file_is_refused(base, tmp_path, rel):
 
 @pytest.mark.parametrize("template,why", [
     ("{% set x = 7 ** 777777777 %}{{ messages[0]['content'] }}", r"raises to a power \(\*\*\) on line 1"),
-    ("{% for m in messages %}\n{{ 'a' * m['content']|length }}{% endfor %}",
+    ("{% for m in messages %}\n{{ m['content'] * m['content']|length }}{% endfor %}",
      r"multiplies by a computed count or one over 1024 \(\*\) on line 2"),
+    ("{{ 'a very long written string' * n }}", "multiplies by a computed count"),
     ("{{ 'a' * 1000000000 }}", "multiplies by a computed count or one over 1024"),
     ("{% set ns = namespace(n=10) %}{% for i in range(40) %}{% set ns.n = ns.n * ns.n %}{% endfor %}",
      "multiplies by a computed count"),
@@ -148,6 +149,7 @@ def test_an_oversized_template_is_refused():
 
 @pytest.mark.parametrize("template", [
     "{{ '-' * 80 }}{{ 3 * loop_count }}{{ x * 2.5 }}", "{% for m in messages %}{{ loop.index0 % 2 }}{% endfor %}",
+    "{%- set offset = '    ' * depth -%}{{ offset }}{{ '  ' * loop_depth0 }}",  # tool templates indent by depth
     "{{ x|round }}{{ x|round(2) }}{{ x|round(1, 'ceil') }}",
     "{{ xs|sum }}{{ xs|sum('n') }}{{ xs|sum(attribute='n', start=1) }}",
     "{{ messages|map(attribute='role')|join(', ') }}{{ xs|map('trim')|list }}{{ xs|map('round', 2)|list }}",
