@@ -292,10 +292,7 @@ def _nvfp4(art, name: str) -> NVFP4Tensor:
 
 def _effective(art, name: str) -> torch.Tensor:
     """The weight the model computes with (fp32): the checked NVFP4 one, its low-rank correction added."""
-    w = dequantize(_nvfp4(art, name))
-    if (c := art.correction(name)) is not None:
-        w = w + c[0].float() @ c[1].float()
-    return w
+    return art.with_correction(name, dequantize(_nvfp4(art, name)))
 
 
 def merged_weight(w: torch.Tensor, name: str, adapters: dict, scale: float) -> torch.Tensor:

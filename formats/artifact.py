@@ -54,6 +54,7 @@ from .files import (  # noqa: F401 (re-exported: pact.formats.artifact.<helper> 
     save_safetensors,
     sha256_file,
     sweep_leftovers,
+    tree_entries,
     work_path,
 )
 from .layout import (  # noqa: F401
@@ -585,29 +586,26 @@ def _check_contained(path: Path, meta: dict) -> None:
                 raise ArtifactError(f"{path}/zarr.json: manifest array {name}/{part} has path {spec['path']!r}, not "
                                     f"tensors/{name}/{part}: the artifact is damaged or was not written by pact; "
                                     "re-copy it or re-run pact-convert")
-    stack = [str(path)]
-    while stack:  # os.scandir: the entry types come with the listing, no stat per file
-        folder = stack.pop()
-        try:
-            listing = list(os.scandir(folder))
-        except OSError as e:  # (a folder that cannot be listed cannot be checked: refused, not skipped)
-            raise ArtifactError(f"{folder}: cannot be listed ({e.strerror or e}): make the artifact readable "
-                                "(chmod -R u+rX) or re-copy it") from None
-        for d in listing:
-            p = Path(d.path)
-            if d.is_symlink():
-                raise ArtifactError(f"{p}: a symbolic link inside the artifact: refusing it (links can lead "
-                                    "outside the folder); re-copy the artifact from a source you trust, or re-run "
-                                    "pact-convert (a copy that follows links, cp -rL, takes in whatever they lead to)")
-            if d.is_dir(follow_symlinks=False):
-                stack.append(d.path)
-            elif not d.is_file(follow_symlinks=False):  # a named pipe, device or socket
-                check_regular(p, d.stat(follow_symlinks=False).st_mode,
-                              "remove it, or re-copy the artifact from a source you trust")
-            if d.name.endswith((".py", ".pyc", ".so")):
-                raise ArtifactError(f"{p}: the artifact ships code: refusing it (pact never runs code from an "
-                                    "artifact); remove the file or re-run pact-convert on a trusted model")
+    def unlistable(folder: str, e: OSError) -> None:  # (a folder that cannot be listed cannot be checked)
+        raise ArtifactError(f"{folder}: cannot be listed ({e.strerror or e}): make the artifact readable "
+                            "(chmod -R u+rX) or re-copy it") from None
+
     hf = path / HF_DIR
+    below_hf = f"{hf}{os.sep}"
+    for d in tree_entries(path, unlistable):
+        p = Path(d.path)
+        if d.is_symlink():
+            raise ArtifactError(f"{p}: a symbolic link inside the artifact: refusing it (links can lead "
+                                "outside the folder); re-copy the artifact from a source you trust, or re-run "
+                                "pact-convert (a copy that follows links, cp -rL, takes in whatever they lead to)")
+        if not d.is_dir(follow_symlinks=False) and not d.is_file(follow_symlinks=False):  # a pipe, device, socket
+            check_regular(p, d.stat(follow_symlinks=False).st_mode,
+                          "remove it, or re-copy the artifact from a source you trust")
+        if d.name.endswith((".py", ".pyc", ".so")):
+            raise ArtifactError(f"{p}: the artifact ships code: refusing it (pact never runs code from an "
+                                "artifact); remove the file or re-run pact-convert on a trusted model")
+        if d.path.startswith(below_hf) and d.is_file(follow_symlinks=False):  # transformers reads them whole
+            _check_hf_size(p, d.stat(follow_symlinks=False).st_size)
     if hf.is_dir():
         _check_hf(hf)
 
@@ -620,18 +618,22 @@ _REPLACED_FILE_KEYS = frozenset({"tokenizer_file", "special_tokens_map_file", "a
                                  "tokenizer_config_file", "chat_template_file"})
 
 
+_CRAFTED = "the artifact is damaged or crafted; re-copy it or re-run pact-convert"
+
+
+def _check_hf_size(f: Path, size: int) -> None:
+    if size > JSON_MAX:  # pact-convert ships no larger side file
+        raise ArtifactError(f"{f}: {size} bytes, more than the {JSON_MAX} bytes a config, tokenizer or "
+                            f"chat template file may hold (transformers reads it whole): {_CRAFTED}")
+
+
 def _check_hf(hf: Path) -> None:
-    """The hf/ files transformers reads, safe to read: each of bounded size (it reads tokenizer, template and
-    vocabulary files whole: a 3 GiB sparse chat_template.jinja took 6 GiB of memory), each JSON one parsed
-    once here (a damaged one is one line now, not a traceback in transformers later), none asking for code
-    or naming a file for the tokenizer to open (a tokenizer read from outside the artifact, any host file)."""
-    fix = "the artifact is damaged or crafted; re-copy it or re-run pact-convert"
-    for folder, _, names in os.walk(hf):  # (links and special files were refused above)
-        for name in names:
-            f = Path(folder, name)
-            if (size := f.stat().st_size) > JSON_MAX:  # pact-convert ships no larger side file
-                raise ArtifactError(f"{f}: {size} bytes, more than the {JSON_MAX} bytes a config, tokenizer or "
-                                    f"chat template file may hold (transformers reads it whole): {fix}")
+    """The hf/ files transformers reads, safe to read (each of bounded size, `_check_hf_size` in the walk
+    above: it reads tokenizer, template and vocabulary files whole, and a 3 GiB sparse chat_template.jinja
+    took 6 GiB of memory), each JSON one parsed once here (a damaged one is one line now, not a traceback
+    in transformers later), none asking for code or naming a file for the tokenizer to open (a tokenizer
+    read from outside the artifact, any host file)."""
+    fix = _CRAFTED
 
     def file_key(doc: Any, top: bool) -> str | None:
         for k, v in doc.items() if isinstance(doc, dict) else ():
@@ -896,11 +898,14 @@ class Artifact:
         if e["kind"] == "dense":
             t = self.dense(name).float()
             return t.t() if layout == "bwd" else t
-        w = _dequantize(self.nvfp4(name, layout))
-        if (c := self.correction(name)) is not None:
-            uv = c[0].float() @ c[1].float()
-            w = w + (uv.t() if layout == "bwd" else uv)
-        return w
+        return self.with_correction(name, _dequantize(self.nvfp4(name, layout)), layout)
+
+    def with_correction(self, name: str, w: torch.Tensor, layout: str = "fwd") -> torch.Tensor:
+        """``w`` (the projection's dequantized weight, float32) plus its low-rank correction, where it has one."""
+        if (c := self.correction(name)) is None:
+            return w
+        uv = c[0].float() @ c[1].float()
+        return w + (uv.t() if layout == "bwd" else uv)
 
     def verify(self) -> int:
         """Recompute every checksum and, in the same read, look for values no converter writes (NaN

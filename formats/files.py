@@ -153,31 +153,42 @@ def replace_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def tree_entries(folder: Path, unlistable: Callable[[str, OSError], None], opaque: tuple[str, ...] = ()
+                 ) -> Iterator[os.DirEntry]:
+    """Every entry below ``folder``, sub-folders entered and links never followed (os.scandir: the entry
+    types come with the listing, no stat per file). ``opaque``: names of sub-folders of ``folder`` whose
+    contents are not walked (the entry itself is). A folder that cannot be listed goes to
+    ``unlistable(folder, error)``, which raises, or returns to skip it."""
+    stack = [str(folder)]
+    while stack:
+        here = stack.pop()
+        try:
+            listing = list(os.scandir(here))
+        except OSError as e:
+            unlistable(here, e)
+            continue
+        for d in listing:
+            yield d
+            if d.is_dir(follow_symlinks=False) and not (here == str(folder) and d.name in opaque):
+                stack.append(d.path)
+
+
 def check_plain_tree(folder: Path, what: str, fix: str, error: type[PactError] = PactError,
                      opaque: tuple[str, ...] = ()) -> None:
     """Every entry under ``folder`` is a folder or a regular file: a symbolic link (which could lead a
     writer or reader anywhere) or a named pipe, device or socket is refused with one error naming it.
     ``opaque``: names of sub-folders of ``folder`` whose contents are another program's (links there are its
     own; pact neither reads nor writes inside them): the folder itself is checked, not what it holds."""
-    stack = [str(folder)]
-    while stack:
-        here = stack.pop()
-        if here != str(folder) and os.path.basename(here) in opaque and os.path.dirname(here) == str(folder):
-            continue
-        try:
-            listing = list(os.scandir(here))
-        except FileNotFoundError:
-            continue
-        except OSError as e:
-            raise error(f"{what}: {e.filename}: cannot be listed ({e.strerror}): {fix}") from None
-        for d in listing:
-            if d.is_symlink():
-                raise error(f"{what}: {d.path} is a symbolic link: refusing it (links can lead outside the folder); "
-                            f"{fix}")
-            if d.is_dir(follow_symlinks=False):
-                stack.append(d.path)
-            elif not d.is_file(follow_symlinks=False):
-                raise error(f"{what}: {d.path} is not a regular file (a named pipe, device or socket): {fix}")
+    def unlistable(here: str, e: OSError) -> None:
+        if not isinstance(e, FileNotFoundError):  # (absent: a new --out, or one removed meanwhile)
+            raise error(f"{what}: {here}: cannot be listed ({e.strerror}): {fix}") from None
+
+    for d in tree_entries(folder, unlistable, opaque):
+        if d.is_symlink():
+            raise error(f"{what}: {d.path} is a symbolic link: refusing it (links can lead outside the folder); "
+                        f"{fix}")
+        if not d.is_dir(follow_symlinks=False) and not d.is_file(follow_symlinks=False):
+            raise error(f"{what}: {d.path} is not a regular file (a named pipe, device or socket): {fix}")
 
 
 def sweep_leftovers(out: Path) -> None:
