@@ -131,30 +131,43 @@ def project(ops, g: FrozenGroup, a, x_hat: torch.Tensor, a_hat: torch.Tensor | N
     return y, xas, seeds
 
 
-def _correct(g: FrozenGroup, y: torch.Tensor, x: torch.Tensor) -> None:
-    """y += x V_i^T U_i^T in each corrected member's slice of y (one GEMM for every member's x V^T)."""
-    if not any(c is not None for c in g.corr):
-        return
-    xv, col, off = mm(x, torch.cat([c[1] for c in g.corr if c is not None]).t()), 0, 0  # [T, sum R]
+def _corr_fused(g: FrozenGroup) -> tuple[torch.Tensor, torch.Tensor]:
+    """The members' corrections as two matrices, made once per ``g.corr`` list: U_bd [sum R, N] (member i's U_i^T
+    in its rows and its own columns, zeros elsewhere) and V_cat [sum R, K], so that the group's correction is
+    x V_cat^T U_bd and its input gradient (dY U_bd^T) V_cat: two GEMMs a call, no per-call concatenation (and
+    nothing allocated that a CUDA graph's replay would miss)."""
+    cached = getattr(g, "_corr_cache", None)
+    if cached is not None and cached[0] is g.corr:
+        return cached[1]
+    parts = [c for c in g.corr if c is not None]
+    ref = parts[0][1]
+    u = torch.zeros(sum(c[1].shape[0] for c in parts), sum(g.sizes), dtype=ref.dtype, device=ref.device)
+    row, off = 0, 0
     for c, n in zip(g.corr, g.sizes):
         if c is not None:
             r = c[1].shape[0]
-            addmm_(y[:, off : off + n], xv[:, col : col + r], c[0].t())
-            col += r
+            u[row : row + r, off : off + n] = c[0].t()
+            row += r
         off += n
+    fused = (u, torch.cat([c[1] for c in parts]))
+    g._corr_cache = (g.corr, fused)
+    return fused
+
+
+def _correct(g: FrozenGroup, y: torch.Tensor, x: torch.Tensor) -> None:
+    """y += x V_i^T U_i^T in each corrected member's slice of y (two GEMMs for the group: _corr_fused)."""
+    if not any(c is not None for c in g.corr):
+        return
+    u, v = _corr_fused(g)
+    addmm_(y, mm(x, v.to(x.dtype).t()), u.to(x.dtype))
 
 
 def _correct_backward(g: FrozenGroup, dy: torch.Tensor, dx: torch.Tensor) -> None:
     """dx += (dy_i U_i) V_i summed over the corrected members (the correction is frozen: no gradient of its own)."""
     if not any(c is not None for c in g.corr):
         return
-    parts, off = [], 0
-    for c, n in zip(g.corr, g.sizes):
-        if c is not None:
-            parts.append(mm(dy[:, off : off + n], c[0]))
-        off += n
-    addmm_(dx, torch.cat(parts, 1) if len(parts) > 1 else parts[0],
-           torch.cat([c[1] for c in g.corr if c is not None]).to(dx.dtype))
+    u, v = _corr_fused(g)
+    addmm_(dx, mm(dy, u.to(dy.dtype).t()), v.to(dx.dtype))
 
 
 def project_backward(ops, g: FrozenGroup, dy: torch.Tensor, x_hat: torch.Tensor, xas: list, seeds: list):
