@@ -32,6 +32,27 @@ def test_majority_label(tmp_path):
     assert bf.majority_label(f) == (" b", 0.4)  # a tie: the label met first
 
 
+def test_evals_splits(tmp_path):
+    """OpenAI evals' records: the user turns are the prompt (the system instruction left out), the label the
+    completion; long prompts are left out; test first, disjoint from train; made once."""
+    import json
+
+    src = tmp_path / "samples.jsonl"
+    recs = [{"input": [{"role": "system", "content": "Answer 1 or 0."}, {"role": "user", "content": f" text {i} "}],
+             "ideal": str(i % 2)} for i in range(30)]
+    recs.append({"input": [{"role": "user", "content": "x" * 500}], "ideal": "1"})
+    src.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    train, test = bf.evals_splits(src, "toy", tmp_path / "out")
+    tr, te = ([json.loads(line) for line in open(p)] for p in (train, test))
+    assert (len(te), len(tr)) == (10, 20)
+    assert {r["prompt"] for r in tr}.isdisjoint(r["prompt"] for r in te)
+    r = te[0]
+    i = int(r["prompt"].split()[1])
+    assert r == {"prompt": f"text {i}\nAnswer:", "completion": f" {i % 2}"}
+    test.write_text("kept\n")
+    assert bf.evals_splits(src, "toy", tmp_path / "out") == (train, test) and test.read_text() == "kept\n"
+
+
 @pytest.mark.parametrize("text", ["rt peft 5e-4\n", "rt peft fast 0\n", "rt peft 5e-4 0 extra\n", "# nothing\n"])
 def test_cells_file_bad_line_names_the_file_and_line(tmp_path, text):
     f = tmp_path / "cells.txt"
