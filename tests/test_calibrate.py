@@ -945,6 +945,37 @@ def test_correction_in_forward_and_backward(corrected, setup):
     assert min(cos.values()) >= 0.999, min(cos.items(), key=lambda kv: kv[1])
 
 
+def test_group_correction_with_some_members_and_mixed_ranks():
+    """A group whose members carry corrections of different ranks, or none: each member's slice of the output gets
+    x V_i^T U_i^T and the input gradient sum_i (dY_i U_i) V_i, and a member without one is left as it was; a new
+    list of corrections (a recalibration) is used at once, not the fused copy of the old one."""
+    from pact.runtime import functions as fn
+
+    gen = torch.Generator().manual_seed(0)
+    sizes, k, t = [8, 4, 4], 16, 5
+    r = lambda *s: torch.randn(*s, generator=gen).to(torch.bfloat16)  # noqa: E731
+    corr = [(r(8, 3), r(3, k)), None, (r(4, 2), r(2, k))]
+    g = fn.FrozenGroup(names=["q", "k", "v"], sizes=sizes, corr=corr)
+    x, y0, dy, dx0 = r(t, k), r(t, 16), r(t, 16), r(t, k)
+    for _ in range(2):  # made once, then read from the cache
+        y, dx = y0.clone(), dx0.clone()
+        fn._correct(g, y, x)
+        fn._correct_backward(g, dy, dx)
+        want_y, want_dx, off = y0.float().clone(), dx0.float().clone(), 0
+        for c, n in zip(corr, sizes):
+            if c is not None:
+                want_y[:, off : off + n] += x.float() @ (c[0].float() @ c[1].float()).t()
+                want_dx += dy[:, off : off + n].float() @ c[0].float() @ c[1].float()
+            off += n
+        assert torch.equal(y[:, 8:12], y0[:, 8:12])  # the member without a correction
+        torch.testing.assert_close(y.float(), want_y, rtol=2e-2, atol=5e-2)
+        torch.testing.assert_close(dx.float(), want_dx, rtol=2e-2, atol=5e-2)
+    g.corr = [None, None, (r(4, 2), r(2, k))]
+    y = y0.clone()
+    fn._correct(g, y, x)
+    assert torch.equal(y[:, :12], y0[:, :12]) and not torch.equal(y[:, 12:], y0[:, 12:])
+
+
 def test_correction_exports_to_bf16_only(corrected, tmp_path):
     """An NVFP4 checkpoint cannot hold the correction: that export is refused, in one line naming the fix;
     the bf16 export holds the weights the model computes with."""
