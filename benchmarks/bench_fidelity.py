@@ -525,6 +525,52 @@ def lowrank(source, artifacts, ranks, texts, samples, json_out) -> None:
         json_out.write_text(json.dumps(res, indent=1))
 
 
+@cli.command()
+@click.option("--source", required=True, type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="The Hugging Face folder the artifact was converted from (its *.safetensors).")
+@click.option("--artifact", required=True, type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="An artifact with a frozen correction (pact-calibrate --correct-rank).")
+@click.option("--json-out", type=click.Path(dir_okay=False, path_type=Path), default=None)
+def correction(source, artifact, json_out) -> None:
+    """What a frozen correction U V does to the weights' error E = W - Q (source minus the NVFP4 codes'
+    weights) outside the inputs it was fitted to, per projection kind (median and max over the layers):
+    ``frob`` ||E - U V|| / ||E||, ``spec`` ||E - U V||_2 / ||E||_2 (above 1: some input direction meets a larger
+    error than without the correction), ``gain`` ||U V||_2 / ||E||_2 (the correction's largest output per unit
+    input against the error's)."""
+    from safetensors import safe_open
+
+    from pact.formats import open_artifact
+
+    art = open_artifact(artifact)
+    if not art.corrected:
+        raise click.BadParameter(f"{artifact} holds no correction (pact-calibrate --correct-rank R)",
+                                 param_hint="--artifact")
+    where = {}
+    for f in sorted(source.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as h:
+            where.update(dict.fromkeys(h.keys(), f))
+    kinds: dict[str, list[tuple[float, float, float]]] = {}
+    for n in art.names("nvfp4"):
+        uv = art.correction(n)
+        if uv is None:
+            continue
+        if n not in where:
+            raise click.BadParameter(f"{source} has no tensor {n}: another model's folder?", param_hint="--source")
+        with safe_open(str(where[n]), "pt") as h:
+            w = h.get_tensor(n).float()
+        c = uv[0].float() @ uv[1].float()
+        e = w - (art.dequantize(n).float() - c)  # dequantize includes the correction
+        spec = lambda m: float(torch.linalg.matrix_norm(m, 2))  # noqa: E731
+        kinds.setdefault(n.removesuffix(".weight").rsplit(".", 1)[-1], []).append(
+            (float((e - c).norm() / e.norm()), spec(e - c) / spec(e), spec(c) / spec(e)))
+    res = {k: {m: {"median": round(statistics.median(r[i] for r in rows), 3), "max": round(max(r[i] for r in rows), 3)}
+               for i, m in enumerate(("frob", "spec", "gain"))} for k, rows in kinds.items()}
+    for k, r in res.items():
+        click.echo(json.dumps({"projection": k, **r}))
+    if json_out:
+        json_out.write_text(json.dumps(res, indent=1))
+
+
 def _input_roots(source: Path, texts: str, samples: int) -> dict[str, dict[str, torch.Tensor]]:
     """H^1/2 (float64, symmetric) of every nn.Linear's inputs X in the source model over ``samples`` records
     of ``texts`` (<= MAX_LEN tokens each): {module name: {"act": of X, "act_unit": of X with each row

@@ -337,3 +337,27 @@ def test_lowrank_share_of_the_weights_error(tmp_path):
     (d / "src" / "config.json").rename(tmp_path / "other" / "config.json")  # (a folder without the tensors)
     r = CliRunner().invoke(bf.cli, ["lowrank", "--source", str(tmp_path / "other"), "--artifact", f"x={d / 'art'}"])
     assert r.exit_code != 0 and "no *.safetensors" in r.output
+
+
+def test_correction_norms(tmp_path):
+    """`correction`: on a corrected artifact the error left after U V is below the error without it (Frobenius),
+    and the report covers every corrected projection kind; an artifact without a correction is one error."""
+    import json
+
+    from click.testing import CliRunner
+
+    from conftest import make_converted_llama
+    from pact.calibrate import calibrate
+
+    d = make_converted_llama(tmp_path, 48)
+    calibrate(str(d / "art"), d / "train.jsonl", d / "corr", correct_rank=4, seq_len=64, progress=False)
+    out = tmp_path / "c.json"
+    r = CliRunner().invoke(bf.cli, ["correction", "--source", str(d / "src"), "--artifact", str(d / "corr"),
+                                    "--json-out", str(out)])
+    assert r.exit_code == 0, r.output
+    got = json.loads(out.read_text())
+    assert set(got) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    for kind in got.values():
+        assert 0 < kind["frob"]["max"] < 1 and 0 < kind["gain"]["median"] and 0 < kind["spec"]["median"]
+    r = CliRunner().invoke(bf.cli, ["correction", "--source", str(d / "src"), "--artifact", str(d / "art")])
+    assert r.exit_code != 0 and "holds no correction" in r.output
