@@ -16,7 +16,7 @@ from pact.formats.families import GROUPS, LM_PREFIXES, FamilySpec
 from pact.formats.nvfp4 import NVFP4Tensor
 from pact.formats.peft import LoraConfig
 
-from .functions import FrozenGroup, Lora
+from .functions import FrozenGroup, Lora, corr_fused
 
 
 @dataclass
@@ -134,6 +134,7 @@ def _bind_group(art: Artifact, members: list[str], names: set[str], dev: torch.d
         corr = [art.correction(m) for m in members]
         if any(c is not None for c in corr):
             g.corr = [None if c is None else (c[0].to(dev, torch.bfloat16), c[1].to(dev, torch.bfloat16)) for c in corr]
+            corr_fused(g)  # made here, not at the first step (which may be inside a CUDA graph's capture)
     else:
         # a member kept in bf16: the group runs dense (NVFP4 members decoded once to bf16)
         g.dense = torch.cat([art.dequantize(m).to(torch.bfloat16) for m in members], 0).to(dev)

@@ -131,7 +131,7 @@ def project(ops, g: FrozenGroup, a, x_hat: torch.Tensor, a_hat: torch.Tensor | N
     return y, xas, seeds
 
 
-def _corr_fused(g: FrozenGroup) -> tuple[torch.Tensor, torch.Tensor]:
+def corr_fused(g: FrozenGroup) -> tuple[torch.Tensor, torch.Tensor]:
     """The members' corrections as two matrices, made once per ``g.corr`` list: U_bd [sum R, N] (member i's U_i^T
     in its rows and its own columns, zeros elsewhere) and V_cat [sum R, K], so that the group's correction is
     x V_cat^T U_bd and its input gradient (dY U_bd^T) V_cat: two GEMMs a call, no per-call concatenation (and
@@ -155,10 +155,10 @@ def _corr_fused(g: FrozenGroup) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _correct(g: FrozenGroup, y: torch.Tensor, x: torch.Tensor) -> None:
-    """y += x V_i^T U_i^T in each corrected member's slice of y (two GEMMs for the group: _corr_fused)."""
+    """y += x V_i^T U_i^T in each corrected member's slice of y (two GEMMs for the group: corr_fused)."""
     if not any(c is not None for c in g.corr):
         return
-    u, v = _corr_fused(g)
+    u, v = corr_fused(g)
     addmm_(y, mm(x, v.to(x.dtype).t()), u.to(x.dtype))
 
 
@@ -166,7 +166,7 @@ def _correct_backward(g: FrozenGroup, dy: torch.Tensor, dx: torch.Tensor) -> Non
     """dx += (dy_i U_i) V_i summed over the corrected members (the correction is frozen: no gradient of its own)."""
     if not any(c is not None for c in g.corr):
         return
-    u, v = _corr_fused(g)
+    u, v = corr_fused(g)
     addmm_(dx, mm(dy, u.to(dy.dtype).t()), v.to(dx.dtype))
 
 
