@@ -62,11 +62,13 @@ def calibration_texts(data: str, split: str | None, samples: int) -> tuple[str, 
 def calibrate_for_run(artifact: str, data: str, run: str | os.PathLike, *, split: str | None = None,
                       samples: int = SAMPLES, seq_len: int = SEQ_LEN, resume: bool = False,
                       device: str | None = None, progress: bool = True,
-                      announce: Callable[[], None] | None = None) -> Path:
+                      announce: Callable[[], None] | None = None, correct_rank: int | None = None) -> Path:
     """RUN/calibrated/: ``artifact`` calibrated with GPTQ on the first ``samples`` records of ``data``
     (``announce``: called when GPTQ starts, not on a reuse)
     (reused as it is when it was made from the same artifact's weights, texts and settings and is
-    intact). With ``resume``, a run that has trained keeps its calibrated/ or is refused."""
+    intact). With ``resume``, a run that has trained keeps its calibrated/ or is refused.
+    ``correct_rank``: the rank of the frozen correction fitted beside GPTQ (pact-calibrate --correct-rank);
+    None keeps the artifact's own (0 when it has none)."""
     check_samples(samples)
     if env_world() > 1:
         raise PactError("--calibrate under torchrun: calibrate once first (pact-calibrate ARTIFACT --prompts "
@@ -80,6 +82,11 @@ def calibrate_for_run(artifact: str, data: str, run: str | os.PathLike, *, split
     body, n = calibration_texts(data, split, samples)
     digest = texts_sha256(body)
     want = {"artifact_fingerprint": art.fingerprint(), "records": n, "seq_len": seq_len}
+    # an artifact with a low-rank correction is calibrated again with one of the same rank, unless asked otherwise
+    own = (art.meta["provenance"].get("calibration") or {}).get("correct_rank", 0)
+    rank = own if correct_rank is None else correct_rank
+    if rank != own:  # (recorded only then: runs calibrated before the option existed are still reused)
+        want["correct_rank"] = rank
     _check_source(art, artifact, data)
     recover_aside(out, "the run's calibrated artifact", is_artifact)  # (before overwrite= is decided from it)
     _check_ours(out)
@@ -102,8 +109,6 @@ def calibrate_for_run(artifact: str, data: str, run: str | os.PathLike, *, split
             with tempfile.TemporaryDirectory(prefix="pact-calibration-texts-") as tmp:
                 texts = Path(tmp) / "train-texts.jsonl"
                 texts.write_text(body, encoding="utf-8")
-                # an artifact with a low-rank correction is calibrated again with one of the same rank
-                rank = (art.meta["provenance"].get("calibration") or {}).get("correct_rank", 0)
                 calibrate(artifact, texts, out, max_samples=n, seq_len=seq_len, device=device, correct_rank=rank,
                           overwrite=out.exists(), progress=progress, record={"for_run": want},
                           prompts_label=f"pact-train: the first {n} records of --data {data}"

@@ -10,6 +10,7 @@ from pathlib import Path
 import click
 
 from pact.formats import PactError
+from pact.formats.artifact import CORRECTION_MAX_RANK
 from pact.runtime.evaluate import collapse_note
 from pact.runtime.trainer import TrainConfig, check_inputs, train
 
@@ -31,6 +32,10 @@ from .common import cli_errors, config_from, config_options, main_rank, with_con
                    "pact-eval and pact-export given ARTIFACT and the run use OUT/calibrated/ themselves.")
 @click.option("--calibrate-samples", type=int, default=128, show_default=True,
               help="Calibration: how many training records (each at most min(--max-len, 512) tokens).")
+@click.option("--calibrate-correct-rank", type=int, default=None, metavar="R",
+              help="Calibration also fits a frozen rank-R correction of the NVFP4 weights' error (pact-calibrate "
+                   "--correct-rank R; opt-in: +0.8 points on one task at lr 5e-4, less stable at 1e-3; BENCHMARKS.md). "
+                   "Implies --calibrate. Default: the artifact's own rank (0 when it has none).")
 @click.option("--resume", is_flag=True, help="Continue the run in --out from its latest checkpoint.")
 @click.option("--quiet", is_flag=True)
 @cli_errors
@@ -40,6 +45,16 @@ def main(config: str | None, **params) -> None:
         params = _where_the_run_is(config, with_config_file(config, params))
     resume, quiet = params.pop("resume"), params.pop("quiet")
     with_gptq, samples = params.pop("calibrate"), params.pop("calibrate_samples")
+    correct_rank = params.pop("calibrate_correct_rank")
+    if correct_rank is not None:
+        if not 0 <= correct_rank <= CORRECTION_MAX_RANK:
+            raise PactError(f"--calibrate-correct-rank must be in [0, {CORRECTION_MAX_RANK}] (0: no correction), "
+                            f"got {correct_rank}")
+        if with_gptq is False:
+            raise PactError("--calibrate-correct-rank: the correction is fitted by the run's calibration, which "
+                            "--no-calibrate turns off: drop one of them (or pact-calibrate ARTIFACT --correct-rank R "
+                            "first and train on its output)")
+        with_gptq = True
     try:
         cfg = config_from(TrainConfig, params)  # every setting checked before a minute of calibration
     except PactError as e:  # a bad value the config file set: said with the file's name
@@ -80,7 +95,8 @@ def main(config: str | None, **params) -> None:
         try:
             cfg.artifact = str(calibrate_for_run(cfg.artifact, cfg.data, cfg.out, split=cfg.data_split,
                                                  samples=samples, seq_len=min(cfg.max_len, 512), resume=resume,
-                                                 device=cfg.device, progress=not quiet, announce=announce))
+                                                 device=cfg.device, progress=not quiet, announce=announce,
+                                                 correct_rank=correct_rank))
         except SourceError as e:  # the source is there but not the model converted: never a mix of two models
             fix = (f"calibrate with pact-calibrate {cfg.artifact} --source ORIGINAL_MODEL --prompts {cfg.data} "
                    "--out CALIBRATED/ and train on CALIBRATED/")

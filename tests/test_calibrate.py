@@ -1024,6 +1024,40 @@ def test_a_run_recalibrates_a_corrected_artifact_with_its_rank(corrected, setup,
     assert all(art.correction(n)[1].shape[0] == 4 for n in art.names("nvfp4"))
 
 
+def test_train_calibrate_correct_rank(setup, tmp_path):
+    """pact-train --calibrate-correct-rank R: the run's calibration fits a rank-R correction (it implies
+    --calibrate), the same command reuses it, and another rank calibrates again; with --no-calibrate or out of
+    range it is one error before anything is made."""
+    import shutil
+
+    from pact.pipelines.train import main as train_cli
+
+    data = make_sentiment_jsonl(tmp_path / "train.jsonl", 32)
+    run = tmp_path / "run"
+    args = [str(setup / "art"), "--data", str(data), "--out", str(run), "--steps", "1", "--batch-size", "4",
+            "--max-len", "64", "--calibrate-samples", "16", "--quiet"]
+    for bad, said in ((["--calibrate-correct-rank", "2", "--no-calibrate"], "drop one of them"),
+                      (["--calibrate-correct-rank", "2000"], "must be in [0, 1024]")):
+        r = CliRunner().invoke(train_cli, [*args, *bad])
+        assert r.exit_code != 0 and said in r.output and not run.exists(), r.output
+    r = CliRunner().invoke(train_cli, [*args, "--calibrate-correct-rank", "2"])
+    assert r.exit_code == 0, r.output
+    art = open_artifact(run / "calibrated")
+    assert art.meta["provenance"]["calibration"]["correct_rank"] == 2
+    assert all(art.correction(n)[1].shape[0] == 2 for n in art.names("nvfp4"))
+    run2 = tmp_path / "run2"
+    shutil.copytree(run / "calibrated", run2 / "calibrated")  # the same run's calibration, in a new --out
+    made = (run2 / "calibrated" / "zarr.json").stat().st_mtime_ns
+    r = CliRunner().invoke(train_cli, [*args[:4], str(run2), *args[5:], "--calibrate-correct-rank", "2"])
+    assert r.exit_code == 0, r.output
+    assert (run2 / "calibrated" / "zarr.json").stat().st_mtime_ns == made  # reused, not made again
+    run3 = tmp_path / "run3"
+    shutil.copytree(run / "calibrated", run3 / "calibrated")
+    r = CliRunner().invoke(train_cli, [*args[:4], str(run3), *args[5:], "--calibrate-correct-rank", "3"])
+    assert r.exit_code == 0, r.output
+    assert open_artifact(run3 / "calibrated").meta["provenance"]["calibration"]["correct_rank"] == 3
+
+
 def test_recalibrating_without_a_correction_drops_the_old_one(corrected, setup, tmp_path, monkeypatch):
     """Calibrated again without --correct-rank, a corrected artifact keeps no correction, and once a group is
     solved the layers after it see its new weights alone: a correction fitted to older codes is dropped."""
