@@ -71,8 +71,10 @@ def calibrate_for_run(artifact: str, data: str, run: str | os.PathLike, *, split
     None keeps the artifact's own (0 when it has none)."""
     check_samples(samples)
     if env_world() > 1:
-        raise PactError("--calibrate under torchrun: calibrate once first (pact-calibrate ARTIFACT --prompts "
-                        "TRAIN.jsonl --out CALIBRATED/), then torchrun pact-train CALIBRATED/ without --calibrate")
+        flag, extra = (("--calibrate-correct-rank", f" --correct-rank {correct_rank}") if correct_rank is not None
+                       else ("--calibrate", ""))
+        raise PactError(f"{flag} under torchrun: calibrate once first (pact-calibrate ARTIFACT --prompts "
+                        f"TRAIN.jsonl{extra} --out CALIBRATED/), then torchrun pact-train CALIBRATED/ without {flag}")
     run = Path(run)
     out, art = run / CALIBRATED, open_artifact(artifact)  # a URL: its cached folder
     if art.path.resolve() == out.resolve():
@@ -99,7 +101,9 @@ def calibrate_for_run(artifact: str, data: str, run: str | os.PathLike, *, split
             done = _recorded(existing)
             same = done.get("for_run") == want and done.get("prompts_sha256") == digest
             if resume and not _is_new(run):  # its checkpoints learned on the weights it trained on
-                _check_resume(run, out, same)
+                had = done.get("correct_rank", 0)
+                _check_resume(run, out, same, f"a rank-{had} correction where these settings ask for rank {rank} "
+                              f"(--calibrate-correct-rank; default: the artifact's own, {own})" if had != rank else "")
             if same and _intact(existing):
                 sweep_leftovers(out)  # what a killed recalibration left beside it
                 log.info("calibration: reusing %s (same artifact, texts and settings)", out)
@@ -237,8 +241,9 @@ def _check_source(art, artifact: str, data: str) -> None:
                     f"--prompts {data} --out CALIBRATED/ and train on CALIBRATED/ without --calibrate")
 
 
-def _check_resume(run: Path, out: Path, same: bool) -> None:
-    """--resume of a run that has trained, with calibration: only on the calibrated/ it trained on."""
+def _check_resume(run: Path, out: Path, same: bool, differs: str = "") -> None:
+    """--resume of a run that has trained, with calibration: only on the calibrated/ it trained on
+    (``differs``: what of it these settings would change, when it is known)."""
     record = run_record(run)
     trained_on = record.get("artifact")  # (a run folder moved since names its old calibrated/)
     if trained_on is not None and trained_on != str(out.resolve()) and not trained_on_own_calibrated(record):
@@ -248,8 +253,10 @@ def _check_resume(run: Path, out: Path, same: bool) -> None:
         raise PactError(f"--resume: {out} (the run's calibrated weights) is gone, and its checkpoints learned on "
                         "them: put it back to resume, or start a new --out")
     if not same:
-        raise PactError(f"--resume: {out} (the run's calibrated weights) was made from another artifact, other texts "
-                        "or another --calibrate-samples / --max-len than these, and the run's checkpoints learned on "
+        what = differs or ("was made from another artifact, other texts or another --calibrate-samples / --max-len "
+                           "than these")
+        raise PactError(f"--resume: {out} (the run's calibrated weights) {'holds ' * bool(differs)}{what}, and the "
+                        "run's checkpoints learned on "
                         "it: resume with the run's own settings (pact-train --config RUN/train_config.json --resume), "
                         "or start a new --out")
 

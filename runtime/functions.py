@@ -135,7 +135,8 @@ def corr_fused(g: FrozenGroup) -> tuple[torch.Tensor, torch.Tensor]:
     """The members' corrections as two matrices, made once per ``g.corr`` list: U_bd [sum R, N] (member i's U_i^T
     in its rows and its own columns, zeros elsewhere) and V_cat [sum R, K], so that the group's correction is
     x V_cat^T U_bd and its input gradient (dY U_bd^T) V_cat: two GEMMs a call, no per-call concatenation (and
-    nothing allocated that a CUDA graph's replay would miss)."""
+    nothing allocated that a CUDA graph's replay would miss). The cache is keyed on the list itself: ``g.corr`` is
+    replaced by a new list (bind, a recalibration), never edited in place."""
     cached = getattr(g, "_corr_cache", None)
     if cached is not None and cached[0] is g.corr:
         return cached[1]

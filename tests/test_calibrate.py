@@ -1056,6 +1056,26 @@ def test_train_calibrate_correct_rank(setup, tmp_path):
     r = CliRunner().invoke(train_cli, [*args[:4], str(run3), *args[5:], "--calibrate-correct-rank", "3"])
     assert r.exit_code == 0, r.output
     assert open_artifact(run3 / "calibrated").meta["provenance"]["calibration"]["correct_rank"] == 3
+    # a resumed run keeps the weights it learned on: another rank is refused, and the message says which
+    run4, steps = tmp_path / "run4", args.index("--steps") + 1
+    more = [*args[:4], str(run4), *args[5:steps], "2", *args[steps + 1:], "--save-every", "1"]
+    assert CliRunner().invoke(train_cli, [*more, "--calibrate-correct-rank", "2"]).exit_code == 0
+    more[steps] = "3"
+    r = CliRunner().invoke(train_cli, [*more, "--resume", "--calibrate-correct-rank", "3"])
+    assert r.exit_code != 0 and "holds a rank-2 correction where these settings ask for rank 3" in r.output, r.output
+
+
+def test_train_calibrate_correct_rank_under_torchrun(setup, tmp_path, monkeypatch):
+    """Several processes cannot calibrate: the refusal names the flag given and the pact-calibrate line that
+    keeps the correction."""
+    from pact.pipelines.train import main as train_cli
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    data = make_sentiment_jsonl(tmp_path / "train.jsonl", 32)
+    r = CliRunner().invoke(train_cli, [str(setup / "art"), "--data", str(data), "--out", str(tmp_path / "run"),
+                                       "--steps", "1", "--quiet", "--calibrate-correct-rank", "2"])
+    assert r.exit_code != 0 and "--calibrate-correct-rank under torchrun" in r.output, r.output
+    assert "--correct-rank 2 --out CALIBRATED/" in r.output
 
 
 def test_recalibrating_without_a_correction_drops_the_old_one(corrected, setup, tmp_path, monkeypatch):
