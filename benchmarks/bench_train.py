@@ -81,9 +81,7 @@ def with_random_correction(art_path: Path, rank: int) -> Path:
     art, gen = open_artifact(art_path), torch.Generator().manual_seed(0)
     with ArtifactWriter(out, overwrite=True) as w:
         for name in art.names():
-            e = art.entry(name)
-            info = {k: v for k, v in e.items() if k not in ("kind", "shape", "arrays", "global_scale", "block_size",
-                                                             "dtype")}
+            e, info = art.entry(name), art.entry_info(name)
             if e["kind"] == "nvfp4":
                 n, k = e["shape"]
                 corr = (torch.randn(n, rank, generator=gen) * 1e-2, torch.randn(rank, k, generator=gen) * 1e-2)

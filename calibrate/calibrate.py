@@ -409,11 +409,9 @@ def _folder_digest(samples) -> str:
 
 def _write(art, out: Path, new: dict, errors: dict, clock: _Clock, *, overwrite, prompts: Path, label, record,
            samples, **settings) -> Path:
-    skip = {"kind", "shape", "arrays", "global_scale", "block_size", "dtype"}
     with ArtifactWriter(out, overwrite=overwrite) as w:
         for name in art.names():
-            e = art.entry(name)
-            info = {k: v for k, v in e.items() if k not in skip}
+            e, info = art.entry(name), art.entry_info(name)
             if name in new:
                 fwd, bwd, rel, corr = new[name]
                 w.add_nvfp4(name, fwd, bwd, corr, **{**info, "error": rel, "calibrated": "gptq",

@@ -812,6 +812,14 @@ class Artifact:
         except KeyError:
             raise KeyError(f"{name!r} is not in artifact {self.path}") from None
 
+    # the entry keys ArtifactWriter.add_nvfp4 / add_dense set from the tensors themselves
+    _WRITER_KEYS = frozenset({"kind", "shape", "arrays", "global_scale", "block_size", "dtype"})
+
+    def entry_info(self, name: str) -> dict[str, Any]:
+        """The entry's own information (role, layer, group, calibration records...), without what the writer
+        derives from the tensors: what ``ArtifactWriter.add_*(name, ..., **info)`` takes to copy the entry."""
+        return {k: v for k, v in self.entry(name).items() if k not in self._WRITER_KEYS}
+
     @property
     def block_scale_rule(self) -> str:
         """How this artifact's block scales were chosen (nvfp4.SCALE_RULES; older artifacts: amax):

@@ -66,6 +66,8 @@ class FrozenGroup:
     # per member: its frozen low-rank correction (U [N_i, R], V [R, K] bf16; pact-calibrate --correct-rank), the
     # weight it computes with being the NVFP4 one + U V; empty: none (a dense group holds it in ``dense``)
     corr: list[tuple[torch.Tensor, torch.Tensor] | None] = field(default_factory=list)
+    # corr_fused's matrices and the ``corr`` list they were made from
+    corr_cache: tuple[list, tuple[torch.Tensor, torch.Tensor]] | None = field(default=None, repr=False)
 
     def lora_params(self) -> list[torch.nn.Parameter]:
         return [p for lo in self.loras if lo is not None for p in (lo.A, lo.B)]
@@ -137,9 +139,8 @@ def corr_fused(g: FrozenGroup) -> tuple[torch.Tensor, torch.Tensor]:
     x V_cat^T U_bd and its input gradient (dY U_bd^T) V_cat: two GEMMs a call, no per-call concatenation (and
     nothing allocated that a CUDA graph's replay would miss). The cache is keyed on the list itself: ``g.corr`` is
     replaced by a new list (bind, a recalibration), never edited in place."""
-    cached = getattr(g, "_corr_cache", None)
-    if cached is not None and cached[0] is g.corr:
-        return cached[1]
+    if g.corr_cache is not None and g.corr_cache[0] is g.corr:
+        return g.corr_cache[1]
     parts = [c for c in g.corr if c is not None]
     ref = parts[0][1]
     u = torch.zeros(sum(c[1].shape[0] for c in parts), sum(g.sizes), dtype=ref.dtype, device=ref.device)
@@ -151,7 +152,7 @@ def corr_fused(g: FrozenGroup) -> tuple[torch.Tensor, torch.Tensor]:
             row += r
         off += n
     fused = (u, torch.cat([c[1] for c in parts]))
-    g._corr_cache = (g.corr, fused)
+    g.corr_cache = (g.corr, fused)
     return fused
 
 
