@@ -189,23 +189,31 @@ def _write(path: Path, recs: list[dict]) -> None:
     tmp.replace(path)
 
 
-def bigbench_splits(task_json: Path, folder: Path, n_train: int = 2000, n_test: int = 1000,
-                    max_chars: int = 400) -> tuple[Path, Path]:
-    """Train / test jsonl of one BIG-bench multiple-choice task (a fixed shuffle; test first).
-    Examples longer than ``max_chars`` are left out so that max-len 128 never cuts a prompt."""
-    name = task_json.parent.name
+def _splits(name: str, folder: Path, records, n_train: int, n_test: int) -> tuple[Path, Path]:
+    """FOLDER/NAME-train.jsonl and -test.jsonl (kept when both exist): ``records()`` (prompt / completion dicts) in a
+    fixed shuffle, the test set first (at most a third of them), the train set after it."""
     paths = folder / f"{name}-train.jsonl", folder / f"{name}-test.jsonl"
     if all(p.is_file() for p in paths):
         return paths
     folder.mkdir(parents=True, exist_ok=True)
-    ex = [e for e in json.loads(task_json.read_text())["examples"] if len(e["input"]) <= max_chars]
-    random.Random(0).shuffle(ex)
-    n_test = min(n_test, len(ex) // 3)
-    recs = [{"prompt": e["input"].strip() + "\nAnswer:",
-             "completion": " " + max(e["target_scores"], key=e["target_scores"].get)} for e in ex]
+    recs = records()
+    random.Random(0).shuffle(recs)
+    n_test = min(n_test, len(recs) // 3)
     _write(paths[1], recs[:n_test])
     _write(paths[0], recs[n_test : n_test + n_train])
     return paths
+
+
+def bigbench_splits(task_json: Path, folder: Path, n_train: int = 2000, n_test: int = 1000,
+                    max_chars: int = 400) -> tuple[Path, Path]:
+    """Train / test jsonl of one BIG-bench multiple-choice task (a fixed shuffle; test first).
+    Examples longer than ``max_chars`` are left out so that max-len 128 never cuts a prompt."""
+    def records():
+        return [{"prompt": e["input"].strip() + "\nAnswer:",
+                 "completion": " " + max(e["target_scores"], key=e["target_scores"].get)}
+                for e in json.loads(task_json.read_text())["examples"] if len(e["input"]) <= max_chars]
+
+    return _splits(task_json.parent.name, folder, records, n_train, n_test)
 
 
 def evals_splits(samples: Path, name: str, folder: Path, n_train: int = 2000, n_test: int = 1000,
@@ -214,22 +222,17 @@ def evals_splits(samples: Path, name: str, folder: Path, n_train: int = 2000, n_
     the user turns are the prompt, the label its completion; the split as bigbench_splits makes it (a fixed
     shuffle, test first, prompts over ``max_chars`` left out). A system turn (the same instruction on every
     example) is left out: the adapter learns the task from its examples."""
-    paths = folder / f"{name}-train.jsonl", folder / f"{name}-test.jsonl"
-    if all(p.is_file() for p in paths):
-        return paths
-    folder.mkdir(parents=True, exist_ok=True)
-    recs = []
-    for line in samples.read_text().splitlines():
-        e = json.loads(line)
-        text = "\n".join(m["content"].strip() for m in e["input"] if m["role"] == "user")
-        label = e["ideal"][0] if isinstance(e["ideal"], list) else e["ideal"]
-        if text and len(text) <= max_chars:
-            recs.append({"prompt": text + "\nAnswer:", "completion": " " + str(label).strip()})
-    random.Random(0).shuffle(recs)
-    n_test = min(n_test, len(recs) // 3)
-    _write(paths[1], recs[:n_test])
-    _write(paths[0], recs[n_test : n_test + n_train])
-    return paths
+    def records():
+        recs = []
+        for line in samples.read_text().splitlines():
+            e = json.loads(line)
+            text = "\n".join(m["content"].strip() for m in e["input"] if m["role"] == "user")
+            label = e["ideal"][0] if isinstance(e["ideal"], list) else e["ideal"]
+            if text and len(text) <= max_chars:
+                recs.append({"prompt": text + "\nAnswer:", "completion": " " + str(label).strip()})
+        return recs
+
+    return _splits(name, folder, records, n_train, n_test)
 
 
 def task_files(task: str, workdir: Path, bigbench: Path | None) -> tuple[Path, Path]:
