@@ -187,6 +187,62 @@ def test_gpu_graphed_steps_match_eager(tmp_path, checkpoint):
         assert torch.allclose(p0[k], p1[k], rtol=1e-3, atol=1e-5), k
 
 
+def _with_correction(art, rank, every=2):
+    """A copy of ``art`` where every ``every``-th projection carries a rank-``rank`` correction U V (random
+    values; members of a group with and without one)."""
+    from pact.formats import ArtifactWriter
+
+    out, gen = art.path.with_name(art.path.name + "-corr"), torch.Generator().manual_seed(3)
+    with ArtifactWriter(out, overwrite=True) as w:
+        for i, name in enumerate(art.names()):
+            e, info = art.entry(name), art.entry_info(name)
+            if e["kind"] == "nvfp4":
+                n, k = e["shape"]
+                corr = ((torch.randn(n, rank, generator=gen) * 0.1, torch.randn(rank, k, generator=gen) * 0.1)
+                        if i % every == 0 else None)
+                w.add_nvfp4(name, art.nvfp4(name, "fwd"), art.nvfp4(name, "bwd"), corr, **info)
+            else:
+                w.add_dense(name, art.dense(name), **info)
+        for rel in art.meta["files"]:
+            w.add_file(art.hf_dir / rel, rel)
+        w.commit(**{k: art.meta[k] for k in ("architecture", "family", "vision", "hf_config", "provenance")})
+    return open_artifact(out)
+
+
+def test_with_correction_copy(tmp_path):
+    """The helper below makes what the GPU test needs: some projections corrected, the rest not."""
+    art = _with_correction(_artifact(tmp_path), 4)
+    assert art.corrected
+    have = [art.correction(n) is not None for n in art.names("nvfp4")]
+    assert any(have) and not all(have)
+
+
+@pytest.mark.gpu
+@cuda
+def test_gpu_graphed_steps_match_eager_with_a_correction(tmp_path):
+    """A corrected artifact (pact-calibrate --correct-rank: the fused U / V GEMMs, made when the artifact is
+    bound, before any capture): the replayed steps give the eager steps' losses and parameters, and the
+    correction is in them (the losses differ from the uncorrected artifact's)."""
+    base = _artifact(tmp_path)
+    art = _with_correction(base, 4)
+    g = torch.Generator().manual_seed(0)
+    ex = [_ex(torch.randint(0, 256, (n,), generator=g).tolist(), 3) for n in (20, 31, 9, 40, 17)]
+    batches = [collate(ex, [0, 1], 0, "cpu", width=lambda n: 64), collate(ex, [2, 3, 4], 0, "cpu", width=lambda n: 64)]
+    batches.append(batches[0])
+    out = []
+    for a, graphs in ((art, False), (art, True), (base, False)):
+        model = PactModel(a, LoraConfig(r=4, alpha=8), device="cuda", cuda_graphs=graphs)
+        with torch.no_grad():
+            for p in model.lora_params.values():
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)) * 0.05)
+        out.append(_steps(model, batches))
+    (l0, p0), (l1, p1), (l2, _) = out
+    assert l1 == pytest.approx(l0, rel=1e-3), (l0, l1)
+    for k in p0:
+        assert torch.allclose(p0[k], p1[k], rtol=1e-3, atol=1e-5), k
+    assert abs(l0[0] - l2[0]) > 1e-3 * abs(l2[0]), (l0, l2)
+
+
 @pytest.mark.gpu
 @cuda
 def test_gpu_new_shapes_hold_no_memory(tmp_path):
