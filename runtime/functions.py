@@ -110,6 +110,16 @@ def project(ops, g: FrozenGroup, a, x_hat: torch.Tensor, a_hat: torch.Tensor | N
         y = mm(dense_a, g.dense.t())
     if g.bias is not None:
         y = y + g.bias
+    if _fused_corr(g):  # the correction rides on the LoRA GEMMs: one pass over y for both
+        a_ext = _a_ext(g, x_hat.dtype)
+        xe = mm(x_hat, a_ext.t())  # [T, sum r + sum R]: every member's xa, then x V_cat^T
+        addmm_(y, xe, _w_ext(g, x_hat.dtype))
+        xa_all, col, xas = xe[:, : a_ext.shape[0] - corr_fused(g)[1].shape[0]].contiguous(), 0, []
+        for lo in g.loras:  # (contiguous: what backward keeps is the LoRA columns, not the correction's)
+            r = 0 if lo is None else lo.A.shape[0]
+            xas.append(None if lo is None else xa_all[:, col : col + r])
+            col += r
+        return y, xas, [None] * len(g.loras)
     _correct(g, y, x_hat)
     if not any(lo is not None for lo in g.loras):
         return y, [None] * len(g.loras), [None] * len(g.loras)
@@ -156,6 +166,35 @@ def corr_fused(g: FrozenGroup) -> tuple[torch.Tensor, torch.Tensor]:
     return fused
 
 
+def _fused_corr(g: FrozenGroup) -> bool:
+    """A corrected group whose LoRA branches batch (no dropout) adds its correction through the LoRA GEMMs:
+    y += [x A_cat^T | x V_cat^T] @ [s B_bd ; U_bd] and dX += [dxa | dY U_bd^T] @ [A_cat ; V_cat], where the
+    separate correction made a second pass over y and dX (10% of a 1B step)."""
+    return any(c is not None for c in g.corr) and any(lo is not None for lo in g.loras) and _batched(g)
+
+
+def _a_ext(g: FrozenGroup, dtype) -> torch.Tensor:
+    """[A_cat ; V_cat] [sum r + sum R, K]: the members' LoRA A's, then their corrections' V's."""
+    return torch.cat([_a_cat(g, dtype), corr_fused(g)[1].to(dtype)])
+
+
+def _w_ext(g: FrozenGroup, dtype) -> torch.Tensor:
+    """[s B_bd ; U_bd] [sum r + sum R, N]: member i's s * B_i^T in its rows of the first block and its own columns
+    (zeros elsewhere), then the correction's U_bd (corr_fused). Made per call: B moves every step."""
+    u = corr_fused(g)[0]
+    rs = sum(lo.A.shape[0] for lo in g.loras if lo is not None)
+    w = torch.zeros(rs + u.shape[0], u.shape[1], dtype=dtype, device=u.device)
+    row, off = 0, 0
+    for lo, n in zip(g.loras, g.sizes):
+        if lo is not None:
+            r = lo.A.shape[0]
+            w[row : row + r, off : off + n] = (lo.B * lo.scale).t()
+            row += r
+        off += n
+    w[rs:] = u
+    return w
+
+
 def _correct(g: FrozenGroup, y: torch.Tensor, x: torch.Tensor) -> None:
     """y += x V_i^T U_i^T in each corrected member's slice of y (two GEMMs for the group: corr_fused)."""
     if not any(c is not None for c in g.corr):
@@ -186,6 +225,22 @@ def project_backward(ops, g: FrozenGroup, dy: torch.Tensor, x_hat: torch.Tensor,
             raise RuntimeError("a backward through a model built with backward=False (no backward layouts loaded): "
                                "build it with backward=True to train")
         dx = ops.dgrad_gemm(dy, w)
+    if _fused_corr(g):
+        a_ext = _a_ext(g, dy.dtype)
+        dxe = mm(dy, _w_ext(g, dy.dtype).t())  # [T, sum r + sum R]: every member's dxa, then dY U_bd^T
+        rs = a_ext.shape[0] - corr_fused(g)[1].shape[0]
+        dA_all = mm(dxe[:, :rs].t(), x_hat).float()  # [sum r, K]
+        addmm_(dx, dxe, a_ext)
+        grads, row, off = [], 0, 0
+        for lora, n, xa in zip(g.loras, g.sizes, xas):
+            if lora is not None:
+                r = lora.A.shape[0]
+                grads.append((dA_all[row : row + r], mm(dy[:, off : off + n].t(), xa).float() * lora.scale))
+                row += r
+            else:
+                grads.append(None)
+            off += n
+        return dx, grads
     _correct_backward(g, dy, dx)
     if not any(lo is not None for lo in g.loras):
         return dx, [None] * len(g.loras)

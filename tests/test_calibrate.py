@@ -976,6 +976,48 @@ def test_group_correction_with_some_members_and_mixed_ranks():
     assert torch.equal(y[:, :12], y0[:, :12]) and not torch.equal(y[:, 12:], y0[:, 12:])
 
 
+def test_correction_rides_on_the_lora_gemms(monkeypatch):
+    """With adapters (no dropout) a corrected group adds its correction through the LoRA GEMMs ([A; V] in, [s B;
+    U] out, one pass over y and dX): the same output, input gradient and LoRA gradients as the correction made
+    apart, for members with and without an adapter or a correction, ranks mixed; the xa's kept for backward are
+    the LoRA columns only."""
+    from pact.runtime import functions as fn
+    from pact.runtime.ops.rows import DenseRows
+
+    gen = torch.Generator().manual_seed(1)
+    sizes, k, t = [8, 4, 4], 16, 6
+    r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    corr = [(r(8, 3).bfloat16(), r(3, k).bfloat16()), None, (r(4, 2).bfloat16(), r(2, k).bfloat16())]
+    loras = [fn.Lora(torch.nn.Parameter(r(4, k)), torch.nn.Parameter(r(8, 4)), 1.5, 0.0), None,
+             fn.Lora(torch.nn.Parameter(r(2, k)), torch.nn.Parameter(r(4, 2)), 0.5, 0.0)]
+    g = fn.FrozenGroup(names=["q", "k", "v"], sizes=sizes, dense=r(16, k).bfloat16(), loras=loras, corr=corr)
+    x, dy = r(t, k).bfloat16(), r(t, 16).bfloat16()
+    out = {}
+    for fused in (True, False):
+        monkeypatch.setattr(fn, "_fused_corr", lambda g, f=fused: f and any(c is not None for c in g.corr))
+        y, xas, seeds = fn.project(None, g, DenseRows(x), x)
+        dx, grads = fn.project_backward(None, g, dy, x, xas, seeds)
+        out[fused] = y, dx, grads, xas
+    (y1, dx1, g1, xa1), (y0, dx0, g0, _) = out[True], out[False]
+    torch.testing.assert_close(y1.float(), y0.float(), rtol=2e-2, atol=5e-2)
+    torch.testing.assert_close(dx1.float(), dx0.float(), rtol=2e-2, atol=5e-2)
+    assert g1[1] is None and g0[1] is None and xa1[1] is None
+    for a, b in ((g1[0], g0[0]), (g1[2], g0[2])):
+        for ga, gb in zip(a, b):
+            torch.testing.assert_close(ga, gb, rtol=2e-2, atol=5e-2)
+    assert [tuple(t.shape) for t in xa1 if t is not None] == [(t, 4), (t, 2)]
+    assert xa1[0].untyped_storage().nbytes() == t * 6 * 2  # the LoRA columns alone, not V's
+    want = x.float() @ g.dense.float().t()  # the reference in fp32: frozen + correction + LoRA
+    off = 0
+    for c, lo, n in zip(corr, loras, sizes):
+        if c is not None:
+            want[:, off : off + n] += x.float() @ (c[0].float() @ c[1].float()).t()
+        if lo is not None:
+            want[:, off : off + n] += lo.scale * (x.float() @ lo.A.t()) @ lo.B.t()
+        off += n
+    torch.testing.assert_close(y1.float(), want, rtol=2e-2, atol=1e-1)
+
+
 def test_correction_exports_to_bf16_only(corrected, tmp_path):
     """An NVFP4 checkpoint cannot hold the correction: that export is refused, in one line naming the fix;
     the bf16 export holds the weights the model computes with."""
