@@ -69,9 +69,11 @@ BACKWARD = {"weights": "auto"}  # --backward-weights: what pact's input-gradient
 CORRECTION = {"rank": 0}  # --correct-rank: the rank of the artifact's frozen correction (0: none)
 
 
-def with_random_correction(art_path: Path, rank: int) -> Path:
-    """A copy of the artifact at ``art_path`` whose projections carry a rank-``rank`` correction U V of random
-    values (what pact-calibrate --correct-rank stores; the step's cost does not depend on the values)."""
+def with_random_correction(art_path: Path, rank: int, every: int = 1, scale: float = 1e-2) -> Path:
+    """A copy of the artifact at ``art_path`` (beside it, ``-cRANK``) whose projections carry a rank-``rank``
+    correction U V of random values (what pact-calibrate --correct-rank stores; the step's cost does not depend on
+    the values): every ``every``-th tensor's (1: all; 2 gives a group members with and without one), entries of sd
+    ``scale``."""
     from pact.formats import ArtifactWriter, open_artifact
 
     out = art_path.with_name(f"{art_path.name}-c{rank}")
@@ -80,11 +82,12 @@ def with_random_correction(art_path: Path, rank: int) -> Path:
         return out
     art, gen = open_artifact(art_path), torch.Generator().manual_seed(0)
     with ArtifactWriter(out, overwrite=True) as w:
-        for name in art.names():
+        for i, name in enumerate(art.names()):
             e, info = art.entry(name), art.entry_info(name)
             if e["kind"] == "nvfp4":
                 n, k = e["shape"]
-                corr = (torch.randn(n, rank, generator=gen) * 1e-2, torch.randn(rank, k, generator=gen) * 1e-2)
+                corr = ((torch.randn(n, rank, generator=gen) * scale, torch.randn(rank, k, generator=gen) * scale)
+                        if i % every == 0 else None)
                 w.add_nvfp4(name, art.nvfp4(name, "fwd"), art.nvfp4(name, "bwd"), corr, **info)
             else:
                 w.add_dense(name, art.dense(name), **info)

@@ -187,30 +187,22 @@ def test_gpu_graphed_steps_match_eager(tmp_path, checkpoint):
         assert torch.allclose(p0[k], p1[k], rtol=1e-3, atol=1e-5), k
 
 
-def _with_correction(art, rank, every=2):
-    """A copy of ``art`` where every ``every``-th projection carries a rank-``rank`` correction U V (random
-    values; members of a group with and without one)."""
-    from pact.formats import ArtifactWriter
+def _with_correction(art, rank):
+    """A copy of ``art`` where every other projection carries a rank-``rank`` correction U V (random values;
+    members of a group with and without one): bench_train's."""
+    import sys
+    from pathlib import Path
 
-    out, gen = art.path.with_name(art.path.name + "-corr"), torch.Generator().manual_seed(3)
-    with ArtifactWriter(out, overwrite=True) as w:
-        for i, name in enumerate(art.names()):
-            e, info = art.entry(name), art.entry_info(name)
-            if e["kind"] == "nvfp4":
-                n, k = e["shape"]
-                corr = ((torch.randn(n, rank, generator=gen) * 0.1, torch.randn(rank, k, generator=gen) * 0.1)
-                        if i % every == 0 else None)
-                w.add_nvfp4(name, art.nvfp4(name, "fwd"), art.nvfp4(name, "bwd"), corr, **info)
-            else:
-                w.add_dense(name, art.dense(name), **info)
-        for rel in art.meta["files"]:
-            w.add_file(art.hf_dir / rel, rel)
-        w.commit(**{k: art.meta[k] for k in ("architecture", "family", "vision", "hf_config", "provenance")})
-    return open_artifact(out)
+    bench = str(Path(__file__).resolve().parents[1] / "benchmarks")
+    if bench not in sys.path:
+        sys.path.insert(0, bench)
+    from bench_train import with_random_correction
+
+    return open_artifact(with_random_correction(art.path, rank, every=2, scale=0.1))
 
 
 def test_with_correction_copy(tmp_path):
-    """The helper below makes what the GPU test needs: some projections corrected, the rest not."""
+    """What the GPU test below reads: some projections corrected, the rest not."""
     art = _with_correction(_artifact(tmp_path), 4)
     assert art.corrected
     have = [art.correction(n) is not None for n in art.names("nvfp4")]
