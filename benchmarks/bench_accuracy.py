@@ -156,10 +156,12 @@ def _hf_label_scores(model, examples, pad: int, device: torch.device, batch_size
     @torch.no_grad()  # (torch enters it around each step of the generator, where the caller iterates)
     def scored():
         for chunk, ids, labels in candidate_batches(examples, cands, batch_size, pad, device):
-            logp = F.log_softmax(model(input_ids=ids).logits[:, :-1].float(), dim=-1)
             tgt = labels[:, 1:]
-            tok = logp.gather(2, tgt.clamp(min=0).unsqueeze(-1)).squeeze(-1) * (tgt != IGNORE)
-            yield from zip(chunk, tok.sum(1).view(len(chunk), len(names)))
+            keep = tgt != IGNORE  # the candidates' tokens only: fp32 log-softmax rows for them, not [B, L, V]
+            rows = model(input_ids=ids).logits[:, :-1][keep].float()
+            tok = F.log_softmax(rows, dim=-1).gather(1, tgt[keep].unsqueeze(-1)).squeeze(-1)
+            sums = torch.zeros(len(tgt), device=tok.device).index_add_(0, keep.nonzero()[:, 0], tok)
+            yield from zip(chunk, sums.view(len(chunk), len(names)))
     return names, scored()
 
 

@@ -286,6 +286,38 @@ def test_peft_reference_starts_where_pact_starts(tmp_path):
         assert not a[key + ".lora_B.default.weight"].any() and not B.any()
 
 
+def test_hf_label_scores_read_only_the_candidates_tokens(tmp_path):
+    """The PEFT side's label scores (log-softmax rows for the candidates' tokens only) are each candidate's summed
+    log-probability from the whole [B, L, V] log-softmax, as pact-eval scores them; any batch size gives the same."""
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import bench_accuracy as ba
+    from conftest import make_converted_llama
+    from pact.runtime.data import IGNORE, pad_id, read_records, tokenize
+    from pact.runtime.evaluate import candidate_batches, label_candidates
+
+    d = make_converted_llama(tmp_path, 6)
+    model = AutoModelForCausalLM.from_pretrained(d / "src", dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(d / "src")
+    pad = pad_id(tok)
+    examples = tokenize(read_records(d / "train.jsonl"), tok, max_len=64)
+    cands = label_candidates(examples)
+    want = []
+    with torch.no_grad():
+        for chunk, ids, labels in candidate_batches(examples, cands, 2, pad, "cpu"):
+            logp = F.log_softmax(model(input_ids=ids).logits[:, :-1].float(), dim=-1)
+            tgt = labels[:, 1:]
+            t = logp.gather(2, tgt.clamp(min=0).unsqueeze(-1)).squeeze(-1) * (tgt != IGNORE)
+            want.extend(t.sum(1).view(len(chunk), len(cands)))
+    for bs in (1, 4):
+        names, scored = ba._hf_label_scores(model, examples, pad, torch.device("cpu"), bs)
+        got = [r for _, r in scored]
+        assert names == list(cands) and len(got) == len(want)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-4)
+
+
 def test_weights_compares_calibration_draws(tmp_path):
     """`weights`: per pair of calibrations (and each against RTN), the share of forward weights that
     differ and ||A - B|| / ||A - RTN||: 0 and 0 for a calibration against itself, 1.0 against RTN."""
