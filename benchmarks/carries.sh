@@ -53,7 +53,7 @@ for t in sorted(set(BIGBENCH) | set(sys.argv[2].split(','))):  # a subtask: benc
     bigbench_splits(next(p for p in (bb / t / 'task.json', *bb.glob(f'*/{t}/task.json')) if p.is_file()), Path('../.fid'))
 " "$DL" "${FID_TASKS:-intent_recognition,presuppositions_as_nli,formal_fallacies_syllogisms_negation,hotels_sentence_en,valid_parentheses}")
 fi
-# the labelled sets inside OpenAI's evals wheel (bench_fidelity.EVALS: sarcasm, quartz, socialiqa, tomi), split as
+# the labelled sets inside OpenAI's evals wheel (bench_fidelity.EVALS: sarcasm, quartz, socialiqa, tomi, poker), split as
 # bench_fidelity.evals_splits makes them
 python3 -m pip download -q --no-deps -d "$DL" evals==3.0.1.post1 2>&1 | grep -v WARN || true
 rm -rf "$DL"/evals-data && mkdir -p "$DL"/evals-data
