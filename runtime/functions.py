@@ -26,6 +26,7 @@ RMSNorm backward from the saved NVFP4 output Y_hat (= x * rstd * w, quantized), 
 
 from __future__ import annotations
 
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 import torch
@@ -73,6 +74,16 @@ class FrozenGroup:
         return [p for lo in self.loras if lo is not None for p in (lo.A, lo.B)]
 
 
+# LoRA dropout applies while training only: PactModel.layer sets this from torch's grad mode (scoring, generation and
+# calibration run under torch.no_grad and must not draw masks), and a Function's backward reads the default (True)
+TRAINING = ContextVar("pact_lora_training", default=True)
+
+
+def _p(lo: Lora | None) -> float:
+    """The dropout an adapter applies now: its own while training, none otherwise."""
+    return lo.dropout if lo is not None and TRAINING.get() else 0.0
+
+
 def _dropout_mask(x: torch.Tensor, p: float, seed: int) -> torch.Tensor:
     # Regenerated from the seed in backward instead of saving a [T,K] mask.
     gen = torch.Generator(device=x.device).manual_seed(seed)
@@ -87,7 +98,7 @@ def _new_seed() -> int:
 def _batched(g: FrozenGroup) -> bool:
     """Members' LoRA branches can run as one GEMM over concatenated A's (no dropout: one
     shared input, so xa for every member is X_hat @ [A_1; A_2; ...]^T)."""
-    return all(lo is None or lo.dropout == 0 for lo in g.loras)
+    return all(_p(lo) == 0 for lo in g.loras)
 
 
 def _a_cat(g: FrozenGroup, dtype) -> torch.Tensor:
@@ -123,7 +134,7 @@ def project(ops, g: FrozenGroup, a, x_hat: torch.Tensor, a_hat: torch.Tensor | N
     _correct(g, y, x_hat)
     if not any(lo is not None for lo in g.loras):
         return y, [None] * len(g.loras), [None] * len(g.loras)
-    seeds = [_new_seed() if lo is not None and lo.dropout > 0 else None for lo in g.loras]
+    seeds = [_new_seed() if _p(lo) > 0 else None for lo in g.loras]
     xas = []
     if _batched(g):  # every member's xa from one GEMM; each member's is a column slice of it
         xa_all, col = mm(x_hat, _a_cat(g, x_hat.dtype).t()), 0  # [T, sum r]

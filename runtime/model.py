@@ -23,7 +23,7 @@ from pact.formats.families import FAMILIES, check_config, family_spec
 from pact.formats.peft import LoraConfig
 
 from .bind import Layer, bind
-from .functions import Lora, MlpFn, NormProjectionFn, ProjectionFn, RopeFn
+from .functions import TRAINING, Lora, MlpFn, NormProjectionFn, ProjectionFn, RopeFn
 from .graphs import GraphBuffers, GraphedLayersFn, LayerGraphs, graphable
 from .loss import target_cross_entropy
 from .matmul import mm
@@ -343,13 +343,18 @@ class PactModel(nn.Module):
     def layer(self, L: Layer, x: torch.Tensor, cos, sin, B: int, S: int, mask: torch.Tensor | None = None,
               cache=None) -> torch.Tensor:
         """Decoder layer L on rows x [B * S, H] (RoPE tables cos/sin; ``mask`` None: causal; ``cache``:
-        generation's keys and values, see _attention): the public hook calibration runs."""
-        a = self._attention(L, x, cos, sin, B, S, mask, cache)
-        x = x + (a if L.post_attn_norm is None else rmsnorm(a, L.post_attn_norm, self.eps))
-        recipe = self._recipe()
-        m = MlpFn.apply(x, L.mlp_norm, self.eps, L.gate_up, L.down, self.ops, (recipe.gate_up, recipe.down),
-                        self.spec.act, *L.gate_up.lora_params(), *L.down.lora_params())
-        return x + (m if L.post_mlp_norm is None else rmsnorm(m, L.post_mlp_norm, self.eps))
+        generation's keys and values, see _attention): the public hook calibration runs. LoRA dropout applies
+        only under grad mode (a training step and its checkpointed recomputation; never scoring or generation)."""
+        token = TRAINING.set(torch.is_grad_enabled())
+        try:
+            a = self._attention(L, x, cos, sin, B, S, mask, cache)
+            x = x + (a if L.post_attn_norm is None else rmsnorm(a, L.post_attn_norm, self.eps))
+            recipe = self._recipe()
+            m = MlpFn.apply(x, L.mlp_norm, self.eps, L.gate_up, L.down, self.ops, (recipe.gate_up, recipe.down),
+                            self.spec.act, *L.gate_up.lora_params(), *L.down.lora_params())
+            return x + (m if L.post_mlp_norm is None else rmsnorm(m, L.post_mlp_norm, self.eps))
+        finally:
+            TRAINING.reset(token)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor | None = None,
                 mask: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:

@@ -330,6 +330,28 @@ def test_checkpointing_gives_the_same_gradients(tmp_path):
         assert torch.equal(grads[0][k], grads[1][k]), k
 
 
+def test_lora_dropout_only_while_training(tmp_path):
+    """An adapter with dropout (a trained one's adapter_config.json may say 0.3): scoring and generation (no grad)
+    give the same logits every call, those of the same adapter without dropout; a training step draws masks (its
+    loss differs from the no-dropout one), and its backward follows the forward it had."""
+    art = _artifact(tmp_path, "llama")
+    ids, labels = _batch(b=2, s=24)
+    models = {}
+    for p in (0.0, 0.3):
+        models[p] = PactModel(art, LoraConfig(r=R, alpha=ALPHA, dropout=p))
+        _random_adapters(models[p])
+    ref = models[0.0].logits(ids)
+    for _ in range(2):
+        assert torch.equal(models[0.3].logits(ids), ref)
+        with torch.no_grad():
+            assert models[0.3](ids, labels)[0].item() == models[0.0](ids, labels)[0].item()
+    torch.manual_seed(0)
+    loss, n = models[0.3](ids, labels)
+    assert loss.item() != models[0.0](ids, labels)[0].item()
+    (loss / n).backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in models[0.3].lora_params.values())
+
+
 @pytest.mark.parametrize("compute", ["nvfp4-native", "fp8"])
 def test_compute_twins_train(tmp_path, compute):
     """Each `--compute` backend's torch twin (what it runs on the CPU) against bf16-decode.
