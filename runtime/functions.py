@@ -105,6 +105,22 @@ def _a_cat(g: FrozenGroup, dtype) -> torch.Tensor:
     return torch.cat([lo.A for lo in g.loras if lo is not None]).to(dtype)
 
 
+def _rank_sum(g: FrozenGroup) -> int:
+    """sum r: the rows of _a_cat (the LoRA block of the fused correction's [A; V] comes first)."""
+    return sum(lo.A.shape[0] for lo in g.loras if lo is not None)
+
+
+def _by_member(g: FrozenGroup, t: torch.Tensor, dim: int) -> list:
+    """Each member's rank block of ``t`` along ``dim`` (its r columns of xa_all, rows of dA_all: _a_cat's order),
+    None for a member without an adapter."""
+    out, at = [], 0
+    for lo in g.loras:
+        r = 0 if lo is None else lo.A.shape[0]
+        out.append(None if lo is None else t.narrow(dim, at, r))
+        at += r
+    return out
+
+
 def project(ops, g: FrozenGroup, a, x_hat: torch.Tensor, a_hat: torch.Tensor | None = None
             ) -> tuple[torch.Tensor, list, list]:
     """Frozen GEMM (+bias) + LoRA per member. Returns y [T,N] bf16, saved xa's, dropout seeds.
@@ -125,23 +141,15 @@ def project(ops, g: FrozenGroup, a, x_hat: torch.Tensor, a_hat: torch.Tensor | N
         a_ext = _a_ext(g, x_hat.dtype)
         xe = mm(x_hat, a_ext.t())  # [T, sum r + sum R]: every member's xa, then x V_cat^T
         addmm_(y, xe, _w_ext(g, x_hat.dtype))
-        xa_all, col, xas = xe[:, : a_ext.shape[0] - corr_fused(g)[1].shape[0]].contiguous(), 0, []
-        for lo in g.loras:  # (contiguous: what backward keeps is the LoRA columns, not the correction's)
-            r = 0 if lo is None else lo.A.shape[0]
-            xas.append(None if lo is None else xa_all[:, col : col + r])
-            col += r
-        return y, xas, [None] * len(g.loras)
+        # (contiguous: what backward keeps is the LoRA columns, not the correction's)
+        return y, _by_member(g, xe[:, : _rank_sum(g)].contiguous(), 1), [None] * len(g.loras)
     _correct(g, y, x_hat)
     if not any(lo is not None for lo in g.loras):
         return y, [None] * len(g.loras), [None] * len(g.loras)
     seeds = [_new_seed() if _p(lo) > 0 else None for lo in g.loras]
     xas = []
     if _batched(g):  # every member's xa from one GEMM; each member's is a column slice of it
-        xa_all, col = mm(x_hat, _a_cat(g, x_hat.dtype).t()), 0  # [T, sum r]
-        for lo in g.loras:
-            r = 0 if lo is None else lo.A.shape[0]
-            xas.append(None if lo is None else xa_all[:, col : col + r])
-            col += r
+        xas = _by_member(g, mm(x_hat, _a_cat(g, x_hat.dtype).t()), 1)  # of [T, sum r]
     else:
         for lo, seed in zip(g.loras, seeds):
             xd = x_hat * _dropout_mask(x_hat, lo.dropout, seed) if seed is not None else x_hat
@@ -192,8 +200,7 @@ def _a_ext(g: FrozenGroup, dtype) -> torch.Tensor:
 def _w_ext(g: FrozenGroup, dtype) -> torch.Tensor:
     """[s B_bd ; U_bd] [sum r + sum R, N]: member i's s * B_i^T in its rows of the first block and its own columns
     (zeros elsewhere), then the correction's U_bd (corr_fused). Made per call: B moves every step."""
-    u = corr_fused(g)[0]
-    rs = sum(lo.A.shape[0] for lo in g.loras if lo is not None)
+    u, rs = corr_fused(g)[0], _rank_sum(g)
     w = torch.zeros(rs + u.shape[0], u.shape[1], dtype=dtype, device=u.device)
     row, off = 0, 0
     for lo, n in zip(g.loras, g.sizes):
@@ -239,17 +246,11 @@ def project_backward(ops, g: FrozenGroup, dy: torch.Tensor, x_hat: torch.Tensor,
     if _fused_corr(g):
         a_ext = _a_ext(g, dy.dtype)
         dxe = mm(dy, _w_ext(g, dy.dtype).t())  # [T, sum r + sum R]: every member's dxa, then dY U_bd^T
-        rs = a_ext.shape[0] - corr_fused(g)[1].shape[0]
-        dA_all = mm(dxe[:, :rs].t(), x_hat).float()  # [sum r, K]
+        dA_all = mm(dxe[:, : _rank_sum(g)].t(), x_hat).float()  # [sum r, K]
         addmm_(dx, dxe, a_ext)
-        grads, row, off = [], 0, 0
-        for lora, n, xa in zip(g.loras, g.sizes, xas):
-            if lora is not None:
-                r = lora.A.shape[0]
-                grads.append((dA_all[row : row + r], mm(dy[:, off : off + n].t(), xa).float() * lora.scale))
-                row += r
-            else:
-                grads.append(None)
+        grads, off = [], 0
+        for lora, n, xa, dA in zip(g.loras, g.sizes, xas, _by_member(g, dA_all, 0)):
+            grads.append(None if lora is None else (dA, mm(dy[:, off : off + n].t(), xa).float() * lora.scale))
             off += n
         return dx, grads
     _correct_backward(g, dy, dx)
@@ -269,7 +270,7 @@ def project_backward(ops, g: FrozenGroup, dy: torch.Tensor, x_hat: torch.Tensor,
         dxa = mm(dyi, (lora.B * lora.scale).to(dy.dtype))
         if batched:
             dxas.append(dxa)
-            grads.append([None, dB])
+            grads.append(dB)  # (its dA: one GEMM for every member, below)
             continue
         mask = _dropout_mask(x_hat, lora.dropout, seed) if seed is not None else None
         xd = x_hat * mask if mask is not None else x_hat
@@ -282,13 +283,7 @@ def project_backward(ops, g: FrozenGroup, dy: torch.Tensor, x_hat: torch.Tensor,
     dxa_all = torch.cat(dxas, dim=1) if len(dxas) > 1 else dxas[0]  # [T, sum r]
     dA_all = mm(dxa_all.t(), x_hat).float()  # [sum r, K]
     addmm_(dx, dxa_all, _a_cat(g, dy.dtype))
-    row = 0
-    for pair, lora in zip(grads, g.loras):
-        if pair is not None:
-            r = lora.A.shape[0]
-            pair[0] = dA_all[row : row + r]
-            row += r
-    return dx, [tuple(p) if p is not None else None for p in grads]
+    return dx, [None if dB is None else (dA, dB) for dB, dA in zip(grads, _by_member(g, dA_all, 0))]
 
 
 def _per_member(loras: list, kept) -> list:
