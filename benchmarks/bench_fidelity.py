@@ -275,29 +275,29 @@ def _registry_records(reader: str, data: bytes | list[bytes]) -> list[dict]:
     def rec(prompt: str, label: str) -> dict:
         return {"prompt": prompt.strip() + "\nAnswer:", "completion": " " + label}
 
-    if reader == "clothing":
+    def parquet() -> list[dict]:
         import pyarrow.parquet as pq
 
+        return pq.read_table(io.BytesIO(data)).to_pylist()
+
+    def jsonl(blob: bytes) -> list[dict]:
+        return [json.loads(line) for line in blob.decode().splitlines() if line.strip()]
+
+    if reader == "clothing":
         keep = ("Tops", "Dresses", "Bottoms", "Intimate", "Jackets")
         return [rec(f"Review: {x['Review Text'].strip()}\nWhich department is the item from (tops, dresses, bottoms, "
                     "intimate, jackets)?", x["Department Name"].lower())
-                for x in pq.read_table(io.BytesIO(data)).to_pylist()
-                if x["Review Text"] and x["Department Name"] in keep]
+                for x in parquet() if x["Review Text"] and x["Department Name"] in keep]
     if reader == "clothing_sentiment":
-        import pyarrow.parquet as pq
-
         return [rec(f"Review: {x['Review Text'].strip()}\nSentiment (positive or negative)?",
                     "positive" if x["Rating"] == 5 else "negative")
-                for x in pq.read_table(io.BytesIO(data)).to_pylist() if x["Review Text"] and x["Rating"] in (1, 2, 5)]
+                for x in parquet() if x["Review Text"] and x["Rating"] in (1, 2, 5)]
     if reader == "adult":
-        import pyarrow.parquet as pq
-
         return [rec(f"A {x['age']}-year-old {x['gender'].lower()}, {x['race']}, born in {x['native-country']}; "
                     f"education: {x['education']}; {x['marital-status']}, {x['relationship']}; works "
                     f"{x['hours-per-week']} hours a week, {x['workclass']}, {x['occupation']}; capital gain "
                     f"{x['capital-gain']}, loss {x['capital-loss']}.\nIncome over 50K a year?",
-                    "yes" if x["income"] == ">50K" else "no")
-                for x in pq.read_table(io.BytesIO(data)).to_pylist()]
+                    "yes" if x["income"] == ">50K" else "no") for x in parquet()]
     if reader == "arrow_mc":
         import pyarrow as pa
 
@@ -306,26 +306,21 @@ def _registry_records(reader: str, data: bytes | list[bytes]) -> list[dict]:
                 for x in pa.ipc.open_stream(data).read_all().to_pylist()]
     if reader == "olmo_mc":  # requests of one question per choice: its doc once (query holds the choices)
         seen, out = set(), []
-        for blob in data:
-            for line in gzip.decompress(blob).decode().splitlines():
-                doc = json.loads(line)["doc"]
-                q = doc.get("query") or doc["question"]
-                if q not in seen:
-                    seen.add(q)
-                    out.append(rec(q.removesuffix("Answer:"), "ABCDEFGHIJ"[doc["gold"]]))
+        for doc in (x["doc"] for blob in data for x in jsonl(gzip.decompress(blob))):
+            q = doc.get("query") or doc["question"]
+            if q not in seen:
+                seen.add(q)
+                out.append(rec(q.removesuffix("Answer:"), "ABCDEFGHIJ"[doc["gold"]]))
         return out
     if reader == "privacy_qa":
-        rows = (json.loads(line) for line in data.decode().splitlines() if line.strip())
         return [rec(f"Policy: {x['context'].strip()}\nQuestion: {x['question'].strip()}\nDoes the policy text answer "
-                    "the question?", "yes" if x["answer"] == "True" else "no") for x in rows]
+                    "the question?", "yes" if x["answer"] == "True" else "no") for x in jsonl(data)]
     if reader == "bias_type":
-        rows = (json.loads(line) for line in data.decode().splitlines() if line.strip())
         return [rec(f"{x['context'].strip()} {x['stereotype'].strip()}\nWhich bias is this about (race, profession, "
-                    "gender, religion)?", x["bias_type"]) for x in rows]
+                    "gender, religion)?", x["bias_type"]) for x in jsonl(data)]
     if reader == "boolq":
-        rows = (json.loads(line) for line in data.decode().splitlines() if line.strip())
         return [rec(f"Passage: {x['passage'].strip()}\nQuestion: {x['question'].strip()}?",
-                    "yes" if x["label"] else "no") for x in rows if "label" in x]
+                    "yes" if x["label"] else "no") for x in jsonl(data) if "label" in x]
     raise ValueError(f"no reader {reader!r}")
 
 
