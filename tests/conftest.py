@@ -10,7 +10,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ["PACT_CACHE"] = tempfile.mkdtemp(prefix="pact-test-cache-")
 
 import json  # noqa: E402
+import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
+
+# the tests of benchmarks/ import its scripts as modules (bench_fidelity, bench_train, ...)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -3,15 +3,13 @@ benchmarks/bench_merge.py: its amplified-adapter variant). Their figures are the
 claims, so what a cells file or a method name means is tested here; the runs themselves need the GGUF
 and a GPU (benchmarks/run_h200_fidelity.sh). Also bench_train's profile attribution."""
 
-import sys
 from pathlib import Path
 
 import click
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import bench_fidelity as bf  # noqa: E402
+import bench_fidelity as bf  # (benchmarks/ is on the path: conftest.py)
 
 
 def test_cells_file_lowest_seeds_first(tmp_path):

@@ -190,12 +190,6 @@ def test_gpu_graphed_steps_match_eager(tmp_path, checkpoint):
 def _with_correction(art, rank):
     """A copy of ``art`` where every other projection carries a rank-``rank`` correction U V (random values;
     members of a group with and without one): bench_train's."""
-    import sys
-    from pathlib import Path
-
-    bench = str(Path(__file__).resolve().parents[1] / "benchmarks")
-    if bench not in sys.path:
-        sys.path.insert(0, bench)
     from bench_train import with_random_correction
 
     return open_artifact(with_random_correction(art.path, rank, every=2, scale=0.1))
