@@ -192,7 +192,7 @@ def _with_correction(art, rank):
     members of a group with and without one): bench_train's."""
     from bench_train import with_random_correction
 
-    return open_artifact(with_random_correction(art.path, rank, every=2, scale=0.1))
+    return open_artifact(with_random_correction(art.path, rank, every=2, scale=0.3))
 
 
 def test_with_correction_copy(tmp_path):
