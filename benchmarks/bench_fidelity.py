@@ -1361,11 +1361,11 @@ def table(csvs, stuck_margin, collapse_share, repeats, wide, ref, draw_sd, only,
     maj: dict[str, float] = {}
     runs: dict[tuple, list[float]] = {}  # (cell, seed) -> its rows' accuracies, in file order
     for r in rows:
-        cell, seed = (r["task"], float(r["lr"]), r["method"]), int(r["seed"])
+        cell, seed = (_task(r), float(r["lr"]), r["method"]), int(r["seed"])
         runs.setdefault((cell, seed), []).append(float(r["accuracy"]))
         if r.get("predicts_majority"):
             shares.setdefault(cell, {})[seed] = float(r["predicts_majority"])
-        maj[r["task"]] = float(r["majority"])
+        maj[_task(r)] = float(r["majority"])
     for (cell, seed), accs in runs.items():
         by.setdefault(cell, {})[seed] = statistics.mean(accs) if repeats == "mean" else accs[-1]
 
@@ -1468,12 +1468,19 @@ def _pair(spec: str) -> tuple[str, str, list[str]]:
     return ",".join(parts[:cut]), ",".join(parts[cut:]), kind
 
 
+def _task(row: dict) -> str:
+    """A row's task as the tables name it: 'TASK@STEPS' for a run of other than the protocol's STEPS steps (a longer
+    run is its own cell, never paired with or averaged into the 250-step one)."""
+    steps = int(row.get("steps") or STEPS)
+    return row["task"] if steps == STEPS else f"{row['task']}@{steps}"
+
+
 def _paired(csvs, method: str, ref: str) -> dict[tuple, list[float]]:
     """(task, lr) -> accuracy of ``method`` minus ``ref``'s, per seed both ran (rows of ``csvs``; a later
     row of the same run replaces an earlier one)."""
     acc: dict[tuple, float] = {}
     for r in (r for c in csvs for r in csv.DictReader(open(c))):
-        acc[r["method"], r["task"], float(r["lr"]), int(r["seed"])] = float(r["accuracy"])
+        acc[r["method"], _task(r), float(r["lr"]), int(r["seed"])] = float(r["accuracy"])
     cells: dict[tuple, list[float]] = {}
     for (m, task, lr, seed), a in acc.items():
         if m == method and (ref, task, lr, seed) in acc:

@@ -19,7 +19,8 @@
 #          once ran an H200 out of memory, 16 rows an H100)
 #   tasks2 (no carry):       the same at lr 2e-4; the table covers both calls' rows (PREPARE=1: make the
 #          artifacts its METHODS need first, as `tasks` does)
-#   either: CELLS=FILE runs the cells a file lists ('TASK METHOD LR SEED' lines) instead of TASKS x METHODS x
+#   either: STEPS=N trains N steps a run, not 250 (the tables name such rows' task TASK@N);
+#          CELLS=FILE runs the cells a file lists ('TASK METHOD LR SEED' lines) instead of TASKS x METHODS x
 #          LRS x SEEDS (its tasks and methods are the ones prepared);
 #          TASKS_B, METHODS_B (SEEDS_B, LRS_B: default the first grid's) run a second grid beside the first on
 #          WORKERS_B processes per GPU (default 4); PREP_TASKS x PREP_METHODS: artifacts made now for a later call
@@ -63,7 +64,7 @@ grid() {  # $1 lrs, $2 tasks, $3 seeds, $4 workers, $5 rows' name, $6.. methods:
   for k in $(seq 0 $(( n - 1 ))); do
     CUDA_VISIBLE_DEVICES=$(( k % NGPU )) OMP_NUM_THREADS=1 timeout $(left) \
       python3 benchmarks/bench_fidelity.py tasks --workdir /tmp/wd --tasks $tasks --seeds ${seeds// /,} \
-      --lrs $lrs --eval-batch $EVAL_BATCH "${args[@]}" --shard $k/$n --csv /tmp/rows/$name-$k.csv > /tmp/rows/$name-$k.log 2>&1 &
+      --lrs $lrs --steps ${STEPS:-250} --eval-batch $EVAL_BATCH "${args[@]}" --shard $k/$n --csv /tmp/rows/$name-$k.csv > /tmp/rows/$name-$k.log 2>&1 &
   done
   wait
 }

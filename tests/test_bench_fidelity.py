@@ -249,6 +249,23 @@ def test_table_pairs_to_seeded_peft(tmp_path):
     assert "| t (50.0) | 0.0005 | 63.0 +- 1.4 (n=2) | 70.0 (+7.0 +- 1.0) | 71.3 (-1.0 +- 1.0) |" in out, out
 
 
+def test_table_keeps_longer_runs_apart(tmp_path):
+    """A run of other than the protocol's 250 steps (STEPS=N on the device) is its own cell, TASK@N: never averaged
+    into the 250-step cell nor paired with it; rows without a steps column are 250-step rows."""
+    from click.testing import CliRunner
+
+    f, old = tmp_path / "rows.csv", tmp_path / "old.csv"
+    f.write_text("task,method,lr,seed,steps,accuracy,majority\n"
+                 "t,peft,0.0005,0,250,0.70,0.5\nt,pact,0.0005,0,250,0.60,0.5\n"
+                 "t,peft,0.0005,0,500,0.90,0.5\nt,pact,0.0005,0,500,0.88,0.5\nt,pact,0.0005,1,500,0.80,0.5\n")
+    old.write_text("task,method,lr,seed,accuracy,majority\nt,pact,0.0005,1,0.64,0.5\nt,peft,0.0005,1,0.66,0.5\n")
+    out = CliRunner().invoke(bf.cli, ["table", str(old), str(f)]).output
+    assert "| t (50.0) | 0.0005 | pact | 62.0 +- 2.8 (n=2) | -6.0 +- 4.0 |" in out, out
+    assert "| t@500 (50.0) | 0.0005 | pact | 84.0 +- 5.7 (n=2) | -2.0 | 0/2 |" in out, out
+    assert "| t@500 (50.0) | 0.0005 | peft | 90.0 +- nan (n=1) |" in out, out
+    assert bf._paired([str(f)], "pact", "peft") == {("t", 0.0005): [0.6 - 0.7], ("t@500", 0.0005): [0.88 - 0.9]}
+
+
 def test_table_mean_with_a_draw_term(tmp_path):
     """--draw-sd: the mean over cells with a standard error of the cells as given, each cell's seed
     variance plus a draw's variance for its calibrated side (sqrt(sum) / n)."""
