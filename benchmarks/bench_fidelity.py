@@ -1100,7 +1100,7 @@ def _peft_run(folder: Path, train_ex, test_ex, pad, seed, lr, device, steps: int
             p.data = p.data.float()
     losses = _train_hf(model, train_ex, pad, seed, device, steps, lr)
     best = _hf_predicted(model, test_ex, pad, device, eval_batch)
-    return _accuracy(best, test_ex), statistics.mean(losses[-25:]), Counter(best)
+    return _accuracy(best, test_ex), statistics.mean(losses[-25:]) if losses else float("nan"), Counter(best)
 
 
 @cli.command()
