@@ -87,17 +87,20 @@ calibrated() {  # $1 tasks, $2.. methods: the calibrated artifacts (one per task
   done
 }
 case $stage in
-stash)  # wheels and the first half only (a cold machine before `tasks`); CORR_SPEED=1: then the step time of the
+stash)  # wheels and the first half only (a cold machine before `tasks`); CORR_TEST=1: the correction's GPU tests
+  # (about 30 s); CORR_SPEED=1: those, then the step time of the
   # default with and without a rank-CORR_RANK (16) correction in the artifact (bench_train --correct-rank, random
   # U V): 1B shapes bs 16 eager and bs 6 graphed, SmolLM2-135M shapes bs 8 x 128 graphed (the correction's GPU tests
   # first)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
   cp .gg1/* /tmp/wd/ && ls -la /tmp/wd
-  if [ "${CORR_SPEED:-0}" = 1 ]; then
+  if [ "${CORR_SPEED:-0}" = 1 ] || [ "${CORR_TEST:-0}" = 1 ]; then
     nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
     # the correction's GPU tests first (eager and CUDA graphs; the fused U / V GEMMs)
     timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_graphs.py -k correction \
       -rf --tb=short 2>&1 | tail -15 | tee $OUT/gpu_tests_correction.txt
+  fi
+  if [ "${CORR_SPEED:-0}" = 1 ]; then
     cd benchmarks
     for c in 0 ${CORR_RANK:-16}; do
       timeout 120 python3 bench_train.py --model llama-1b --warmup 3 --iters ${ITERS:-20} --batch 16 --methods pact-bf16 \
