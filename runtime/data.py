@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 IGNORE = -100
 TEMPLATE_SECONDS = 10  # one conversation's chat-template rendering; a template from an artifact may loop
 TEMPLATE_CHARS = 1 << 20  # and the rendered text's bound (and the template's)
+TEMPLATE_BYTES = 256 << 20  # the address space one rendering may add (a real one: kilobytes): _memory_limit
 MUL_MAX = 1024  # the largest repeat count a chat template may write (`'-' * 80`): see template_hazard
 TEMPLATE_FIX = ("the artifact's chat template (hf/tokenizer_config.json or chat_template.jinja) is faulty or hostile; "
                 "use prompt/completion records or fix the template")
@@ -238,6 +239,42 @@ def _time_limit(seconds: float):
         signal.signal(signal.SIGALRM, old)
 
 
+def _address_space() -> int:
+    """This process's virtual size in bytes (Linux: /proc/self/statm); OSError elsewhere."""
+    import os
+
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@contextmanager
+def _memory_limit(nbytes: int):
+    """RLIMIT_AS lowered to this process's present size + ``nbytes`` while a chat template renders (Linux), then
+    restored (a process may raise its soft limit back up to the hard one). jinja runs a filter in C, where no time
+    bound reaches it (``'x'|center(3000000000)``: 6 GB at once), and a loop of doublings outgrows the host before
+    SIGALRM: past the bound, an allocation fails with MemoryError instead. The bound is the whole process's for
+    those milliseconds (the main thread renders; nothing else allocates meanwhile). Elsewhere: no bound (the time
+    bound and template_hazard still hold)."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+        want = _address_space() + nbytes
+    except (ImportError, OSError, ValueError):
+        yield
+        return
+    if hard != resource.RLIM_INFINITY:
+        want = min(want, hard)
+    if soft != resource.RLIM_INFINITY and soft <= want:  # the process is bounded more tightly already
+        yield
+        return
+    resource.setrlimit(resource.RLIMIT_AS, (want, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+
+
 @functools.cache
 def _template_parser():
     """A parser of chat templates with transformers' extensions: its {% generation %} block and loop controls."""
@@ -328,17 +365,20 @@ def check_templates(tokenizer, where: str) -> None:
 
 
 def render_chat(tokenizer, messages: list[dict], where: str, **kw) -> str:
-    """The tokenizer's chat template applied to ``messages``, bounded in time and size: the
+    """The tokenizer's chat template applied to ``messages``, bounded in time, memory and size: the
     template comes from the artifact (someone else's file), and a loop in it must not hang a run."""
     fix = TEMPLATE_FIX
     try:
         check_templates(tokenizer, where)  # (one that does not parse fails here, never reaching jinja's compiler)
-        with _time_limit(TEMPLATE_SECONDS):
+        with _time_limit(TEMPLATE_SECONDS), _memory_limit(TEMPLATE_BYTES):
             text = tokenizer.apply_chat_template(messages, tokenize=False, **kw)
     except PactError:
         raise
     except _TemplateTimeout:
         raise PactError(f"{where}: rendering the chat template took over {TEMPLATE_SECONDS} s: {fix}") from None
+    except MemoryError:
+        raise PactError(f"{where}: rendering the chat template needed over {TEMPLATE_BYTES >> 20} MiB of memory: "
+                        f"{fix}") from None
     except Exception as e:  # jinja errors: a template that cannot render this conversation
         raise PactError(f"{where}: the chat template failed to render ({type(e).__name__}: {e}): {fix}") from None
     if not isinstance(text, str) or len(text) > TEMPLATE_CHARS:

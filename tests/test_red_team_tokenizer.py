@@ -8,6 +8,7 @@ import json
 import re
 import shutil
 import time
+from pathlib import Path
 
 import pytest
 
@@ -491,6 +492,34 @@ def test_a_hostile_template_is_refused_before_jinja_compiles_it(base, tmp_path):
         data.tokenize([{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}],
                         "_where": "chat.jsonl:1"}], tok, max_len=64)
     assert time.monotonic() - t < 5
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").is_file(), reason="the memory bound is Linux's RLIMIT_AS")
+@pytest.mark.parametrize("template", [
+    "{{ 'x'|center(3000000000) }}", "{{ 'x'.zfill(3000000000) }}", "{{ [[1]]|tojson(indent=200000000) }}",
+    "{{ '%3000000000d'|format(1) }}", "{{ '{:>3000000000}'.format(1) }}",
+    "{% set a = 'x'|center(1000) %}{{ a.replace('', a).replace('', a) }}",
+    "{% set ns = namespace(s='x') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s }}",
+])
+def test_a_template_that_allocates_in_c_is_stopped(tok, monkeypatch, template):
+    """What no time bound reaches (jinja runs a filter or method in C: 3e9 characters at once) nor template_hazard
+    names (a width, an indent, a replace, a doubling loop): the rendering's address space is bounded
+    (TEMPLATE_BYTES), so the allocation fails at once and the run gets one error; the process's own limit is back
+    after."""
+    import resource
+
+    limit = resource.getrlimit(resource.RLIMIT_AS)
+    assert data.template_hazard(template) is None  # (the static check does not see these)
+    monkeypatch.setattr(tok, "chat_template", template)
+    t = time.monotonic()
+    with pytest.raises(PactError, match=r"^x: (rendering the chat template needed over 256 MiB of memory|the chat "
+                                        r"template rendered \d+ characters \(bound \d+\)): the artifact's chat "
+                                        r"template .* is faulty or hostile"):
+        data.render_chat(tok, [{"role": "user", "content": "hi"}], "x")
+    assert time.monotonic() - t < 5
+    assert resource.getrlimit(resource.RLIMIT_AS) == limit
+    monkeypatch.setattr(tok, "chat_template", "{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    assert data.render_chat(tok, [{"role": "user", "content": "hi"}], "x") == "hi"  # and the next one renders
 
 
 def test_a_named_template_is_checked_and_named(tok, monkeypatch):
