@@ -53,7 +53,7 @@ def calibration_texts(data: str, split: str | None, samples: int) -> tuple[str, 
     tokenizes every record before calling this, which also checks types and empty completions)."""
     records = read_records(data, "--data", split, limit=samples)
     for r in records:
-        parse_record(r)
+        parse_record(r, text=True)  # (raw {text} records train on every token: calibrate on them as they are)
     body = "".join(json.dumps({k: v for k, v in r.items() if k != "_where"}, sort_keys=True, default=str) + "\n"
                    for r in records)
     return body, len(records)

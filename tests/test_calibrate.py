@@ -519,6 +519,29 @@ def test_calibrate_a_gemma3_artifact(tmp_path):
     assert r["step"] == 2
 
 
+def test_train_calibrates_on_raw_text(tmp_path):
+    """{text} records (continued pretraining: every token a target) train with pact-train's calibration, which
+    calibrates on them as pact-calibrate --prompts does (the same codes); the error that refused them named
+    {text} as the fix."""
+    from pact.pipelines.train import main as train_cli
+
+    make_model(tmp_path / "src", "llama", initializer_range=0.15)
+    convert(str(tmp_path / "src"), tmp_path / "art", progress=False)
+    data = tmp_path / "text.jsonl"
+    data.write_text("".join(json.dumps({"text": f"the movie number {i} was {'fresh' if i % 2 else 'dull'} and long"})
+                            + "\n" for i in range(40)))
+    r = CliRunner().invoke(train_cli, [str(tmp_path / "art"), "--data", str(data), "--out", str(tmp_path / "run"),
+                                       "--steps", "2", "--batch-size", "8", "--max-len", "64", "--quiet",
+                                       "--calibrate", "--calibrate-samples", "16"])
+    assert r.exit_code == 0, r.output
+    (tmp_path / "first16.jsonl").write_text("".join(data.read_text().splitlines(keepends=True)[:16]))
+    ref = open_artifact(calibrate(str(tmp_path / "art"), tmp_path / "first16.jsonl", tmp_path / "ref", max_samples=16,
+                                  seq_len=64, progress=False))
+    got = open_artifact(tmp_path / "run" / "calibrated")
+    names = list(ref.names("nvfp4"))
+    assert names and all(torch.equal(ref.nvfp4(n).packed, got.nvfp4(n).packed) for n in names)
+
+
 def test_train_calibrate_flag(tmp_path, caplog):
     """pact-train --calibrate: GPTQ on the first N training records into OUT/calibrated/ (the same
     codes as pact-calibrate on those records), the run trains on it, records it, and eval warns when
