@@ -34,13 +34,19 @@ class _Printer:
     def __init__(self, tokenizer):
         self.tokenizer, self.ids, self.shown = tokenizer, [], ""
 
-    def __call__(self, token: int) -> None:
-        self.ids.append(token)
+    def __call__(self, token: int, last: bool = False) -> None:
+        if token is not None:
+            self.ids.append(token)
         text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        if text.startswith(self.shown) and not text.endswith("\ufffd"):
+        if text.startswith(self.shown) and (last or not text.endswith("\ufffd")):
             click.echo(text[len(self.shown):], nl=False)
             sys.stdout.flush()
             self.shown = text
+
+    def finish(self) -> None:
+        """What is still held back (a reply that ends mid-character: --max-new-tokens, or a stop after a
+        character's first bytes), printed as it decodes."""
+        self(None, last=True)
 
 
 def _checked_text(text: str, what: str) -> str:
@@ -82,7 +88,8 @@ def generate_cmd(artifact, prompt, use_chat, adapter, max_new_tokens, temperatur
     else:
         ids = tok(text, add_special_tokens=True)["input_ids"]
     generate(model, ids, max_new_tokens=max_new_tokens, stop_ids=_stops(tok), temperature=temperature, top_p=top_p,
-             seed=seed, on_token=_Printer(tok))
+             seed=seed, on_token=(printer := _Printer(tok)))
+    printer.finish()
     click.echo()
 
 
@@ -155,6 +162,7 @@ def chat_cmd(artifact, system, adapter, max_new_tokens, temperature, top_p, seed
             history.pop()
             truncate(cache, keep)
             continue
+        printer.finish()
         click.echo()
         cached = ids + out
         history.append({"role": "assistant", "content": tok.decode(out, skip_special_tokens=True)})

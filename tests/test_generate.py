@@ -237,3 +237,29 @@ def test_gemma3_trains_generates_and_exports(tmp_path):
     ref = ref[len(prompt) - 1:]
     assert ((ours - ref).norm(dim=-1) / ref.norm(dim=-1)).max() < 0.05
     assert (ours.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.8
+
+
+class _ByteTokenizer:
+    """A token is a byte: a character of two UTF-8 bytes takes two tokens."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+def test_printer_holds_half_a_character_and_prints_the_tail(capsys):
+    """The printer waits for a character's last byte before showing it, and at the end prints what it still
+    holds (a reply cut mid-character by --max-new-tokens printed nothing of its tail)."""
+    from pact.pipelines.generate import _Printer
+
+    p = _Printer(_ByteTokenizer())
+    for t in b"a\xc2":
+        p(t)
+    assert capsys.readouterr().out == "a"
+    p(0xB5)
+    p.finish()
+    assert capsys.readouterr().out == "\u00b5"
+    p = _Printer(_ByteTokenizer())
+    for t in b"b\xc2":
+        p(t)
+    p.finish()
+    assert capsys.readouterr().out == "b\ufffd"
