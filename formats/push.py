@@ -49,7 +49,7 @@ def push_artifact(path, dest: str, *, overwrite: bool = False) -> str:
 
 def _push_failed(dest: str, scheme: str, e: Exception) -> str:
     fix = {"hf": "check the network, that the repo exists and that you are logged in with write access "
-                 "(huggingface-cli login, or HF_TOKEN; HF_HUB_OFFLINE must be unset)",
+                 "(hf auth login, or HF_TOKEN; HF_HUB_OFFLINE must be unset)",
            "s3": "check the network, the bucket and your AWS credentials (AWS_PROFILE, or AWS_ACCESS_KEY_ID and "
                  "AWS_SECRET_ACCESS_KEY)"}.get(scheme, "check the destination and run again")
     return f"{dest}: could not push ({_why(e)}): {fix}; no manifest was written there, so readers see no new artifact"

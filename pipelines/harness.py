@@ -62,8 +62,16 @@ def main(artifact, adapter, tasks, include_path, num_fewshot, limit, batch_size,
                         + ("" if include_path else " (local task YAMLs: pass --include-path DIR)"))
     lm = PactLM(artifact, adapter=adapter, batch_size=batch_size, max_length=max_length, device=device,
                 activations=activations, compute=compute)
-    results = simple_evaluate(model=lm, tasks=names, num_fewshot=num_fewshot, limit=limit, task_manager=manager,
-                              log_samples=False)
+    try:
+        results = simple_evaluate(model=lm, tasks=names, num_fewshot=num_fewshot, limit=limit, task_manager=manager,
+                                  log_samples=False)
+    except (ConnectionError, FileNotFoundError) as e:  # (huggingface_hub's offline / not-cached errors are these)
+        if not type(e).__module__.startswith(("huggingface_hub", "datasets", "requests", "urllib3", "builtins")):
+            raise
+        raise PactError(f"--tasks {','.join(names)}: lm-eval could not fetch a task's dataset ({type(e).__name__}: "
+                        f"{str(e).splitlines()[0] if str(e) else 'no message'}): run once where the Hugging Face "
+                        "hub is reachable (datasets keeps a copy), or point a local task at local files "
+                        "(--include-path DIR)") from None
     click.echo(make_table(results))
     if output:
         out = Path(output)

@@ -94,3 +94,21 @@ def test_bad_numbers_are_one_line(trained):
         r = CliRunner().invoke(pact_cli, ["lm-eval", str(trained / "art"), "--tasks", "pact_sentiment",
                                           "--include-path", str(trained / "tasks"), *args])
         assert r.exit_code == 1 and f"Error: {msg}" in r.output, r.output
+
+
+@pytest.mark.parametrize("error", ["offline", "not_cached"])
+def test_a_task_whose_dataset_cannot_be_fetched_is_one_line(trained, monkeypatch, error):
+    """A hub task without the network (HF_HUB_OFFLINE, or no route): one error naming --tasks and the fix, where
+    lm-eval's traceback ended in huggingface_hub's or datasets' error."""
+    from huggingface_hub.errors import LocalEntryNotFoundError, OfflineModeIsEnabled
+
+    def fail(**kw):
+        raise (OfflineModeIsEnabled("Cannot reach https://huggingface.co: offline mode is enabled.") if error == "offline"
+               else LocalEntryNotFoundError("Cannot find the requested files in the disk cache"))
+
+    monkeypatch.setattr(lm_eval, "simple_evaluate", fail)
+    r = CliRunner().invoke(pact_cli, ["lm-eval", str(trained / "art"), "--tasks", "pact_sentiment",
+                                      "--include-path", str(trained / "tasks")])
+    assert r.exit_code == 1 and r.output.startswith("Error: --tasks pact_sentiment: lm-eval could not fetch a task's "
+                                                    "dataset ("), r.output
+    assert "Traceback" not in r.output and "--include-path DIR" in r.output
