@@ -103,8 +103,9 @@ def test_a_task_whose_dataset_cannot_be_fetched_is_one_line(trained, monkeypatch
     from huggingface_hub.errors import LocalEntryNotFoundError, OfflineModeIsEnabled
 
     def fail(**kw):
-        raise (OfflineModeIsEnabled("Cannot reach https://huggingface.co: offline mode is enabled.") if error == "offline"
-               else LocalEntryNotFoundError("Cannot find the requested files in the disk cache"))
+        if error == "offline":
+            raise OfflineModeIsEnabled("Cannot reach https://huggingface.co: offline mode is enabled.")
+        raise LocalEntryNotFoundError("Cannot find the requested files in the disk cache")
 
     monkeypatch.setattr(lm_eval, "simple_evaluate", fail)
     r = CliRunner().invoke(pact_cli, ["lm-eval", str(trained / "art"), "--tasks", "pact_sentiment",
