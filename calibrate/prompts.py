@@ -2,9 +2,11 @@
 
 .jsonl: one object per line with "text", or any record pact-train reads (runtime/data.py
 parse_record): "messages" or ShareGPT "conversations" (rendered with the chat template), or
-"prompt" + "completion" and Alpaca instruction/input/output (joined). .txt: documents separated
-by blank lines. A folder: images (png/jpg/jpeg/webp) for vision-language artifacts, one prompt each: the image and a
-request to describe it (or the text of a ``<image stem>.txt`` beside it), rendered with the chat template;
+"prompt" + "completion" and Alpaca instruction/input/output (joined); the same records from a
+.parquet / .csv / .json table, a `datasets.save_to_disk` folder or a hub dataset id (read_records,
+as pact-train --data). .txt: documents separated by blank lines. A folder: images
+(png/jpg/jpeg/webp) for vision-language artifacts, one prompt each: the image and a request to
+describe it (or the text of a ``<image stem>.txt`` beside it), rendered with the chat template;
 each image is resized so its tokens fit ``seq_len``.
 """
 
@@ -15,21 +17,35 @@ from pathlib import Path
 import torch
 
 from pact.formats import PactError, require
-from pact.runtime.data import check_conversation, check_text, parse_record, read_records, render_chat
+from pact.runtime.data import (
+    TABLE_FORMATS,
+    check_conversation,
+    check_text,
+    looks_like_hub_id,
+    parse_record,
+    read_records,
+    render_chat,
+)
 from pact.runtime.vision import ImageSample
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
 IMAGE_REQUEST = "Describe this image in detail."
 
 
+def datasets_folder(path: Path) -> bool:
+    """``path`` is a `datasets.save_to_disk` folder (text records), not a folder of images."""
+    return path.is_dir() and any((path / n).is_file() for n in ("dataset_dict.json", "dataset_info.json", "state.json"))
+
+
 def _texts(path: Path, tokenizer) -> list[str]:
-    if path.suffix == ".txt":
+    if path.suffix == ".txt" and path.is_file():
         docs = [d.strip() for d in path.read_text(encoding="utf-8").split("\n\n")]
         return [d for d in docs if d]
-    if path.suffix != ".jsonl":
-        raise PactError(f"--prompts {path}: expected a .jsonl or .txt file, or a folder of images")
+    if path.is_file() and path.suffix.lower() not in (".jsonl", *TABLE_FORMATS):
+        raise PactError(f"--prompts {path}: expected a .jsonl, .txt, .parquet, .csv or .json file, a "
+                        "datasets.save_to_disk folder, or a folder of images")
     out = []
-    for rec in read_records(path, flag="--prompts"):
+    for rec in read_records(path, flag="--prompts"):  # (the readers of pact-train --data: tables, folders, hub ids)
         rec = parse_record(rec, text=True)  # the forms pact-train reads, and {"text"}
         if "text" in rec:
             out.append(rec["text"])
@@ -123,9 +139,9 @@ def load_prompts(path: str | Path, tokenizer, *, vision: bool, max_samples: int,
     the first ``max_samples`` texts, and (``min_tokens``) more after them until they hold that many
     tokens or the file ends (short texts give GPTQ few tokens). Images: at most ``max_samples``."""
     p = Path(path)
-    if not p.exists():
+    if not p.exists() and not looks_like_hub_id(str(path)):
         raise PactError(f"--prompts {p}: no such file or folder")
-    if p.is_dir():
+    if p.is_dir() and not datasets_folder(p):
         if not vision:
             raise PactError(f"--prompts {p}: a folder of images, but this artifact is a text-only model: "
                             "give a .jsonl or .txt of text prompts")

@@ -16,8 +16,9 @@ from .common import ARTIFACT, OUT, cli_errors
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("artifact", type=ARTIFACT)
 @click.option("--prompts", default=None,
-              help="Calibration prompts: .jsonl (text | messages | prompt+completion), .txt, or a folder of "
-              "images (png/jpg/webp; vision-language artifacts; a <image>.txt beside an image is its request).")
+              help="Calibration prompts: .jsonl (text | messages | prompt+completion), .txt, the tables and "
+              "datasets folders pact-train --data reads, or a folder of images (png/jpg/webp; vision-language "
+              "artifacts; a <image>.txt beside an image is its request).")
 @click.option("--model-texts", is_flag=True,
               help="Instead of --prompts: calibrate on --max-samples texts of --seq-len tokens that the model "
               "samples itself from its BOS token (no data needed). Measured downstream it is not safe: -5.8 points "

@@ -280,6 +280,33 @@ def test_too_few_calibration_tokens_are_said(setup, tmp_path, caplog):
     assert open_artifact(tmp_path / "cal").verify() > 0  # a warning, not a refusal
 
 
+def test_prompts_read_the_forms_pact_train_reads(setup, tmp_path):
+    """--prompts takes what pact-train --data takes: a .csv / .parquet / .json table and a datasets.save_to_disk
+    folder give the .jsonl's prompts; a folder without datasets' files stays a folder of images (refused for a
+    text-only model), another suffix is one error naming the forms."""
+    import datasets
+
+    from pact.calibrate.prompts import load_prompts
+    from pact.runtime.session import open_session
+
+    tok = open_session(str(setup / "art"), tool="test").tokenizer
+    recs = [json.loads(x) for x in (setup / "prompts.jsonl").read_text().splitlines()]
+    want = load_prompts(setup / "prompts.jsonl", tok, vision=False, max_samples=8, seq_len=16)
+    ds = datasets.Dataset.from_list(recs)
+    ds.to_csv(tmp_path / "p.csv")
+    ds.to_parquet(tmp_path / "p.parquet")
+    ds.save_to_disk(str(tmp_path / "saved"))
+    for src in (tmp_path / "p.csv", tmp_path / "p.parquet", tmp_path / "saved"):
+        got = load_prompts(src, tok, vision=False, max_samples=8, seq_len=16)
+        assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want)), src
+    (tmp_path / "imgs").mkdir()
+    with pytest.raises(PactError, match="a folder of images, but this artifact is a text-only model"):
+        load_prompts(tmp_path / "imgs", tok, vision=False, max_samples=8, seq_len=16)
+    (tmp_path / "p.tsv").write_text("a\tb\n")
+    with pytest.raises(PactError, match=r"expected a .jsonl, .txt, .parquet, .csv or .json file, a datasets"):
+        load_prompts(tmp_path / "p.tsv", tok, vision=False, max_samples=8, seq_len=16)
+
+
 def test_min_tokens_reads_past_max_samples(setup, tmp_path):
     """--min-tokens: the first --max-samples texts, then more until they hold that many tokens (or the
     file ends); recorded as the texts and tokens GPTQ saw. A bad value or --model-texts is one error."""
