@@ -37,7 +37,8 @@ from .common import cli_errors, config_from, config_options, main_rank, with_con
                    "--correct-rank R; opt-in: +0.8 points on one task at lr 5e-4, less stable at 1e-3; BENCHMARKS.md). "
                    "Implies --calibrate. Default: the artifact's own rank (0 when it has none).")
 @click.option("--resume", is_flag=True, help="Continue the run in --out from its latest checkpoint.")
-@click.option("--quiet", is_flag=True)
+@click.option("--quiet", is_flag=True, help="No progress bars or announcements (a note that the run "
+              "trains uncalibrated, and why, is still said: --no-calibrate silences it).")
 @cli_errors
 def main(config: str | None, **params) -> None:
     """Train LoRA adapters on ARTIFACT; the adapter is saved in PEFT format in --out."""
@@ -79,7 +80,7 @@ def main(config: str | None, **params) -> None:
         if resume:  # a run that trained on its own calibrated/ resumes on it as it is
             cfg.artifact = own_weights(cfg.artifact, cfg.out)
         with_gptq, note = auto_calibrate(cfg.artifact, cfg.data, cfg.out, resume, split=cfg.data_split)
-        if note and not quiet and main_rank():
+        if note and main_rank():  # (even under --quiet: the run is not what the default promised)
             check_inputs(cfg, tokenize=True)  # a bad record is said alone, not after a note about calibration
             click.echo(f"note: {note}; --no-calibrate silences this", err=True)
     if with_gptq:
@@ -102,7 +103,7 @@ def main(config: str | None, **params) -> None:
                    "--out CALIBRATED/ and train on CALIBRATED/")
             if not auto:
                 raise PactError(f"--calibrate: {e} ({fix}; or --no-calibrate)") from None
-            if not quiet and main_rank():
+            if main_rank():
                 click.echo(f"note: could not calibrate: {e}; training on {cfg.artifact} as it is ({fix}); "
                            "--no-calibrate silences this", err=True)
     try:

@@ -682,6 +682,9 @@ def test_train_calibrates_by_default_where_it_can(tmp_path, monkeypatch):
     few = make_sentiment_jsonl(tmp_path / "few.jsonl", 8)  # too few records for the default: a note
     do, why = auto_calibrate(str(art), str(few), tmp_path / "r0")
     assert not do and "has 8 records, fewer than the 32" in why
+    r = CliRunner().invoke(train_cli, [str(art), "--data", str(few), "--out", str(tmp_path / "rq"), "--steps", "1",
+                                       "--max-len", "64", "--batch-size", "4", "--quiet"])
+    assert r.exit_code == 0 and "note: " in r.output and "fewer than the 32" in r.output, r.output  # (--quiet too)
     monkeypatch.setenv("WORLD_SIZE", "2")
     do, why = auto_calibrate(str(art), str(data), tmp_path / "r0")
     assert not do and "torchrun" in why and "pact-calibrate" in why
