@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime as _dt
 import hashlib
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -119,6 +120,17 @@ class Unit:
     real: torch.Tensor | None = None
 
 
+def source_bound(art) -> int:
+    """The most a source of ``art``'s weights can hold: 4 bytes a weight (an fp32 checkpoint) and 256 MiB of
+    config, tokenizer and template files. A hub repo the artifact names (someone else's choice) is downloaded only
+    within it."""
+    n = 0
+    for name in art.names():
+        shape = art.entry(name)["shape"]
+        n += math.prod(shape)
+    return 4 * n + (256 << 20)
+
+
 def calibrate(
     artifact: str | os.PathLike,
     prompts: str | os.PathLike | None,
@@ -219,7 +231,8 @@ def calibrate(
                     kind, f", revision {prov['revision']}" if prov.get("revision") else "")
     try:
         try:
-            src = open_source(src_name, revision=prov.get("revision"), workdir=workdir)
+            src = open_source(src_name, revision=prov.get("revision"), workdir=workdir,
+                              max_bytes=None if source is not None else source_bound(art))
         except PactError as e:  # gone, emptied, no safetensors left, ...
             raise SourceError(f"--source {e}" if source is not None else
                               f"the artifact's recorded source: {e} (pass --source with the original model)") from None

@@ -363,17 +363,31 @@ class Source:
         return h.hexdigest()
 
 
-def _from_hub(repo_id: str, revision: str | None) -> tuple[Path, dict]:
-    try:
-        from huggingface_hub import snapshot_download
+HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]  # what a source needs
 
-        folder = Path(
-            snapshot_download(
-                repo_id,
-                revision=revision,
-                allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"],
-            )
-        )
+
+def _from_hub(repo_id: str, revision: str | None, max_bytes: int | None = None) -> tuple[Path, dict]:
+    """The hub repo's files a source needs (HUB_PATTERNS), downloaded into the hub cache. ``max_bytes``: refuse a
+    repo whose files come to more, before anything is downloaded (the files listed at one commit, and that commit
+    downloaded: the repo cannot grow in between)."""
+    try:
+        from huggingface_hub import HfApi, snapshot_download
+
+        if max_bytes is not None:
+            import fnmatch
+
+            info = HfApi().model_info(repo_id, revision=revision, files_metadata=True)
+            total = sum(f.size or 0 for f in info.siblings or []
+                        if any(fnmatch.fnmatch(f.rfilename, p) for p in HUB_PATTERNS))
+            if total > max_bytes:
+                raise PactError(f"{repo_id!r}: its model files come to {total / 1e9:.2f} GB, more than the "
+                                f"{max_bytes / 1e9:.2f} GB the artifact's weights need as a source (4 bytes a "
+                                "weight): not this artifact's source, and not downloaded; pass --source with "
+                                "the original model")
+            revision = info.sha or revision
+        folder = Path(snapshot_download(repo_id, revision=revision, allow_patterns=HUB_PATTERNS))
+    except PactError:
+        raise
     except Exception as e:
         raise PactError(
             f"{repo_id!r} is not a local path and could not be fetched from the hub ({type(e).__name__}: {e}): "
@@ -484,10 +498,12 @@ def _gguf_cached(path: Path) -> tuple[Path, dict] | None:
     return entry / "hf", prov
 
 
-def open_source(src: str, *, revision: str | None = None, workdir: Path | None = None) -> Source:
+def open_source(src: str, *, revision: str | None = None, workdir: Path | None = None,
+                max_bytes: int | None = None) -> Source:
     """Resolve SRC (folder, .gguf, or hub id) to a streaming Source.
 
-    ``workdir`` receives the HF folder a GGUF file is dequantized into (caller removes it).
+    ``workdir`` receives the HF folder a GGUF file is dequantized into (caller removes it). ``max_bytes``: a hub
+    repo larger than this is refused before its download (a source an artifact names, not the user).
     """
     path = Path(src)
     if path.is_dir():
@@ -510,7 +526,7 @@ def open_source(src: str, *, revision: str | None = None, workdir: Path | None =
             folder, prov = _from_gguf(path, workdir)
         return Source(folder, {"source": str(path.resolve()), **prov})
     if _HUB_ID.match(src) and not src.startswith((".", "/")):
-        folder, prov = _from_hub(src, revision)
+        folder, prov = _from_hub(src, revision, max_bytes)
         return Source(folder, {"source": src, **prov})
     raise PactError(f"source {src!r} does not exist: give a local model folder, a .gguf file, "
                     "or a hub id like org/name")

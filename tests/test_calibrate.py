@@ -3,6 +3,7 @@
 import json
 import logging
 import os
+import types
 from pathlib import Path
 
 import pytest
@@ -1197,3 +1198,43 @@ def test_recalibrating_without_a_correction_drops_the_old_one(corrected, setup, 
         first, second = seen[i:i + per_layer // 2], seen[i + per_layer // 2:i + per_layer]
         assert all(first) and not any(second), (i, first, second)
     assert len(seen) % groups == 0
+
+
+def test_a_hub_source_the_artifact_names_is_bounded_before_download(tmp_path, monkeypatch):
+    """An artifact (maybe a stranger's) naming a hub repo as its source: pact-calibrate without --source asks the
+    hub for the repo's file sizes first and downloads nothing past what the artifact's weights can need
+    (source_bound: 4 bytes a weight); within the bound it downloads that very commit."""
+    import huggingface_hub
+
+    from pact.calibrate.calibrate import source_bound
+
+    make_model(tmp_path / "src", "llama")
+    art = convert(str(tmp_path / "src"), tmp_path / "art", progress=False)
+    root = json.loads((art / "zarr.json").read_text())
+    root["attributes"]["pact"]["provenance"]["source"] = "attacker-org/one-terabyte"
+    (art / "zarr.json").write_text(json.dumps(root))
+    prompts = make_sentiment_jsonl(tmp_path / "p.jsonl", 8)
+    bound = source_bound(open_artifact(art))
+    n = sum(p.numel() for p in load_file(next((tmp_path / "src").glob("*.safetensors"))).values())
+    assert 4 * n <= bound <= 4 * n + (256 << 20)
+    downloads = []
+
+    class Info:
+        sha = "0123abcd" * 5
+
+        def __init__(self, size):
+            self.siblings = [types.SimpleNamespace(rfilename="model.safetensors", size=size),
+                             types.SimpleNamespace(rfilename="config.json", size=1000),
+                             types.SimpleNamespace(rfilename="weights.bin", size=10**12)]  # (not a source file)
+
+    size = {"v": 10**12}
+    monkeypatch.setattr(huggingface_hub.HfApi, "model_info", lambda self, repo, **kw: Info(size["v"]))
+    monkeypatch.setattr(huggingface_hub, "snapshot_download",
+                        lambda repo, **kw: downloads.append((repo, kw)) or str(tmp_path / "src"))
+    with pytest.raises(PactError, match=r"'attacker-org/one-terabyte': its model files come to 1000.00 GB, more than "
+                                        r"the [0-9.]+ GB the artifact's weights need as a source .*not downloaded"):
+        calibrate(str(art), prompts, tmp_path / "out", max_samples=4, seq_len=16, progress=False)
+    assert downloads == [] and not (tmp_path / "out").exists()
+    size["v"] = 2 * n  # a bf16 checkpoint of these weights: fetched, at the commit the sizes came from
+    assert open_artifact(calibrate(str(art), prompts, tmp_path / "out", max_samples=4, seq_len=16, progress=False))
+    assert [(r, kw["revision"]) for r, kw in downloads] == [("attacker-org/one-terabyte", Info.sha)]
