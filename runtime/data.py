@@ -481,16 +481,22 @@ GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 def _tagged_mask(tokenizer, msgs: list[dict], w: str) -> tuple[list[int], list[int]]:
     """Token ids of the whole conversation and transformers' assistant mask: 1 on the tokens the
     template's ``{% generation %}`` blocks wrote."""
-    render_chat(tokenizer, msgs, w)  # bounds time and size (and names a template that fails) first
-    try:
-        with _time_limit(TEMPLATE_SECONDS):
+    text = render_chat(tokenizer, msgs, w)  # bounds time and size (and names a template that fails) first
+    try:  # (bounded again: a template may render differently each time, e.g. by the clock)
+        with _time_limit(TEMPLATE_SECONDS), _memory_limit(TEMPLATE_BYTES):
             out = tokenizer.apply_chat_template(msgs, tokenize=True, return_dict=True,
                                                 return_assistant_tokens_mask=True)
     except _TemplateTimeout:
         raise PactError(f"{w}: rendering the chat template took over {TEMPLATE_SECONDS} s: {TEMPLATE_FIX}") from None
+    except MemoryError:
+        raise PactError(f"{w}: rendering the chat template needed over {TEMPLATE_BYTES >> 20} MiB of memory: "
+                        f"{TEMPLATE_FIX}") from None
     except Exception as e:  # jinja errors, a tokenizer without offsets
         raise PactError(f"{w}: the chat template's assistant mask failed ({type(e).__name__}: {e}): "
                         f"{TEMPLATE_FIX}") from None
+    if len(out["input_ids"]) > 2 * len(text) + 16:  # more tokens than the bounded render has characters
+        raise PactError(f"{w}: the chat template rendered {len(out['input_ids'])} tokens where it rendered "
+                        f"{len(text)} characters before (it renders differently each time): {TEMPLATE_FIX}")
     return list(out["input_ids"]), list(out["assistant_masks"])
 
 

@@ -623,3 +623,27 @@ def test_a_tokenizer_panic_is_one_line_from_pact_generate(base, tmp_path):
     r = CliRunner().invoke(generate_cmd, [str(art), "--prompt", "a" * 6000 + ".", "--max-new-tokens", "2"])
     assert r.exit_code == 1 and "Traceback" not in r.output, r.output
     assert r.output.strip().splitlines()[-1].startswith(f"Error: {art}/hf/tokenizer.json: the tokenizer failed")
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").is_file(), reason="the memory bound is Linux's RLIMIT_AS")
+@pytest.mark.parametrize("second", ["allocates", "longer"])
+def test_the_tagged_render_is_bounded_too(tok, monkeypatch, second):
+    """A template with {% generation %} tags renders twice (the text, then transformers' assistant mask): one that
+    renders differently the second time (by the clock, say) meets the same memory bound there, and a second render
+    far longer than the first is refused."""
+    real = tok.apply_chat_template
+    monkeypatch.setattr(tok, "chat_template", TAGGED)
+
+    def twice(msgs, tokenize=False, **kw):
+        if not tokenize:
+            return real(msgs, tokenize=False, **kw)
+        if second == "allocates":
+            return "x" * 3_000_000_000
+        out = real(msgs, tokenize=True, **kw)
+        return {**out, "input_ids": out["input_ids"] * 1000, "assistant_masks": out["assistant_masks"] * 1000}
+
+    monkeypatch.setattr(tok, "apply_chat_template", twice)
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    why = "needed over 256 MiB of memory" if second == "allocates" else "it renders differently each time"
+    with pytest.raises(PactError, match=rf"^c.jsonl:1: .*{why}"):
+        data.tokenize([{"messages": msgs, "_where": "c.jsonl:1"}], tok, max_len=64)
