@@ -82,7 +82,14 @@ def load_tokenizer(art: Artifact):
     backend = getattr(tok, "backend_tokenizer", None)
     for part in ("normalizer", "pre_tokenizer", "decoder"):
         component = getattr(backend, part, None)
-        for pattern in _regexes(json.loads(component.__getstate__())) if component is not None else ():
+        doc = json.loads(component.__getstate__()) if component is not None else None
+        for key, text in _inserted(doc):
+            if len(text) > INSERT_CHARS:
+                raise PactError(f"{where}: the {part} writes a {key} of {len(text)} characters (bound "
+                                f"{INSERT_CHARS}; real tokenizers write a character or two) into the text of every "
+                                "prompt, in Rust, where no bound stops what it grows to: the artifact is faulty or "
+                                "crafted; re-copy it or re-run pact-convert on a trusted model")
+        for pattern in _regexes(doc) if doc is not None else ():
             if why := regex_hazard(pattern):  # warned, not refused: a heuristic must never refuse a real model
                 log.warning("%s: the %s's regex %r %s: it may backtrack for very long on some text, in Rust, where "
                             "nothing stops it (a panic past its limit is one error); if this artifact is not from a "
@@ -105,6 +112,21 @@ def _unpanicked(fn, where: Path, /, *args, **kw):
         raise PactError(f"{where}: the tokenizer failed in its Rust library ({str(e).strip()[:200]}): its "
                         "normalizer, pre-tokenizer or decoder is faulty or hostile (e.g. a regex that backtracks "
                         "past its limit); re-copy the artifact or re-run pact-convert on a trusted model") from None
+
+
+INSERT_CHARS = 64  # what a normalizer / decoder may write in place of a match (Replace) or before the text (Prepend)
+
+
+def _inserted(doc):
+    """(key, text) for each text a tokenizers component inserts: a Replace's content, a Prepend's prepend (in
+    Sequences too): written once per match, so a long one multiplies the text."""
+    if isinstance(doc, dict):
+        for key in ("content", "prepend"):
+            if doc.get("type") in ("Replace", "Prepend") and isinstance(doc.get(key), str):
+                yield key, doc[key]
+        doc = list(doc.values())
+    for v in doc if isinstance(doc, list) else ():
+        yield from _inserted(v)
 
 
 def _regexes(doc):

@@ -647,3 +647,27 @@ def test_the_tagged_render_is_bounded_too(tok, monkeypatch, second):
     why = "needed over 256 MiB of memory" if second == "allocates" else "it renders differently each time"
     with pytest.raises(PactError, match=rf"^c.jsonl:1: .*{why}"):
         data.tokenize([{"messages": msgs, "_where": "c.jsonl:1"}], tok, max_len=64)
+
+
+@pytest.mark.parametrize("part,component", [
+    ("normalizer", {"type": "Replace", "pattern": {"String": "e"}, "content": "x" * 65}),
+    ("normalizer", {"type": "Sequence", "normalizers": [{"type": "Prepend", "prepend": "y" * 1000}]}),
+    ("decoder", {"type": "Replace", "pattern": {"String": "e"}, "content": "z" * 4096}),
+])
+def test_a_tokenizer_that_multiplies_the_text_is_refused(base, tmp_path, part, component):
+    """A normalizer or decoder writing a long text in place of every match (a 70-character prompt made 5 GB in
+    Rust, past every time bound, in a helper's attack): refused at load, naming the file; a real one's
+    replacement of a character or two loads."""
+    art = _copy(base, tmp_path)
+    f = art / "hf" / "tokenizer.json"
+    tj = json.loads(f.read_text())
+    tj[part] = component
+    f.write_text(json.dumps(tj))
+    rehash_artifact(art)
+    with pytest.raises(PactError, match=rf"hf/tokenizer.json: the {part} writes a (content|prepend) of \d+ characters "
+                                        r"\(bound 64; .*re-run pact-convert on a trusted model"):
+        load_tokenizer(open_artifact(art))
+    tj[part] = {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"}
+    f.write_text(json.dumps(tj))
+    rehash_artifact(art)
+    assert load_tokenizer(open_artifact(art))("the movie")["input_ids"]
