@@ -592,6 +592,7 @@ def _check_contained(path: Path, meta: dict) -> None:
 
     hf = path / HF_DIR
     below_hf = f"{hf}{os.sep}"
+    listed = set(meta.get("files", {}))
     for d in tree_entries(path, unlistable):
         p = Path(d.path)
         if d.is_symlink():
@@ -606,6 +607,11 @@ def _check_contained(path: Path, meta: dict) -> None:
                                 "artifact); remove the file or re-run pact-convert on a trusted model")
         if d.path.startswith(below_hf) and d.is_file(follow_symlinks=False):  # transformers reads them whole
             _check_hf_size(p, d.stat(follow_symlinks=False).st_size)
+            rel = p.relative_to(hf).as_posix()
+            if rel not in listed and rel != "zarr.json" and d.name not in _OS_FILES:  # (zarr.json: the group's own)
+                raise ArtifactError(f"{p}: a file in hf/ the manifest does not list (no checksum covers it, yet "
+                                    "transformers would read it: a tokenizer or config changed unseen); remove it, "
+                                    "or re-copy the artifact or re-run pact-convert")
     if hf.is_dir():
         _check_hf(hf)
 

@@ -214,6 +214,13 @@ def load_peft_adapter(
         out.setdefault(stem + ".weight", [None, None])["AB".index(which[0])] = t
     if not out:  # (an empty file: nothing to apply, and its r alone would size the modules)
         raise PactError(f"{w_path}: holds no LoRA A/B weights: {fix}")
+    strays = [k for k in out if not any(k.removesuffix(".weight") == t or k.removesuffix(".weight").endswith("." + t)
+                                        for t in cfg.targets)]
+    if strays:  # applied by one reader and dropped by another, the adapter would be two models
+        more = f" and {len(strays) - 1} more" if len(strays) > 1 else ""
+        raise PactError(f"{w_path}: holds LoRA weights for {strays[0]!r}{more}, which {cfg_path.name}'s "
+                        f"target_modules ({', '.join(cfg.targets)}) does not name: the config and the weights "
+                        f"disagree; {fix}")
     for k, (a, b) in out.items():
         if a is None or b is None or a.dim() != 2 or b.dim() != 2 or a.shape[0] != c["r"] or b.shape[1] != c["r"]:
             raise PactError(f"{w_path}: {k}: A/B missing or not of rank r={c['r']}: {fix}")

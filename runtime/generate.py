@@ -77,6 +77,10 @@ def generate(model, prompt_ids: list[int], *, max_new_tokens: int, stop_ids: set
     logits = next_logits(model, list(prompt_ids), cache, pos)
     pos += len(prompt_ids)
     for _ in range(max_new_tokens):
+        if not bool(torch.isfinite(logits).all()):  # (a finite artifact or adapter can still compute NaN: said)
+            raise PactError(f"the model computes non-finite values (NaN or inf) at token {pos}: its weights or its "
+                            "adapter are not usable (an adapter's update is scaled by lora_alpha / r in its "
+                            "adapter_config.json); re-copy the artifact or re-run pact-convert, or retrain the adapter")
         nxt = _pick(logits, temperature, top_p, gen)
         if nxt in stop_ids:
             break

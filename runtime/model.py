@@ -71,6 +71,16 @@ def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return w * xf.to(x.dtype)
 
 
+def strict_errors() -> tuple[type[Exception], ...]:
+    """huggingface_hub's validation errors of transformers' config dataclasses (a value of the wrong JSON type:
+    hidden_act a list, use_cache a string), which derive from Exception alone."""
+    try:
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:
+        return ()
+    return (StrictDataclassError,)
+
+
 def load_text_config(artifact: Artifact):
     """The artifact's decoder config (the text config of a vision-language model), checked against
     the artifact's tensors first (formats/families.py) so a damaged or hostile one is one error."""
@@ -84,7 +94,7 @@ def load_text_config(artifact: Artifact):
                         "re-copy it or re-run pact-convert") from None
     try:
         return AutoConfig.from_pretrained(artifact.hf_dir, trust_remote_code=False).get_text_config()
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
+    except (ValueError, KeyError, TypeError, AttributeError, OverflowError, *strict_errors()) as e:
         raise PactError(f"{cfg_file}: transformers cannot read it ({type(e).__name__}: {e}): the artifact is damaged "
                         "or crafted; re-copy it or re-run pact-convert") from None
 
@@ -379,6 +389,11 @@ class PactModel(nn.Module):
         missing = set(self.adapters) - set(adapters)
         if missing:
             raise PactError(f"adapter lacks {len(missing)} of this model's LoRA modules, e.g. {sorted(missing)[0]}")
+        extra = set(adapters) - set(self.adapters)
+        if extra:  # (pact-export refuses them too: scored without them, the adapter would be another model)
+            raise PactError(f"adapter holds LoRA weights for {len(extra)} module(s) this model has no adapter on, "
+                            f"e.g. {sorted(extra)[0]} (another model's adapter, or its config's layers_to_transform "
+                            "and its weights disagree): give the adapter trained for this model")
         with torch.no_grad():
             for name, lo in self.adapters.items():
                 A, B = adapters[name]

@@ -75,10 +75,17 @@ def load_tokenizer(art: Artifact):
     where = art.hf_dir / "tokenizer.json"
     try:
         tok = _unpanicked(AutoTokenizer.from_pretrained, where, art.hf_dir, trust_remote_code=False)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError) as e:
+    except PactError:
+        raise
+    except Exception as e:  # (OSError, ValueError, KeyError, ..., strict_errors(), and the tokenizers library's
+        # bare Exception for a tokenizer.json field of the wrong type: all "these files are not a tokenizer")
         raise PactError(f"{art.hf_dir}: the tokenizer cannot be loaded from its files and config.json "
                         f"({type(e).__name__}: {e}): the artifact is damaged or crafted; re-copy it or re-run "
                         "pact-convert") from None
+    if not isinstance(tok.model_max_length, (int, float)) or isinstance(tok.model_max_length, bool):
+        raise PactError(f"{art.hf_dir / 'tokenizer_config.json'}: 'model_max_length' is "
+                        f"{tok.model_max_length!r}, not a number: the artifact is damaged or crafted; re-copy it or "
+                        "re-run pact-convert")
     backend = getattr(tok, "backend_tokenizer", None)
     for part in ("normalizer", "pre_tokenizer", "decoder"):
         component = getattr(backend, part, None)

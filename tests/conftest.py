@@ -244,15 +244,18 @@ def make_converted_llama(d: Path, n_examples: int) -> Path:
 
 
 def rehash_artifact(art: Path) -> None:
-    """Re-record an edited artifact's checksums (files gone from hf/ leave the manifest): an artifact
-    consistent with its manifest, as a faulty converter would write it, so the check under test is
-    reached rather than verification's checksum mismatch."""
+    """Re-record an edited artifact's checksums (files gone from hf/ leave the manifest, files added there join
+    it): an artifact consistent with its manifest, as a faulty converter would write it, so the check under test
+    is reached rather than verification's checksum mismatch or its unlisted-file refusal."""
     from pact.formats.artifact import sha256_file
 
     f = art / "zarr.json"
     root = json.loads(f.read_text())
     meta = root["attributes"]["pact"]
-    meta["files"] = {rel: sha256_file(art / "hf" / rel) for rel in meta["files"] if (art / "hf" / rel).is_file()}
+    hf = art / "hf"
+    present = sorted(p.relative_to(hf).as_posix() for p in hf.rglob("*")
+                     if p.is_file() and not p.is_symlink() and p.relative_to(hf).as_posix() != "zarr.json")
+    meta["files"] = {rel: sha256_file(hf / rel) for rel in present}
     for e in meta["tensors"].values():
         for spec in e["arrays"].values():
             spec["sha256"] = sha256_file(art.joinpath(spec["path"], "c", *["0"] * len(spec["shape"])))

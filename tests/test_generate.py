@@ -1,5 +1,7 @@
 """Generation with a key/value cache (runtime/generate.py), `pact generate` and `pact chat`."""
 
+import types
+
 import pytest
 import torch
 from click.testing import CliRunner
@@ -263,3 +265,16 @@ def test_printer_holds_half_a_character_and_prints_the_tail(capsys):
         p(t)
     p.finish()
     assert capsys.readouterr().out == "b\ufffd"
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_non_finite_logits_are_one_error(monkeypatch, temperature):
+    """Weights or an adapter that pass every check (finite values) can still compute NaN: greedy decoding printed
+    nothing and exited 0, sampling died in torch.multinomial; both are one error naming the cause."""
+    from pact.runtime import generate as G
+
+    model = types.SimpleNamespace(cfg=types.SimpleNamespace(max_position_embeddings=64), layers=[None])
+    monkeypatch.setattr(G, "next_logits", lambda m, ids, cache, pos: torch.full((10,), float("nan")))
+    with pytest.raises(PactError, match=r"^the model computes non-finite values \(NaN or inf\) at token 3: its "
+                                        r"weights or its adapter are not usable"):
+        G.generate(model, [1, 2, 3], max_new_tokens=4, stop_ids=set(), temperature=temperature, seed=0)

@@ -35,8 +35,10 @@ def _copy(base, tmp_path):
 
 
 def _edit_json(path, **changes):
+    """Edit (or add) an hf/ JSON file, its checksum re-recorded (a new file listed), as a crafted artifact would."""
     doc = json.loads(path.read_text()) if path.exists() else {}
     path.write_text(json.dumps({**doc, **changes}))
+    rehash_artifact(path.parent.parent)
 
 
 def _outside_tokenizer(art, tmp_path):
@@ -113,6 +115,7 @@ def test_an_oversized_hf_file_is_refused(base, tmp_path, rel):
         open_artifact(art)
     with open(f, "r+b") as fh:
         fh.truncate(JSON_MAX)
+    rehash_artifact(art)
     open_artifact(art)  # the bound itself is allowed
 
 
@@ -671,3 +674,20 @@ def test_a_tokenizer_that_multiplies_the_text_is_refused(base, tmp_path, part, c
     f.write_text(json.dumps(tj))
     rehash_artifact(art)
     assert load_tokenizer(open_artifact(art))("the movie")["input_ids"]
+
+
+@pytest.mark.parametrize("rel", ["special_tokens_map.json", "added_tokens.json", "additional_chat_templates/x.jinja",
+                                 "config.json.bak"])
+def test_an_unlisted_hf_file_is_refused(base, tmp_path, rel):
+    """A file in hf/ the manifest does not list: no checksum covers it, yet transformers reads what it finds there
+    (an unlisted special_tokens_map.json changed the tokenizer's EOS with verify() passing, and a copy by URL,
+    which fetches listed files only, behaved otherwise): refused at open, naming it; listed, it opens."""
+    art = _copy(base, tmp_path)
+    f = art / "hf" / rel
+    f.parent.mkdir(exist_ok=True)
+    f.write_text("{}")
+    with pytest.raises(ArtifactError, match=rf"hf/{rel}: a file in hf/ the manifest does not list \(no checksum "
+                                            r"covers it.*remove it, or re-copy the artifact or re-run pact-convert"):
+        open_artifact(art)
+    rehash_artifact(art)
+    assert open_artifact(art).verify() > 0

@@ -501,6 +501,11 @@ def test_non_utf8_data_names_the_line(base, tmp_path):
     (lambda c: c.update(lora_alpha=1e30), r"--adapter .*run: the model computes non-finite values .*lora_alpha / r"),
     ("empty", "adapter_model.safetensors: holds no LoRA A/B weights"),
     ("rank", r"rank r=200 in its adapter_config.json, more than any projection of .* has \(64\)"),
+    # weights the config does not name: dropped by scoring and merged by pact-export before, two models
+    (lambda c: c.update(target_modules=["q_proj"]), r"adapter_model.safetensors: holds LoRA weights for "
+     r"'.*' and \d+ more, which adapter_config.json's target_modules \(q_proj\) does not name"),
+    (lambda c: c.update(layers_to_transform=[0]), r"adapter holds LoRA weights for \d+ module\(s\) this model has "
+     r"no adapter on, e.g. model.layers.1."),
 ])
 def test_bad_adapter_config(base, tmp_path, edit, match):
     from pact.formats import PactError
@@ -555,6 +560,12 @@ def test_config_that_does_not_fit_the_weights(base, tmp_path, edit, match):
     (lambda c: c.update(rope_parameters={"rope_type": "nonsense", "rope_theta": 10000.0}), "RoPE settings"),
     (lambda c: c.update(dtype="nonsense"), "config.json"),
     ("tokenizer", "the tokenizer cannot be loaded"),
+    # values of the wrong JSON type (transformers' strict config dataclasses), a tokenizer field of the wrong
+    # type (the tokenizers library's bare Exception): one error each, where each was a traceback
+    (lambda c: c.update(hidden_act=["silu"]), "config.json"),
+    (lambda c: c.update(use_cache="yes"), "config.json"),
+    ("added_token_id", "the tokenizer cannot be loaded"),
+    ("max_length", r"tokenizer_config.json: 'model_max_length' is 'x', not a number"),
 ])
 def test_config_transformers_cannot_use_is_one_error(base, tmp_path, edit, match):
     """Values transformers fails on with a KeyError or AttributeError deep inside (an unknown RoPE type, a
@@ -565,6 +576,13 @@ def test_config_transformers_cannot_use_is_one_error(base, tmp_path, edit, match
     art = _copy(base, tmp_path)
     if edit == "tokenizer":
         (art / "hf" / "tokenizer.json").write_text(json.dumps({"model": {"type": "BPE"}}))
+    elif edit == "added_token_id":
+        tj = json.loads((art / "hf" / "tokenizer.json").read_text())
+        tj["added_tokens"][0]["id"] = str(tj["added_tokens"][0]["id"])
+        (art / "hf" / "tokenizer.json").write_text(json.dumps(tj))
+    elif edit == "max_length":
+        tc = json.loads((art / "hf" / "tokenizer_config.json").read_text())
+        (art / "hf" / "tokenizer_config.json").write_text(json.dumps({**tc, "model_max_length": "x"}))
     else:
         c = json.loads((art / "hf" / "config.json").read_text())
         edit(c)
