@@ -480,24 +480,46 @@ GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 def _tagged_mask(tokenizer, msgs: list[dict], w: str) -> tuple[list[int], list[int]]:
     """Token ids of the whole conversation and transformers' assistant mask: 1 on the tokens the
-    template's ``{% generation %}`` blocks wrote."""
-    text = render_chat(tokenizer, msgs, w)  # bounds time and size (and names a template that fails) first
-    try:  # (bounded again: a template may render differently each time, e.g. by the clock)
+    template's ``{% generation %}`` blocks wrote. The template renders once, under render_chat's bounds
+    (time, address space, size), returning the blocks' character spans as transformers finds them
+    (render_jinja_template); the text is tokenized after, outside the address-space bound (the tokenizers
+    library may start its thread pool there, a thread's reservation each), and a token overlapping a span
+    is 1: transformers' own mask, computed the same way (apply_chat_template's)."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    check_templates(tokenizer, w)
+    try:
         with _time_limit(TEMPLATE_SECONDS), _memory_limit(TEMPLATE_BYTES):
-            out = tokenizer.apply_chat_template(msgs, tokenize=True, return_dict=True,
-                                                return_assistant_tokens_mask=True)
+            rendered, indices = render_jinja_template(
+                conversations=[msgs], chat_template=tokenizer.get_chat_template(), return_assistant_tokens_mask=True,
+                **tokenizer.special_tokens_map)
     except _TemplateTimeout:
         raise PactError(f"{w}: rendering the chat template took over {TEMPLATE_SECONDS} s: {TEMPLATE_FIX}") from None
     except MemoryError:
         raise PactError(f"{w}: rendering the chat template needed over {TEMPLATE_BYTES >> 20} MiB of memory: "
                         f"{TEMPLATE_FIX}") from None
-    except Exception as e:  # jinja errors, a tokenizer without offsets
+    except Exception as e:  # jinja errors
+        raise PactError(f"{w}: the chat template failed to render ({type(e).__name__}: {e}): {TEMPLATE_FIX}") from None
+    text, spans = rendered[0], indices[0]
+    if not isinstance(text, str) or len(text) > TEMPLATE_CHARS:
+        raise PactError(f"{w}: the chat template rendered {len(text) if isinstance(text, str) else 'no'} "
+                        f"characters (bound {TEMPLATE_CHARS}): {TEMPLATE_FIX}")
+    try:
+        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    except PactError:
+        raise
+    except Exception as e:  # a tokenizer without offsets
         raise PactError(f"{w}: the chat template's assistant mask failed ({type(e).__name__}: {e}): "
                         f"{TEMPLATE_FIX}") from None
-    if len(out["input_ids"]) > 2 * len(text) + 16:  # more tokens than the bounded render has characters
-        raise PactError(f"{w}: the chat template rendered {len(out['input_ids'])} tokens where it rendered "
-                        f"{len(text)} characters before (it renders differently each time): {TEMPLATE_FIX}")
-    return list(out["input_ids"]), list(out["assistant_masks"])
+    mask, k = [0] * len(enc["input_ids"]), 0
+    for i, (a, b) in enumerate(enc["offset_mapping"]):  # spans and offsets both in order: one pass
+        while k < len(spans) and a >= spans[k][1]:
+            k += 1
+        if k == len(spans):
+            break
+        if b > spans[k][0]:
+            mask[i] = 1
+    return list(enc["input_ids"]), mask
 
 
 def _diffed_mask(tokenizer, msgs: list[dict], w: str) -> tuple[list[int], list[int]]:

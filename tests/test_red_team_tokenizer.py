@@ -629,27 +629,27 @@ def test_a_tokenizer_panic_is_one_line_from_pact_generate(base, tmp_path):
 
 
 @pytest.mark.skipif(not Path("/proc/self/statm").is_file(), reason="the memory bound is Linux's RLIMIT_AS")
-@pytest.mark.parametrize("second", ["allocates", "longer"])
-def test_the_tagged_render_is_bounded_too(tok, monkeypatch, second):
-    """A template with {% generation %} tags renders twice (the text, then transformers' assistant mask): one that
-    renders differently the second time (by the clock, say) meets the same memory bound there, and a second render
-    far longer than the first is refused."""
-    real = tok.apply_chat_template
-    monkeypatch.setattr(tok, "chat_template", TAGGED)
-
-    def twice(msgs, tokenize=False, **kw):
-        if not tokenize:
-            return real(msgs, tokenize=False, **kw)
-        if second == "allocates":
-            return "x" * 3_000_000_000
-        out = real(msgs, tokenize=True, **kw)
-        return {**out, "input_ids": out["input_ids"] * 1000, "assistant_masks": out["assistant_masks"] * 1000}
-
-    monkeypatch.setattr(tok, "apply_chat_template", twice)
+@pytest.mark.parametrize("bomb,why", [("{{ 'x'|center(3000000000) }}", "needed over 256 MiB of memory"),
+                                      ("{{ 'x'|center(2000000) }}", r"rendered \d+ characters \(bound \d+\)")])
+def test_the_tagged_render_is_bounded_too(tok, monkeypatch, bomb, why):
+    """A template with {% generation %} tags renders once for the text and its assistant spans, under the same
+    bounds as any rendering (time, address space, size); the tokenizing after it is outside the address-space
+    bound (the tokenizers library may start its thread pool there)."""
+    monkeypatch.setattr(tok, "chat_template", TAGGED.replace("{% generation %}", "{% generation %}" + bomb))
     msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
-    why = "needed over 256 MiB of memory" if second == "allocates" else "it renders differently each time"
     with pytest.raises(PactError, match=rf"^c.jsonl:1: .*{why}"):
         data.tokenize([{"messages": msgs, "_where": "c.jsonl:1"}], tok, max_len=64)
+
+
+def test_the_tagged_mask_is_transformers_own(tok, monkeypatch):
+    """The assistant mask pact computes from the bounded render's spans is apply_chat_template's, token for token."""
+    monkeypatch.setattr(tok, "chat_template", TAGGED)
+    for msgs in ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo there"}],
+                 [{"role": "system", "content": "be brief"}, {"role": "user", "content": "the movie?"},
+                  {"role": "assistant", "content": "fresh"}, {"role": "user", "content": "why"},
+                  {"role": "assistant", "content": "it was good"}]):
+        ref = tok.apply_chat_template(msgs, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+        assert data._tagged_mask(tok, msgs, "x") == (list(ref["input_ids"]), list(ref["assistant_masks"]))
 
 
 @pytest.mark.parametrize("part,component", [
