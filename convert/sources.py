@@ -373,19 +373,25 @@ def _from_hub(repo_id: str, revision: str | None, max_bytes: int | None = None) 
     try:
         from huggingface_hub import HfApi, snapshot_download
 
+        cached_only = False
         if max_bytes is not None:
             import fnmatch
 
-            info = HfApi().model_info(repo_id, revision=revision, files_metadata=True)
-            total = sum(f.size or 0 for f in info.siblings or []
-                        if any(fnmatch.fnmatch(f.rfilename, p) for p in HUB_PATTERNS))
-            if total > max_bytes:
-                raise PactError(f"{repo_id!r}: its model files come to {total / 1e9:.2f} GB, more than the "
-                                f"{max_bytes / 1e9:.2f} GB the artifact's weights need as a source (4 bytes a "
-                                "weight): not this artifact's source, and not downloaded; pass --source with "
-                                "the original model")
-            revision = info.sha or revision
-        folder = Path(snapshot_download(repo_id, revision=revision, allow_patterns=HUB_PATTERNS))
+            try:
+                info = HfApi().model_info(repo_id, revision=revision, files_metadata=True)
+            except Exception:  # offline or unreachable: the hub cache only (nothing downloaded, nothing to bound)
+                info, cached_only = None, True
+            if info is not None:
+                total = sum(f.size or 0 for f in info.siblings or []
+                            if any(fnmatch.fnmatch(f.rfilename, p) for p in HUB_PATTERNS))
+                if total > max_bytes:
+                    raise PactError(f"{repo_id!r}: its model files come to {total / 1e9:.2f} GB, more than the "
+                                    f"{max_bytes / 1e9:.2f} GB the artifact's weights need as a source (4 bytes a "
+                                    "weight): not this artifact's source, and not downloaded; pass --source with "
+                                    "the original model")
+                revision = info.sha or revision
+        folder = Path(snapshot_download(repo_id, revision=revision, allow_patterns=HUB_PATTERNS,
+                                        local_files_only=cached_only))
     except PactError:
         raise
     except Exception as e:

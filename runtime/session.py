@@ -90,12 +90,14 @@ def load_tokenizer(art: Artifact):
     for part in ("normalizer", "pre_tokenizer", "decoder"):
         component = getattr(backend, part, None)
         doc = json.loads(component.__getstate__()) if component is not None else None
+        grows = 1  # what the component's inserts can multiply a text by: chained Replaces multiply
         for key, text in _inserted(doc):
-            if len(text) > INSERT_CHARS:
-                raise PactError(f"{where}: the {part} writes a {key} of {len(text)} characters (bound "
-                                f"{INSERT_CHARS}; real tokenizers write a character or two) into the text of every "
-                                "prompt, in Rust, where no bound stops what it grows to: the artifact is faulty or "
-                                "crafted; re-copy it or re-run pact-convert on a trusted model")
+            grows *= max(1, len(text))
+            if grows > INSERT_CHARS:
+                raise PactError(f"{where}: the {part} writes a {key} of {len(text)} characters, which with its other "
+                                f"inserts can multiply a text {grows} times (bound {INSERT_CHARS}; real tokenizers "
+                                "write a character or two) in Rust, where no bound stops what it grows to: the "
+                                "artifact is faulty or crafted; re-copy it or re-run pact-convert on a trusted model")
         for pattern in _regexes(doc) if doc is not None else ():
             if why := regex_hazard(pattern):  # warned, not refused: a heuristic must never refuse a real model
                 log.warning("%s: the %s's regex %r %s: it may backtrack for very long on some text, in Rust, where "
@@ -121,7 +123,8 @@ def _unpanicked(fn, where: Path, /, *args, **kw):
                         "past its limit); re-copy the artifact or re-run pact-convert on a trusted model") from None
 
 
-INSERT_CHARS = 64  # what a normalizer / decoder may write in place of a match (Replace) or before the text (Prepend)
+INSERT_CHARS = 64  # the product of the lengths a normalizer / decoder writes in place of matches (Replace) or before
+# the text (Prepend): what chained inserts can multiply a text by
 
 
 def _inserted(doc):

@@ -1237,4 +1237,12 @@ def test_a_hub_source_the_artifact_names_is_bounded_before_download(tmp_path, mo
     assert downloads == [] and not (tmp_path / "out").exists()
     size["v"] = 2 * n  # a bf16 checkpoint of these weights: fetched, at the commit the sizes came from
     assert open_artifact(calibrate(str(art), prompts, tmp_path / "out", max_samples=4, seq_len=16, progress=False))
-    assert [(r, kw["revision"]) for r, kw in downloads] == [("attacker-org/one-terabyte", Info.sha)]
+    assert [(r, kw["revision"], kw["local_files_only"]) for r, kw in downloads] == [
+        ("attacker-org/one-terabyte", Info.sha, False)]
+
+    def offline(self, repo, **kw):
+        raise huggingface_hub.errors.OfflineModeIsEnabled("offline")
+
+    monkeypatch.setattr(huggingface_hub.HfApi, "model_info", offline)  # offline: the hub cache only, as before
+    assert open_artifact(calibrate(str(art), prompts, tmp_path / "out2", max_samples=4, seq_len=16, progress=False))
+    assert downloads[-1][1]["local_files_only"] is True

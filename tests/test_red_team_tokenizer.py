@@ -656,6 +656,9 @@ def test_the_tagged_mask_is_transformers_own(tok, monkeypatch):
     ("normalizer", {"type": "Replace", "pattern": {"String": "e"}, "content": "x" * 65}),
     ("normalizer", {"type": "Sequence", "normalizers": [{"type": "Prepend", "prepend": "y" * 1000}]}),
     ("decoder", {"type": "Replace", "pattern": {"String": "e"}, "content": "z" * 4096}),
+    # short inserts that chain: each Replace writes 8 'a's for an 'a', three of them 512 for one
+    ("normalizer", {"type": "Sequence", "normalizers": [
+        {"type": "Replace", "pattern": {"String": "a"}, "content": "a" * 8} for _ in range(3)]}),
 ])
 def test_a_tokenizer_that_multiplies_the_text_is_refused(base, tmp_path, part, component):
     """A normalizer or decoder writing a long text in place of every match (a 70-character prompt made 5 GB in
@@ -667,8 +670,9 @@ def test_a_tokenizer_that_multiplies_the_text_is_refused(base, tmp_path, part, c
     tj[part] = component
     f.write_text(json.dumps(tj))
     rehash_artifact(art)
-    with pytest.raises(PactError, match=rf"hf/tokenizer.json: the {part} writes a (content|prepend) of \d+ characters "
-                                        r"\(bound 64; .*re-run pact-convert on a trusted model"):
+    with pytest.raises(PactError, match=rf"hf/tokenizer.json: the {part} writes a (content|prepend) of \d+ characters, "
+                                        r"which with its other inserts can multiply a text \d+ times \(bound 64; "
+                                        r".*re-run pact-convert on a trusted model"):
         load_tokenizer(open_artifact(art))
     tj[part] = {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"}
     f.write_text(json.dumps(tj))
