@@ -435,7 +435,8 @@ def _write(art, out: Path, new: dict, errors: dict, clock: _Clock, *, overwrite,
                 w.add_dense(name, art.dense(name), **info)
         for rel in art.meta["files"]:
             w.add_file(art.hf_dir / rel, rel)
-        if prompts is None:  # --model-texts: the token ids themselves
+        if prompts is None or not (prompts.is_file() or samples and hasattr(samples[0], "source")):
+            # --model-texts, a datasets folder or a hub dataset: the token ids themselves
             digest = hashlib.sha256(torch.cat(samples).to(torch.int64).numpy().tobytes()).hexdigest()
         else:
             digest = sha256_file(prompts) if prompts.is_file() else _folder_digest(samples)

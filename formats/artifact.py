@@ -608,7 +608,8 @@ def _check_contained(path: Path, meta: dict) -> None:
         if d.path.startswith(below_hf) and d.is_file(follow_symlinks=False):  # transformers reads them whole
             _check_hf_size(p, d.stat(follow_symlinks=False).st_size)
             rel = p.relative_to(hf).as_posix()
-            if rel not in listed and rel != "zarr.json" and d.name not in _OS_FILES:  # (zarr.json: the group's own)
+            hidden = any(part.startswith(".") for part in rel.split("/"))  # (.ipynb_checkpoints/: no reader's)
+            if rel not in listed and rel != "zarr.json" and d.name not in _OS_FILES and not hidden:
                 raise ArtifactError(f"{p}: a file in hf/ the manifest does not list (no checksum covers it, yet "
                                     "transformers would read it: a tokenizer or config changed unseen); remove it, "
                                     "or re-copy the artifact or re-run pact-convert")

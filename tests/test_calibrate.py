@@ -300,6 +300,10 @@ def test_prompts_read_the_forms_pact_train_reads(setup, tmp_path):
     for src in (tmp_path / "p.csv", tmp_path / "p.parquet", tmp_path / "saved"):
         got = load_prompts(src, tok, vision=False, max_samples=8, seq_len=16)
         assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want)), src
+    # and the whole command on a datasets folder (its digest is of the token ids: no file to hash)
+    out = calibrate(str(setup / "art"), tmp_path / "saved", tmp_path / "cal", max_samples=8, seq_len=16,
+                    progress=False)
+    assert open_artifact(out).meta["provenance"]["calibration"]["samples"] == 8
     (tmp_path / "imgs").mkdir()
     with pytest.raises(PactError, match="a folder of images, but this artifact is a text-only model"):
         load_prompts(tmp_path / "imgs", tok, vision=False, max_samples=8, seq_len=16)

@@ -695,3 +695,6 @@ def test_an_unlisted_hf_file_is_refused(base, tmp_path, rel):
         open_artifact(art)
     rehash_artifact(art)
     assert open_artifact(art).verify() > 0
+    (art / "hf" / ".ipynb_checkpoints").mkdir()  # what an editor leaves, hidden: read by nothing, not refused
+    (art / "hf" / ".ipynb_checkpoints" / "config-checkpoint.json").write_text("{}")
+    assert open_artifact(art)
