@@ -435,11 +435,12 @@ def _write(art, out: Path, new: dict, errors: dict, clock: _Clock, *, overwrite,
                 w.add_dense(name, art.dense(name), **info)
         for rel in art.meta["files"]:
             w.add_file(art.hf_dir / rel, rel)
-        if prompts is None or not (prompts.is_file() or samples and hasattr(samples[0], "source")):
-            # --model-texts, a datasets folder or a hub dataset: the token ids themselves
+        if prompts is not None and prompts.is_file():
+            digest = sha256_file(prompts)
+        elif samples and hasattr(samples[0], "source"):  # a folder of images
+            digest = _folder_digest(samples)
+        else:  # --model-texts, a datasets folder or a hub dataset: the token ids themselves
             digest = hashlib.sha256(torch.cat(samples).to(torch.int64).numpy().tobytes()).hexdigest()
-        else:
-            digest = sha256_file(prompts) if prompts.is_file() else _folder_digest(samples)
         clock.lap("write")  # what commit does after this (the manifest, a rename) is left out of the record
         seconds = clock.report()
         log.info("calibration: %s s", ", ".join(f"{k} {v:.1f}" for k, v in seconds.items()))

@@ -364,27 +364,39 @@ def check_templates(tokenizer, where: str) -> None:
             raise PactError(f"{where}: the chat template{f' {name!r}' if name else ''} {why}: {TEMPLATE_FIX}")
 
 
-def render_chat(tokenizer, messages: list[dict], where: str, **kw) -> str:
-    """The tokenizer's chat template applied to ``messages``, bounded in time, memory and size: the
-    template comes from the artifact (someone else's file), and a loop in it must not hang a run."""
-    fix = TEMPLATE_FIX
+def _bounded_render(tokenizer, where: str, render):
+    """``render()`` of the tokenizer's chat template, its templates checked first (template_hazard), under the
+    rendering's bounds: time (SIGALRM), address space (_memory_limit); each failure one error naming ``where``."""
     try:
         check_templates(tokenizer, where)  # (one that does not parse fails here, never reaching jinja's compiler)
         with _time_limit(TEMPLATE_SECONDS), _memory_limit(TEMPLATE_BYTES):
-            text = tokenizer.apply_chat_template(messages, tokenize=False, **kw)
+            return render()
     except PactError:
         raise
     except _TemplateTimeout:
-        raise PactError(f"{where}: rendering the chat template took over {TEMPLATE_SECONDS} s: {fix}") from None
+        raise PactError(f"{where}: rendering the chat template took over {TEMPLATE_SECONDS} s: "
+                        f"{TEMPLATE_FIX}") from None
     except MemoryError:
         raise PactError(f"{where}: rendering the chat template needed over {TEMPLATE_BYTES >> 20} MiB of memory: "
-                        f"{fix}") from None
+                        f"{TEMPLATE_FIX}") from None
     except Exception as e:  # jinja errors: a template that cannot render this conversation
-        raise PactError(f"{where}: the chat template failed to render ({type(e).__name__}: {e}): {fix}") from None
+        raise PactError(f"{where}: the chat template failed to render ({type(e).__name__}: {e}): "
+                        f"{TEMPLATE_FIX}") from None
+
+
+def _sized(text, where: str) -> str:
+    """A rendered text within TEMPLATE_CHARS, or one error."""
     if not isinstance(text, str) or len(text) > TEMPLATE_CHARS:
         raise PactError(f"{where}: the chat template rendered {len(text) if isinstance(text, str) else 'no'} "
-                        f"characters (bound {TEMPLATE_CHARS}): {fix}")
+                        f"characters (bound {TEMPLATE_CHARS}): {TEMPLATE_FIX}")
     return text
+
+
+def render_chat(tokenizer, messages: list[dict], where: str, **kw) -> str:
+    """The tokenizer's chat template applied to ``messages``, bounded in time, memory and size: the
+    template comes from the artifact (someone else's file), and a loop in it must not hang a run."""
+    return _sized(_bounded_render(tokenizer, where,
+                                  lambda: tokenizer.apply_chat_template(messages, tokenize=False, **kw)), where)
 
 
 def check_text(value, where: str, what: str) -> str:
@@ -487,23 +499,10 @@ def _tagged_mask(tokenizer, msgs: list[dict], w: str) -> tuple[list[int], list[i
     is 1: transformers' own mask, computed the same way (apply_chat_template's)."""
     from transformers.utils.chat_template_utils import render_jinja_template
 
-    check_templates(tokenizer, w)
-    try:
-        with _time_limit(TEMPLATE_SECONDS), _memory_limit(TEMPLATE_BYTES):
-            rendered, indices = render_jinja_template(
-                conversations=[msgs], chat_template=tokenizer.get_chat_template(), return_assistant_tokens_mask=True,
-                **tokenizer.special_tokens_map)
-    except _TemplateTimeout:
-        raise PactError(f"{w}: rendering the chat template took over {TEMPLATE_SECONDS} s: {TEMPLATE_FIX}") from None
-    except MemoryError:
-        raise PactError(f"{w}: rendering the chat template needed over {TEMPLATE_BYTES >> 20} MiB of memory: "
-                        f"{TEMPLATE_FIX}") from None
-    except Exception as e:  # jinja errors
-        raise PactError(f"{w}: the chat template failed to render ({type(e).__name__}: {e}): {TEMPLATE_FIX}") from None
-    text, spans = rendered[0], indices[0]
-    if not isinstance(text, str) or len(text) > TEMPLATE_CHARS:
-        raise PactError(f"{w}: the chat template rendered {len(text) if isinstance(text, str) else 'no'} "
-                        f"characters (bound {TEMPLATE_CHARS}): {TEMPLATE_FIX}")
+    rendered, indices = _bounded_render(tokenizer, w, lambda: render_jinja_template(
+        conversations=[msgs], chat_template=tokenizer.get_chat_template(), return_assistant_tokens_mask=True,
+        **tokenizer.special_tokens_map))
+    text, spans = _sized(rendered[0], w), indices[0]
     try:
         enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     except PactError:
