@@ -469,12 +469,22 @@ def _checked_manifest(raw: bytes, url: str) -> tuple[dict, list[tuple[str, str |
     return meta, plan
 
 
+def _held(f: Path) -> int:
+    """A file's size in an interrupted fetch's copy; 0 for a folder or a file gone since it was listed."""
+    try:
+        return f.stat().st_size if f.is_file() else 0
+    except FileNotFoundError:
+        return 0
+
+
 def _check_room(base: Path, part: Path, plan: list, url: str) -> None:
     """The cache's disk holds the tensors the manifest declares (less what an interrupted fetch of it
     holds): a manifest's sizes never fill the disk."""
     need = sum(size for _, _, size in plan if size)
-    if part.is_dir():
-        need -= sum(f.stat().st_size for f in part.rglob("*") if f.is_file())
+    try:  # (outside the fetch's lock: another fetch may rename a file of it, or the whole copy, meanwhile)
+        need -= sum(_held(f) for f in part.rglob("*")) if part.is_dir() else 0
+    except FileNotFoundError:  # the copy was finished and renamed while it was counted: count none of it
+        pass
     where = base
     while not where.exists():
         where = where.parent

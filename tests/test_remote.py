@@ -208,3 +208,23 @@ def test_push_then_fetch(served, cache, tmp_path):
     art.verify()
     r = CliRunner().invoke(push_cli, [str(d / "www" / "art"), dest])
     assert r.exit_code != 0 and "already holds an artifact" in r.output
+
+
+def test_room_is_counted_while_another_fetch_renames(tmp_path, monkeypatch):
+    """_check_room counts an interrupted copy outside the fetch's lock: a file another thread renames meanwhile
+    (a concurrent fetch of the same artifact raised FileNotFoundError from here) counts as gone, not as an error."""
+    from pact.formats import remote
+
+    part = tmp_path / "x.partial"
+    (part / "hf").mkdir(parents=True)
+    (part / "hf" / "a.json.part").write_bytes(b"x" * 10)
+    (part / "hf" / "b.json").write_bytes(b"y" * 5)
+    real = Path.stat
+
+    def racing(self, **kw):
+        if self.name == "a.json.part":
+            raise FileNotFoundError(self)
+        return real(self, **kw)
+
+    monkeypatch.setattr(Path, "stat", racing)
+    remote._check_room(tmp_path, part, [("t", "s", 100)], "http://h/art")  # needs 95 bytes: no error
