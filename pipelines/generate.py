@@ -4,6 +4,7 @@ text from the NVFP4 model (with a trained adapter), a key/value cache, greedy un
 
 from __future__ import annotations
 
+import functools
 import sys
 
 import click
@@ -28,20 +29,24 @@ def _sampling(fn):
 
 
 class _Printer:
-    """Prints generated tokens as they come: the decoded text's new characters each time (a token
-    may complete a character only with the next one)."""
+    """Prints generated tokens as they come, decoding a few tokens at a time (the whole reply each time
+    would cost its length per token: quadratic): the text of the tokens since ``start``, past what the
+    tokens from ``start`` to ``shown`` gave, is what is new (as vLLM streams). A token that completes a
+    character only with the next one is held back until it does."""
 
     def __init__(self, tokenizer):
-        self.tokenizer, self.ids, self.shown = tokenizer, [], ""
+        self.tokenizer, self.ids, self.start, self.shown = tokenizer, [], 0, 0
 
     def __call__(self, token: int, last: bool = False) -> None:
         if token is not None:
             self.ids.append(token)
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        if text.startswith(self.shown) and (last or not text.endswith("\ufffd")):
-            click.echo(text[len(self.shown):], nl=False)
+        decode = functools.partial(self.tokenizer.decode, skip_special_tokens=True)
+        before = decode(self.ids[self.start:self.shown])  # (the window's first tokens give its context:
+        text = decode(self.ids[self.start:])               # a leading space a tokenizer strips, strips in both)
+        if len(text) > len(before) and (last or not text.endswith("\ufffd")):
+            click.echo(text[len(before):], nl=False)
             sys.stdout.flush()
-            self.shown = text
+            self.start, self.shown = self.shown, len(self.ids)
 
     def finish(self) -> None:
         """What is still held back (a reply that ends mid-character: --max-new-tokens, or a stop after a

@@ -87,23 +87,9 @@ def load_tokenizer(art: Artifact):
                         f"{tok.model_max_length!r}, not a number: the artifact is damaged or crafted; re-copy it or "
                         "re-run pact-convert")
     backend = getattr(tok, "backend_tokenizer", None)
-    for part in ("normalizer", "pre_tokenizer", "decoder"):
-        component = getattr(backend, part, None)
-        doc = json.loads(component.__getstate__()) if component is not None else None
-        grows = 1  # what the component's inserts can multiply a text by: chained Replaces multiply
-        for key, text in _inserted(doc):
-            grows *= max(1, len(text))
-            if grows > INSERT_CHARS:
-                raise PactError(f"{where}: the {part} writes a {key} of {len(text)} characters, which with its other "
-                                f"inserts can multiply a text {grows} times (bound {INSERT_CHARS}; real tokenizers "
-                                "write a character or two) in Rust, where no bound stops what it grows to: the "
-                                "artifact is faulty or crafted; re-copy it or re-run pact-convert on a trusted model")
-        for pattern in _regexes(doc) if doc is not None else ():
-            if why := regex_hazard(pattern):  # warned, not refused: a heuristic must never refuse a real model
-                log.warning("%s: the %s's regex %r %s: it may backtrack for very long on some text, in Rust, where "
-                            "nothing stops it (a panic past its limit is one error); if this artifact is not from a "
-                            "source you trust, re-run pact-convert on a trusted model", where, part, pattern[:200],
-                            why)
+    if backend is not None:
+        _check_components(backend, where)
+        _check_token_lengths(tok, backend, where)
     for name in ("_encode_plus", "_decode"):  # what every encode, __call__, tokenize and decode goes through
         if hasattr(tok, name):
             setattr(tok, name, functools.partial(_unpanicked, getattr(tok, name), where))
@@ -123,20 +109,160 @@ def _unpanicked(fn, where: Path, /, *args, **kw):
                         "past its limit); re-copy the artifact or re-run pact-convert on a trusted model") from None
 
 
-INSERT_CHARS = 64  # the product of the lengths a normalizer / decoder writes in place of matches (Replace) or before
-# the text (Prepend): what chained inserts can multiply a text by
+INSERT_CHARS = 64  # the product of what a tokenizer part's components can multiply a text by: a Replace's or
+# Prepend's insert, a charsmap's longest replacement, a byte-level map's 4 characters a character
+COMPONENTS = 32  # components in one part (Sequences counted through; real tokenizers: 1-8)
+TOKEN_CHARS = 4096  # a vocabulary entry's or added token's length (real ones: under 300 characters)
+SPECIAL_IDS = 1024  # a post-processor's template's pieces and special ids (real ones: 2-8)
+# a probe of what real text holds (letters, digits, space runs, accents, CJK, an NFKC 18-character expansion, an
+# emoji, a combining mark, control characters): each part must leave it at most INSERT_CHARS times as long
+PROBE = ("The movie, 1999:  GREAT\tfun\n\u00e9t\u00e9 na\u0131ve \u4e2d\u6587 \ufdfa \U0001f600 e\u0301 "
+         "\x00\x7f ##x \u2581")
 
 
-def _inserted(doc):
-    """(key, text) for each text a tokenizers component inserts: a Replace's content, a Prepend's prepend (in
-    Sequences too): written once per match, so a long one multiplies the text."""
+def _check_components(backend, where: Path) -> None:
+    """Refuse a normalizer, pre-tokenizer, decoder or post-processor that can grow a text past a small factor
+    (the tokenizers library runs them in Rust, where no time or memory bound stops them): by what its
+    components can insert (statically, as a product over chained components: each multiplies what the
+    last wrote), by their count, and by what it makes of PROBE. Warn of a regex that may backtrack long."""
+    for part in ("normalizer", "pre_tokenizer", "decoder", "post_processor"):
+        component = getattr(backend, part, None)
+        if component is None:
+            continue
+        doc = json.loads(component.__getstate__())
+        hostile = ("the artifact is faulty or crafted; re-copy it or re-run pact-convert on a trusted model")
+        if (n := _count(doc)) > COMPONENTS:
+            raise PactError(f"{where}: the {part} chains {n} components (bound {COMPONENTS}; real tokenizers: "
+                            f"1-8): {hostile}")
+        grows = 1
+        for what, factor in _growth(doc, part):
+            grows *= factor
+            if grows > INSERT_CHARS:
+                raise PactError(f"{where}: the {part} {what}, which with its other inserts can multiply a text "
+                                f"{grows} times (bound {INSERT_CHARS}; real tokenizers write a character or two) "
+                                f"in Rust, where no bound stops what it grows to: {hostile}")
+        if part == "post_processor" and (n := _special_ids(doc)) > SPECIAL_IDS:
+            raise PactError(f"{where}: the post_processor's template for a text has {n} pieces and special ids "
+                            f"(bound {SPECIAL_IDS}; real ones: 2-8): {hostile}")
+        for pattern in _regexes(doc):
+            if why := regex_hazard(pattern):  # warned, not refused: a heuristic must never refuse a real model
+                log.warning("%s: the %s's regex %r %s: it may backtrack for very long on some text, in Rust, where "
+                            "nothing stops it (a panic past its limit is one error); if this artifact is not from a "
+                            "source you trust, re-run pact-convert on a trusted model", where, part, pattern[:200],
+                            why)
+        out = _unpanicked(_probe, where, part, component)
+        if out > INSERT_CHARS * len(PROBE):
+            raise PactError(f"{where}: the {part} makes {out} characters of a {len(PROBE)}-character probe text "
+                            f"(bound {INSERT_CHARS}x): {hostile}")
+
+
+def _probe(part: str, component) -> int:
+    """The characters ``component`` (a tokenizer part) makes of PROBE."""
+    if part == "normalizer":
+        return len(component.normalize_str(PROBE))
+    if part == "pre_tokenizer":
+        return sum(len(piece) for piece, _ in component.pre_tokenize_str(PROBE))
+    if part == "decoder":
+        return len(component.decode(list(PROBE.replace(" ", "\u2581 "))))
+    return 0  # a post-processor adds ids, not text: _special_ids bounds them
+
+
+def _count(doc) -> int:
+    """The components (typed objects other than Sequences) in a tokenizer part's JSON."""
+    n = 0
     if isinstance(doc, dict):
+        n += doc.get("type") not in (None, "Sequence")
+        doc = list(doc.values())
+    return n + sum(_count(v) for v in doc) if isinstance(doc, list) else n
+
+
+def _growth(doc, part: str):
+    """(what, factor) for each component of a tokenizer part's JSON (in Sequences too) that can make a text
+    longer, by the most it can multiply a text's length: a Replace's or Prepend's insert (a Replace whose
+    pattern can match the empty string inserts between every two characters as well: one more), a charsmap's
+    longest replacement (SentencePiece's Precompiled), BertNormalizer's spaces around CJK characters, a
+    byte-level map (up to 4 characters for one). Unicode normal forms and case maps grow a text boundedly
+    once and do not compound, so they count 1."""
+    if isinstance(doc, dict):
+        kind = doc.get("type")
         for key in ("content", "prepend"):
-            if doc.get("type") in ("Replace", "Prepend") and isinstance(doc.get(key), str):
-                yield key, doc[key]
+            if kind in ("Replace", "Prepend") and isinstance(doc.get(key), str):
+                n = len(doc[key])
+                if kind == "Replace" and _matches_empty(doc.get("pattern")):
+                    yield f"writes a {key} of {n} characters at every position (its pattern matches the empty " \
+                          "string)", n + 1
+                else:
+                    yield f"writes a {key} of {n} characters", max(1, n)
+        if kind == "Precompiled":
+            n = _charsmap_longest(doc.get("precompiled_charsmap"))
+            yield f"maps a character to up to {n} characters (its precompiled_charsmap)", max(1, n)
+        if kind == "BertNormalizer" and doc.get("handle_chinese_chars") is not False:
+            yield "writes spaces around each CJK character (BertNormalizer)", 3
+        if kind == "ByteLevel" and part in ("normalizer", "pre_tokenizer"):  # (a decoder's shrinks the text)
+            yield "maps a character to up to 4 characters (ByteLevel)", 4
         doc = list(doc.values())
     for v in doc if isinstance(doc, list) else ():
-        yield from _inserted(v)
+        yield from _growth(v, part)
+
+
+_EMPTY_PROBE = "a1 A_b\n\t.-\u00e9\u4e2d"
+
+
+def _matches_empty(pattern) -> bool:
+    """Whether a Replace's pattern ({"String": s} or {"Regex": r}, Oniguruma) can match the empty string:
+    judged with Python's re, where the two agree; a pattern re cannot read counts as matching it."""
+    if not isinstance(pattern, dict):
+        return True
+    if isinstance(pattern.get("String"), str):
+        return pattern["String"] == ""
+    try:
+        rx = re.compile(pattern.get("Regex"))
+    except (re.error, TypeError, OverflowError, RecursionError):
+        return True
+    return any(m.start() == m.end() for m in rx.finditer(_EMPTY_PROBE)) or rx.search("") is not None
+
+
+def _charsmap_longest(b64) -> int:
+    """The longest replacement, in characters, of a SentencePiece precompiled charsmap (base64 of: the
+    trie's byte length, u32 little-endian; the double-array trie; the replacements, NUL-terminated UTF-8).
+    A charsmap that does not parse counts as unbounded."""
+    import base64
+    import binascii
+
+    try:
+        blob = base64.b64decode(b64 or "", validate=True)
+    except (binascii.Error, ValueError, TypeError):
+        return 1 << 30
+    if len(blob) < 4 or (trie := int.from_bytes(blob[:4], "little")) + 4 > len(blob):
+        return 0 if not blob else 1 << 30
+    return max(len(seg.decode("utf-8", "replace")) for seg in blob[4 + trie:].split(b"\0"))
+
+
+def _special_ids(doc) -> int:
+    """What a post-processor's templates can add to a text: for its longer template (single or pair), its
+    pieces plus the ids its special tokens stand for (TemplateProcessing; Sequences of them summed)."""
+    n = 0
+    if isinstance(doc, dict):
+        specials = doc.get("special_tokens") if isinstance(doc.get("special_tokens"), dict) else {}
+        sizes = [0]
+        for key in ("single", "pair"):
+            pieces = doc.get(key) if isinstance(doc.get(key), list) else []
+            ids = (specials.get((p.get("SpecialToken") or {}).get("id"), {}) for p in pieces if isinstance(p, dict))
+            sizes.append(len(pieces) + sum(len(s.get("ids") or ()) for s in ids if isinstance(s, dict)))
+        n += max(sizes)
+        doc = list(doc.values())
+    return n + sum(_special_ids(v) for v in doc) if isinstance(doc, list) else n
+
+
+def _check_token_lengths(tok, backend, where: Path) -> None:
+    """Refuse a vocabulary entry or added token past TOKEN_CHARS characters: decoding one would print
+    megabytes per generated token."""
+    lengths = (len(t) for t in backend.get_vocab(with_added_tokens=True))
+    longest = max(lengths, default=0)
+    if longest > TOKEN_CHARS:
+        raise PactError(f"{where}: a token of the vocabulary is {longest} characters long (bound {TOKEN_CHARS}; "
+                        "real ones are under 300): the artifact is faulty or crafted; re-copy it or re-run "
+                        "pact-convert on a trusted model")
 
 
 def _regexes(doc):

@@ -278,3 +278,53 @@ def test_non_finite_logits_are_one_error(monkeypatch, temperature):
     with pytest.raises(PactError, match=r"^the model computes non-finite values \(NaN or inf\) at token 3: its "
                                         r"weights or its adapter are not usable"):
         G.generate(model, [1, 2, 3], max_new_tokens=4, stop_ids=set(), temperature=temperature, seed=0)
+
+
+def _metaspace_tokenizer(tmp_path):
+    """A SentencePiece-like tokenizer (Metaspace: a word's leading space is a '▁' its decoder strips at the start
+    of what it decodes), over PreTrainedTokenizerFast as an artifact's would be."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tk = Tokenizer(models.BPE(unk_token="<unk>"))
+    tk.pre_tokenizer, tk.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+    tk.train_from_iterator(["the movie was fresh and \u00e9t\u00e9 was fun \u4e2d\u6587"] * 20,
+                           trainers.BpeTrainer(vocab_size=80, special_tokens=["<unk>"]))
+    return PreTrainedTokenizerFast(tokenizer_object=tk)
+
+
+@pytest.mark.parametrize("kind", ["byte-level", "metaspace"])
+def test_the_printed_stream_is_the_decoded_reply(tmp_path, capsys, kind):
+    """Printed token by token, a reply reads as its whole decode: byte-level tokens that split a character, and
+    SentencePiece spaces a decoder strips at the start of what it decodes (the printer decodes a window of the
+    last tokens, never the whole reply)."""
+    from conftest import make_tokenizer
+    from pact.pipelines.generate import _Printer
+
+    tok = make_tokenizer(tmp_path) if kind == "byte-level" else _metaspace_tokenizer(tmp_path)
+    for seed in range(5):
+        ids = torch.randint(0, len(tok), (60,), generator=torch.Generator().manual_seed(seed)).tolist()
+        p = _Printer(tok)
+        for t in ids:
+            p(t)
+        p.finish()
+        assert capsys.readouterr().out == tok.decode(ids, skip_special_tokens=True)
+
+
+def test_the_printer_decodes_a_few_tokens_a_time():
+    """A 4 MB token repeated made the printer (re-decoding the whole reply per token) quadratic: each decode
+    now reads at most the last few tokens."""
+    from pact.pipelines.generate import _Printer
+
+    class Counting(_ByteTokenizer):
+        longest = 0
+
+        def decode(self, ids, skip_special_tokens=True):
+            Counting.longest = max(Counting.longest, len(ids))
+            return super().decode(ids)
+
+    p = _Printer(Counting())
+    for t in b"abc" * 1000 + "\u00b5".encode() * 100:
+        p(t)
+    p.finish()
+    assert Counting.longest <= 4  # the last printed step's tokens (a character's two) and the ones held

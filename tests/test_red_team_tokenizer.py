@@ -698,3 +698,122 @@ def test_an_unlisted_hf_file_is_refused(base, tmp_path, rel):
     (art / "hf" / ".ipynb_checkpoints").mkdir()  # what an editor leaves, hidden: read by nothing, not refused
     (art / "hf" / ".ipynb_checkpoints" / "config-checkpoint.json").write_text("{}")
     assert open_artifact(art)
+
+
+def _charsmap(replacement: str) -> str:
+    """A SentencePiece precompiled charsmap (base64) mapping 'a' to ``replacement``: a double-array trie of 256
+    units (the root's offset 0; unit 0x61: label 'a', a leaf below it at 0x61 ^ 1, that leaf's value 0, the
+    replacement's offset), then the replacements, NUL-terminated."""
+    import base64
+    import struct
+
+    units = [0] * 256
+    units[0x61] = (1 << 10) | (1 << 8) | 0x61
+    units[0x60] = 1 << 31
+    trie = struct.pack(f"<{len(units)}I", *units)
+    return base64.b64encode(struct.pack("<I", len(trie)) + trie + replacement.encode() + b"\0").decode()
+
+
+def _backend(**parts):
+    from tokenizers import Tokenizer, models
+
+    tk = Tokenizer(models.BPE())
+    for part, component in parts.items():
+        setattr(tk, part, component)
+    return tk
+
+
+def test_real_tokenizer_parts_pass():
+    """The parts real tokenizers ship (as transformers' converters write them: ALBERT/T5's charsmap, whose longest
+    NFKC replacement is 18 characters, BERT, Llama 2 / Gemma, Llama 3 / Qwen2 byte-level, RoBERTa) load, and
+    do what they do to the probe text."""
+    from tokenizers import Regex
+    from tokenizers import decoders as D
+    from tokenizers import normalizers as N
+    from tokenizers import pre_tokenizers as P
+    from tokenizers import processors as PP
+
+    from pact.runtime.session import _check_components
+
+    charsmap = N.Precompiled(__import__("base64").b64decode(_charsmap("\u0635\u0644\u0649 \u0627\u0644\u0644\u0647 "
+                                                                      "\u0639\u0644\u064a\u0647 \u0648\u0633\u0644\u0645")))
+    split = Regex(r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+    for parts in (
+        dict(normalizer=N.Sequence([N.Replace("``", '"'), N.Replace("''", '"'), N.NFKD(), N.StripAccents(), N.Lowercase(),
+                                    charsmap, N.Replace(Regex(" {2,}"), " ")]),
+             pre_tokenizer=P.Metaspace(), decoder=D.Metaspace(),
+             post_processor=PP.TemplateProcessing(single="[CLS] $A [SEP]", special_tokens=[("[CLS]", 2), ("[SEP]", 3)])),
+        dict(normalizer=N.BertNormalizer(), pre_tokenizer=P.BertPreTokenizer(), decoder=D.WordPiece()),
+        dict(normalizer=N.Sequence([N.Prepend("\u2581"), N.Replace(" ", "\u2581")]),
+             decoder=D.Sequence([D.Replace("\u2581", " "), D.ByteFallback(), D.Fuse(), D.Strip(" ", 1, 0)])),
+        dict(normalizer=N.NFC(), pre_tokenizer=P.Sequence([P.Split(split, "isolated"), P.ByteLevel(use_regex=False)]),
+             decoder=D.ByteLevel(), post_processor=PP.Sequence([PP.ByteLevel(trim_offsets=False), PP.TemplateProcessing(
+                 single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", 128000)])])),
+        dict(pre_tokenizer=P.ByteLevel(add_prefix_space=False), decoder=D.ByteLevel(),
+             post_processor=PP.RobertaProcessing(("</s>", 2), ("<s>", 0))),
+    ):
+        _check_components(_backend(**parts), Path("t.json"))
+
+
+def _hostile(kind):
+    from tokenizers import Regex
+    from tokenizers import normalizers as N
+    from tokenizers import pre_tokenizers as P
+    from tokenizers import processors as PP
+
+    return {
+        # each inserts an 'x' between every two characters: seven of them make a text 128 times as long
+        "empty-match": ("normalizer", N.Sequence([N.Replace(Regex("b*"), "x")] * 7), "at every position"),
+        "charsmap": ("normalizer", N.Precompiled(__import__("base64").b64decode(_charsmap("b" * 100000))),
+                     r"maps a character to up to 100000 characters \(its precompiled_charsmap\)"),
+        "bert-chain": ("normalizer", N.Sequence([N.BertNormalizer()] * 4), r"around each CJK character"),
+        "byte-chain": ("pre_tokenizer", P.Sequence([P.ByteLevel(use_regex=False)] * 4), r"\(ByteLevel\)"),
+        "long-chain": ("normalizer", N.Sequence([N.NFKC()] * 40), r"chains 40 components \(bound 32"),
+        "special-ids": ("post_processor", PP.TemplateProcessing(
+            single="$A [X]", special_tokens=[{"id": "[X]", "ids": list(range(5000)), "tokens": ["a"] * 5000}]),
+                        r"template for a text has \d+ pieces and special ids \(bound 1024"),
+    }[kind]
+
+
+@pytest.mark.parametrize("kind", ["empty-match", "charsmap", "bert-chain", "byte-chain", "long-chain", "special-ids"])
+def test_a_tokenizer_that_grows_the_text_past_the_inserts_is_refused(base, tmp_path, kind):
+    """What the insert bound missed in a helper's attack: a Replace whose pattern matches the empty string (each
+    doubles the text: 22 chained took 2.7 GB), a SentencePiece charsmap mapping a character to megabytes, chains
+    of BertNormalizers or byte-level maps, thousands of chained components (quadratic), a post-processor adding
+    millions of ids (0.45 s and 1 GB an encode): refused when the artifact's tokenizer loads, naming the file."""
+    part, component, why = _hostile(kind)
+    art = _copy(base, tmp_path)
+    f = art / "hf" / "tokenizer.json"
+    tj = json.loads(f.read_text())
+    tj[part] = json.loads(component.__getstate__())
+    f.write_text(json.dumps(tj))
+    rehash_artifact(art)
+    with pytest.raises(PactError, match=rf"hf/tokenizer.json: the {part}\W.*{why}.*re-run pact-convert on a trusted"):
+        load_tokenizer(open_artifact(art))
+
+
+def test_the_probe_catches_growth_the_static_bound_misses(monkeypatch):
+    """Second line: whatever the static bound does not model (here: none of it, switched off) is measured on a
+    probe text, each part at most 64 times it."""
+    from pact.runtime import session
+
+    monkeypatch.setattr(session, "_growth", lambda doc, part: iter(()))
+    part, component, _ = _hostile("empty-match")
+    with pytest.raises(PactError, match=r"t.json: the normalizer makes \d+ characters of a \d+-character probe text "
+                                        r"\(bound 64x\)"):
+        session._check_components(_backend(**{part: component}), Path("t.json"))
+
+
+def test_a_megabyte_token_is_refused(base, tmp_path):
+    """An added token of 4 MB (each generated one printed 4 MB, the printer re-decoding the reply: quadratic):
+    refused at load past 4096 characters."""
+    art = _copy(base, tmp_path)
+    f = art / "hf" / "tokenizer.json"
+    tj = json.loads(f.read_text())
+    tj["added_tokens"].append({"id": len(tj["model"]["vocab"]), "content": "z" * 5000, "single_word": False,
+                               "lstrip": False, "rstrip": False, "normalized": False, "special": False})
+    f.write_text(json.dumps(tj))
+    rehash_artifact(art)
+    with pytest.raises(PactError, match=r"hf/tokenizer.json: a token of the vocabulary is 5000 characters long "
+                                        r"\(bound 4096"):
+        load_tokenizer(open_artifact(art))
