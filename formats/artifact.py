@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from .errors import ArtifactError, PactError
-from .families import PROJECTIONS, check_config, classify, text_config
+from .families import PROJECTIONS, check_config, classify, family_of, text_config
 from .files import (  # noqa: F401 (re-exported: pact.formats.artifact.<helper> keeps working)
     JSON_DEPTH,
     JSON_MAX,
@@ -807,6 +807,15 @@ class Artifact:
         cfg = read_json(f, "the artifact is damaged; re-copy it or re-run pact-convert")
         shapes = {name: e["shape"] for name, e in self.meta["tensors"].items()}
         check_config_shapes(cfg, shapes, str(f))
+        # the model the runtime builds is the manifest's family: a config of another (a gemma3_text config
+        # under family llama ran as Llama, its norms, activation and embedding scale wrong) is refused
+        archs = cfg.get("architectures")
+        named = archs[0] if isinstance(archs, list) and archs else cfg.get("model_type")
+        family = family_of(cfg, str(f)) if isinstance(archs, (list, type(None))) else None
+        if family != self.meta["family"]:
+            raise PactError(f"{f}: describes a {family or 'different'} model ({named!r}), the manifest a "
+                            f"{self.meta['family']} one: the artifact is damaged or crafted; re-copy it or re-run "
+                            "pact-convert")
 
     # -- names and metadata
     def names(self, kind: str | None = None) -> list[str]:

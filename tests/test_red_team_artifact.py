@@ -538,3 +538,21 @@ def test_is_artifact_reads_zarr_json_as_metadata(tmp_path):
     (deep / "zarr.json").write_text("[" * 200_000 + "]" * 200_000)
     os.mkfifo(pipe / "zarr.json")
     assert not is_artifact(deep) and not is_artifact(pipe)
+
+
+@pytest.mark.parametrize("change", [{"architectures": ["Gemma3ForCausalLM"]},
+                                    {"architectures": None, "model_type": "gemma3_text"},
+                                    {"architectures": "LlamaForCausalLM"}])
+def test_a_config_of_another_family_is_refused(base, tmp_path, change):
+    """hf/config.json naming another family than the manifest's (a gemma3_text config under family llama ran as
+    Llama: its norms, activation and embedding scale were Llama's), or naming none in a readable form: refused
+    at open, naming the file and both families."""
+    art = _copy(base, tmp_path)
+    f = art / "hf" / "config.json"
+    cfg = {k: v for k, v in json.loads(f.read_text()).items() if k not in change or change[k] is not None}
+    cfg.update({k: v for k, v in change.items() if v is not None})
+    f.write_text(json.dumps(cfg))
+    rehash_artifact(art)
+    with pytest.raises(PactError, match=r"hf/config.json: describes a (gemma3|different) model \(.*\), the manifest a "
+                                        r"llama one: the artifact is damaged or crafted"):
+        open_artifact(art)
