@@ -165,6 +165,9 @@ def save_peft_adapter(out_dir: str | os.PathLike, adapters: dict[str, tuple[torc
     return out
 
 
+ADAPTER_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # floats (what PEFT and pact write)
+
+
 def load_peft_adapter(
         adapter_dir: str | os.PathLike) -> tuple[LoraConfig, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
     d = Path(adapter_dir)
@@ -225,6 +228,10 @@ def load_peft_adapter(
         if a is None or b is None or a.dim() != 2 or b.dim() != 2 or a.shape[0] != c["r"] or b.shape[1] != c["r"]:
             raise PactError(f"{w_path}: {k}: A/B missing or not of rank r={c['r']}: {fix}")
     for k, (a, b) in out.items():
+        if not (a.dtype in ADAPTER_DTYPES and b.dtype in ADAPTER_DTYPES):  # (integers would be cast, as numbers
+            # they never were trained as: a quantized or damaged adapter, not one PEFT or pact writes)
+            raise PactError(f"{w_path}: {k}: LoRA weights of dtype {a.dtype} / {b.dtype}, not a float "
+                            f"type: {fix}")
         if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
             raise PactError(f"{w_path}: {k}: the adapter holds NaN or Inf values: it cannot be used; retrain it "
                             "(or resume from an earlier checkpoint)")

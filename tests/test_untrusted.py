@@ -501,6 +501,8 @@ def test_non_utf8_data_names_the_line(base, tmp_path):
     (lambda c: c.update(lora_alpha=1e30), r"--adapter .*run: the model computes non-finite values .*lora_alpha / r"),
     ("empty", "adapter_model.safetensors: holds no LoRA A/B weights"),
     ("rank", r"rank r=200 in its adapter_config.json, more than any projection of .* has \(64\)"),
+    # integer weights (a quantized or damaged adapter) were cast to floats silently
+    ("int8", r"adapter_model.safetensors: .*: LoRA weights of dtype torch.int8 / torch.int8, not a float type"),
     # weights the config does not name: dropped by scoring and merged by pact-export before, two models
     (lambda c: c.update(target_modules=["q_proj"]), r"adapter_model.safetensors: holds LoRA weights for "
      r"'.*' and \d+ more, which adapter_config.json's target_modules \(q_proj\) does not name"),
@@ -520,6 +522,9 @@ def test_bad_adapter_config(base, tmp_path, edit, match):
         os.symlink(tmp_path / "elsewhere.json", f)
     elif edit == "empty":  # (its r alone would size the LoRA modules)
         save_file({}, tmp_path / "run" / "adapter_model.safetensors")
+    elif edit == "int8":
+        w = tmp_path / "run" / "adapter_model.safetensors"
+        save_file({k: t.to(torch.int8) for k, t in load_file(w).items()}, w)
     elif edit == "rank":  # consistent tensors of a rank no projection of this model has room for
         w = tmp_path / "run" / "adapter_model.safetensors"
         save_file({k: torch.zeros(200, t.shape[1]) if ".lora_A." in k else torch.zeros(t.shape[0], 200)
