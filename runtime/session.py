@@ -141,30 +141,146 @@ def _check_components(backend, where: Path) -> None:
                 raise PactError(f"{where}: the {part} {what}, which with its other inserts can multiply a text "
                                 f"{grows} times (bound {INSERT_CHARS}; real tokenizers write a character or two) "
                                 f"in Rust, where no bound stops what it grows to: {hostile}")
-        if part == "post_processor" and (n := _special_ids(doc)) > SPECIAL_IDS:
-            raise PactError(f"{where}: the post_processor's template for a text has {n} pieces and special ids "
-                            f"(bound {SPECIAL_IDS}; real ones: 2-8): {hostile}")
         for pattern in _regexes(doc):
             if why := regex_hazard(pattern):  # warned, not refused: a heuristic must never refuse a real model
                 log.warning("%s: the %s's regex %r %s: it may backtrack for very long on some text, in Rust, where "
                             "nothing stops it (a panic past its limit is one error); if this artifact is not from a "
                             "source you trust, re-run pact-convert on a trusted model", where, part, pattern[:200],
                             why)
-        out = _unpanicked(_probe, where, part, component)
-        if out > INSERT_CHARS * len(PROBE):
-            raise PactError(f"{where}: the {part} makes {out} characters of a {len(PROBE)}-character probe text "
-                            f"(bound {INSERT_CHARS}x): {hostile}")
+        if part == "post_processor":
+            _check_template(doc, where, hostile)
+            continue
+        if found := _unpanicked(_probe, where, part, doc):
+            text, out = found
+            raise PactError(f"{where}: the {part} makes {out} characters of the {len(text)}-character probe text "
+                            f"{text[:40]!r} (bound {INSERT_CHARS}x): {hostile}")
+    _check_model(backend, where)
+    backend.no_padding()  # (transformers sets both per call as asked; tokenizer.json's own, e.g. a fixed padding
+    backend.no_truncation()  # of 10^8 or a stride of 1, would apply to any direct use of the backend)
 
 
-def _probe(part: str, component) -> int:
-    """The characters ``component`` (a tokenizer part) makes of PROBE."""
+def _probe(part: str, doc) -> tuple[str, int] | None:
+    """A probe text the part grows past INSERT_CHARS times, and the length it reaches, or None. Each probe
+    runs through the part's components one at a time, stopping at the first step past the bound (so the
+    probe itself never grows far: a component alone is bounded by _growth): PROBE; each character the part's
+    JSON writes or matches (and its normal forms and case maps), four times (a chain that grows one character
+    compounds what the next component does to it: a Replace writing a compatibility character that NFKC
+    expands, again and again); a charsmap's replacement characters, eight to a probe."""
+    steps = [_component(part, leaf) for leaf in _leaves(doc)]
+    own, mapped = _probe_chars(doc)
+    probes = [PROBE, *(c * 4 for c in own),
+              *("".join(mapped[i:i + 8]) for i in range(0, len(mapped), 8))]
+    for text in probes:
+        out = text
+        for step in steps:
+            out = _apply(part, step, out)
+            if len(out) > INSERT_CHARS * len(text):
+                return text, len(out)
+    return None
+
+
+PROBE_CHARS = 1024  # the characters a part's JSON writes or matches that are probed one by one (the rest: by 8)
+
+
+def _probe_chars(doc) -> tuple[list[str], list[str]]:
+    """The characters of a part's JSON strings (Replace contents and patterns, Prepends, ...; with their
+    NFC/NFD/NFKC/NFKD forms and case maps), and those of its charsmaps' replacements not among them."""
+    import unicodedata
+
+    own: dict[str, None] = {}
+    mapped: dict[str, None] = {}
+    for key, text in _strings(doc):
+        into = mapped if key == "precompiled_charsmap" else own
+        for c in text:
+            forms = [c, c.lower(), c.upper(), *(unicodedata.normalize(f, c) for f in ("NFC", "NFD", "NFKC", "NFKD"))]
+            into.update(dict.fromkeys("".join(forms)))
+    own_list = list(own)[:PROBE_CHARS]
+    return own_list, [c for c in mapped if c not in own] + list(own)[PROBE_CHARS:]
+
+
+def _strings(doc, key=None):
+    """(key, text) for each string a part's JSON holds (a charsmap: its replacements), its "type"s aside."""
+    if isinstance(doc, str):
+        if key == "precompiled_charsmap":
+            yield key, "".join(_charsmap_replacements(doc) or ())
+        elif key != "type":
+            yield key, doc
+    elif isinstance(doc, dict):
+        for k, v in doc.items():
+            yield from _strings(v, k)
+    elif isinstance(doc, list):
+        for v in doc:
+            yield from _strings(v, key)
+
+
+_SEQUENCES = ("normalizers", "pretokenizers", "pre_tokenizers", "decoders", "processors")
+
+
+def _leaves(doc) -> list[dict]:
+    """A part's components in the order they run (Sequences flattened)."""
+    if isinstance(doc, dict) and doc.get("type") == "Sequence":
+        return [leaf for key in _SEQUENCES for v in doc.get(key) or () for leaf in _leaves(v)]
+    return [doc] if isinstance(doc, dict) else []
+
+
+def _component(part: str, leaf: dict):
+    """The tokenizers object of one component's JSON (through a tokenizer that holds it alone)."""
+    from tokenizers import Tokenizer
+
+    return getattr(Tokenizer.from_str(json.dumps({
+        "version": "1.0", "truncation": None, "padding": None, "added_tokens": [], "normalizer": None,
+        "pre_tokenizer": None, "post_processor": None, "decoder": None,
+        "model": {"type": "WordLevel", "vocab": {"[UNK]": 0}, "unk_token": "[UNK]"}, part: leaf})), part)
+
+
+def _apply(part: str, component, text: str) -> str:
+    """What one component makes of ``text`` (a decoder: of its characters as tokens)."""
     if part == "normalizer":
-        return len(component.normalize_str(PROBE))
+        return component.normalize_str(text)
     if part == "pre_tokenizer":
-        return sum(len(piece) for piece, _ in component.pre_tokenize_str(PROBE))
-    if part == "decoder":
-        return len(component.decode(list(PROBE.replace(" ", "\u2581 "))))
-    return 0  # a post-processor adds ids, not text: _special_ids bounds them
+        return "".join(piece for piece, _ in component.pre_tokenize_str(text))
+    return component.decode(list(text))
+
+
+def _check_template(doc, where: Path, hostile: str) -> None:
+    """A post-processor's templates: at most one copy of each input ($A, $B: a template repeating $A 1000
+    times copied the encoding 1000 times), at most SPECIAL_IDS pieces and special ids, special tokens'
+    texts at most TOKEN_CHARS long (Sequences of processors: each)."""
+    if (n := _special_ids(doc)) > SPECIAL_IDS:
+        raise PactError(f"{where}: the post_processor's template for a text has {n} pieces and special ids "
+                        f"(bound {SPECIAL_IDS}; real ones: 2-8): {hostile}")
+    for leaf in _leaves(doc):
+        for key in ("single", "pair"):
+            pieces = leaf.get(key) if isinstance(leaf.get(key), list) else []
+            seqs = [(p.get("Sequence") or {}).get("id") for p in pieces if isinstance(p, dict) and "Sequence" in p]
+            if len(seqs) != len(set(seqs)):
+                raise PactError(f"{where}: the post_processor's {key} template holds {len(seqs)} copies of "
+                                f"{len(set(seqs))} input(s) (${', $'.join(map(str, sorted(set(map(str, seqs)))))}): "
+                                f"each copies the whole encoding; {hostile}")
+        texts = [t for v in (leaf.get("special_tokens") or {}).values() if isinstance(v, dict)
+                 for t in v.get("tokens") or () if isinstance(t, str)]
+        texts += [v[0] for k in ("cls", "sep") if isinstance(v := leaf.get(k), list) and v and isinstance(v[0], str)]
+        if (longest := max(map(len, texts), default=0)) > TOKEN_CHARS:
+            raise PactError(f"{where}: the post_processor adds a special token of {longest} characters (bound "
+                            f"{TOKEN_CHARS}): {hostile}")
+
+
+AFFIX_CHARS = 16  # a BPE / WordPiece subword prefix or suffix ('##', '</w>')
+WORD_CHARS = 256  # WordPiece's max_input_chars_per_word (100 in every converter): its work grows as its cube
+
+
+def _check_model(backend, where: Path) -> None:
+    """The tokenizer model's own settings that grow an encode: a subword prefix or suffix written for each
+    piece (8 MB one: every character allocated it), WordPiece's longest word (10^9: cubic in a word)."""
+    model = backend.model
+    hostile = "the artifact is faulty or crafted; re-copy it or re-run pact-convert on a trusted model"
+    for key in ("continuing_subword_prefix", "end_of_word_suffix"):
+        if isinstance(v := getattr(model, key, None), str) and len(v) > AFFIX_CHARS:
+            raise PactError(f"{where}: the model's {key} is {len(v)} characters (bound {AFFIX_CHARS}; real ones: "
+                            f"'##', '</w>'): {hostile}")
+    if isinstance(v := getattr(model, "max_input_chars_per_word", None), int) and v > WORD_CHARS:
+        raise PactError(f"{where}: the model's max_input_chars_per_word is {v} (bound {WORD_CHARS}; real ones: "
+                        f"100): {hostile}")
 
 
 def _count(doc) -> int:
@@ -205,37 +321,44 @@ def _growth(doc, part: str):
         yield from _growth(v, part)
 
 
-_EMPTY_PROBE = "a1 A_b\n\t.-\u00e9\u4e2d"
-
-
 def _matches_empty(pattern) -> bool:
-    """Whether a Replace's pattern ({"String": s} or {"Regex": r}, Oniguruma) can match the empty string:
-    judged with Python's re, where the two agree; a pattern re cannot read counts as matching it."""
+    """Whether a Replace's pattern ({"String": s} or {"Regex": r}, Oniguruma) can match the empty string: a
+    regex whose shortest match is empty (a lookaround, ``\\b``, ``a*``), judged by Python's regex parser where
+    the two syntaxes agree; a pattern it cannot read counts as matching it."""
     if not isinstance(pattern, dict):
         return True
     if isinstance(pattern.get("String"), str):
         return pattern["String"] == ""
     try:
-        rx = re.compile(pattern.get("Regex"))
-    except (re.error, TypeError, OverflowError, RecursionError):
+        from re import _parser
+    except ImportError:  # Python 3.10
+        import sre_parse as _parser
+    try:
+        return _parser.parse(pattern.get("Regex")).getwidth()[0] == 0
+    except Exception:  # (re.error, TypeError, OverflowError, RecursionError, ...: unreadable)
         return True
-    return any(m.start() == m.end() for m in rx.finditer(_EMPTY_PROBE)) or rx.search("") is not None
 
 
-def _charsmap_longest(b64) -> int:
-    """The longest replacement, in characters, of a SentencePiece precompiled charsmap (base64 of: the
-    trie's byte length, u32 little-endian; the double-array trie; the replacements, NUL-terminated UTF-8).
-    A charsmap that does not parse counts as unbounded."""
+def _charsmap_replacements(b64) -> list[str] | None:
+    """A SentencePiece precompiled charsmap's replacements (base64 of: the trie's byte length, u32
+    little-endian; the double-array trie; the replacements, NUL-terminated UTF-8), or None where it does
+    not parse."""
     import base64
     import binascii
 
     try:
         blob = base64.b64decode(b64 or "", validate=True)
     except (binascii.Error, ValueError, TypeError):
-        return 1 << 30
+        return None
     if len(blob) < 4 or (trie := int.from_bytes(blob[:4], "little")) + 4 > len(blob):
-        return 0 if not blob else 1 << 30
-    return max(len(seg.decode("utf-8", "replace")) for seg in blob[4 + trie:].split(b"\0"))
+        return [] if not blob else None
+    return [seg.decode("utf-8", "replace") for seg in blob[4 + trie:].split(b"\0")]
+
+
+def _charsmap_longest(b64) -> int:
+    """The longest replacement of a charsmap, in characters (one that does not parse: unbounded)."""
+    got = _charsmap_replacements(b64)
+    return 1 << 30 if got is None else max(map(len, got), default=0)
 
 
 def _special_ids(doc) -> int:

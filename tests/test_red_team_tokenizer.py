@@ -769,13 +769,26 @@ def _hostile(kind):
         "bert-chain": ("normalizer", N.Sequence([N.BertNormalizer()] * 4), r"around each CJK character"),
         "byte-chain": ("pre_tokenizer", P.Sequence([P.ByteLevel(use_regex=False)] * 4), r"\(ByteLevel\)"),
         "long-chain": ("normalizer", N.Sequence([N.NFKC()] * 40), r"chains 40 components \(bound 32"),
+        # (found by a helper past the first form of these checks) a lookahead matches the empty string before
+        # each 'z' only: each Replace doubles the z's, and no probe held a 'z'
+        "lookahead": ("normalizer", N.Sequence([N.Replace(Regex("(?=z)"), "z")] * 7), "at every position"),
+        # a one-character Replace into a compatibility character NFKC expands 4x, chained: neither character
+        # is in the fixed probe text, so the part's own characters are probed, component by component
+        "nfkc-loop": ("normalizer", N.Sequence([N.Replace("\u222b", "\u2a0c"), N.NFKC()] * 8),
+                      r"makes \d+ characters of the 4-character probe text '\u222b+'"),
+        "repeated-input": ("post_processor", PP.TemplateProcessing(single=["$A"] * 100, special_tokens=[]),
+                           r"single template holds 100 copies of 1 input\(s\) \(\$A\)"),
+        "long-special": ("post_processor", PP.TemplateProcessing(
+            single="$A [X]", special_tokens=[{"id": "[X]", "ids": [1], "tokens": ["z" * 5000]}]),
+                         r"adds a special token of 5000 characters \(bound 4096\)"),
         "special-ids": ("post_processor", PP.TemplateProcessing(
             single="$A [X]", special_tokens=[{"id": "[X]", "ids": list(range(5000)), "tokens": ["a"] * 5000}]),
                         r"template for a text has \d+ pieces and special ids \(bound 1024"),
     }[kind]
 
 
-@pytest.mark.parametrize("kind", ["empty-match", "charsmap", "bert-chain", "byte-chain", "long-chain", "special-ids"])
+@pytest.mark.parametrize("kind", ["empty-match", "charsmap", "bert-chain", "byte-chain", "long-chain", "special-ids",
+                                  "lookahead", "nfkc-loop", "repeated-input", "long-special"])
 def test_a_tokenizer_that_grows_the_text_past_the_inserts_is_refused(base, tmp_path, kind):
     """What the insert bound missed in a helper's attack: a Replace whose pattern matches the empty string (each
     doubles the text: 22 chained took 2.7 GB), a SentencePiece charsmap mapping a character to megabytes, chains
@@ -799,8 +812,8 @@ def test_the_probe_catches_growth_the_static_bound_misses(monkeypatch):
 
     monkeypatch.setattr(session, "_growth", lambda doc, part: iter(()))
     part, component, _ = _hostile("empty-match")
-    with pytest.raises(PactError, match=r"t.json: the normalizer makes \d+ characters of a \d+-character probe text "
-                                        r"\(bound 64x\)"):
+    with pytest.raises(PactError, match=r"t.json: the normalizer makes \d+ characters of the \d+-character probe text "
+                                        r".* \(bound 64x\)"):
         session._check_components(_backend(**{part: component}), Path("t.json"))
 
 
@@ -817,3 +830,37 @@ def test_a_megabyte_token_is_refused(base, tmp_path):
     with pytest.raises(PactError, match=r"hf/tokenizer.json: a token of the vocabulary is 5000 characters long "
                                         r"\(bound 4096"):
         load_tokenizer(open_artifact(art))
+
+
+def test_the_model_settings_that_grow_an_encode_are_refused(base, tmp_path):
+    """A BPE subword prefix of megabytes (allocated for every piece) and WordPiece's longest word at 10^9 (its
+    work grows as the cube of a word): refused at load."""
+    from tokenizers import Tokenizer, models
+
+    from pact.runtime.session import _check_model
+
+    art = _copy(base, tmp_path)
+    f = art / "hf" / "tokenizer.json"
+    tj = json.loads(f.read_text())
+    tj["model"]["continuing_subword_prefix"] = "#" * 100000
+    f.write_text(json.dumps(tj))
+    rehash_artifact(art)
+    with pytest.raises(PactError, match=r"hf/tokenizer.json: the model's continuing_subword_prefix is 100000 "
+                                        r"characters \(bound 16"):
+        load_tokenizer(open_artifact(art))
+    wp = Tokenizer(models.WordPiece({"[UNK]": 0, "c": 1}, unk_token="[UNK]", max_input_chars_per_word=10 ** 9))
+    with pytest.raises(PactError, match=r"t.json: the model's max_input_chars_per_word is 1000000000 \(bound 256"):
+        _check_model(wp, Path("t.json"))
+    _check_model(Tokenizer(models.WordPiece({"[UNK]": 0}, unk_token="[UNK]")), Path("t.json"))  # BERT's 100
+
+
+def test_padding_and_truncation_of_the_file_are_cleared():
+    """tokenizer.json's own padding (fixed at 10^8: one encode ran out of memory) and truncation (a stride of one:
+    an overflow per token) are cleared at load; transformers sets what each call asks."""
+    from pact.runtime.session import _check_components
+
+    tk = _backend()
+    tk.enable_padding(length=10 ** 8)
+    tk.enable_truncation(4000, stride=3999)
+    _check_components(tk, Path("t.json"))
+    assert tk.padding is None and tk.truncation is None
