@@ -88,8 +88,7 @@ def load_tokenizer(art: Artifact):
                         "re-run pact-convert")
     backend = getattr(tok, "backend_tokenizer", None)
     if backend is not None:
-        _check_components(backend, where)
-        _check_token_lengths(tok, backend, where)
+        _check_token_lengths(tok, backend, where, _check_components(backend, where))
     for name in ("_encode_plus", "_decode"):  # what every encode, __call__, tokenize and decode goes through
         if hasattr(tok, name):
             setattr(tok, name, functools.partial(_unpanicked, getattr(tok, name), where))
@@ -113,6 +112,9 @@ INSERT_CHARS = 64  # the product of what a tokenizer part's components can multi
 # Prepend's insert, a charsmap's longest replacement, a byte-level map's 4 characters a character
 COMPONENTS = 32  # components in one part (Sequences counted through; real tokenizers: 1-8)
 TOKEN_CHARS = 4096  # a vocabulary entry's or added token's length (real ones: under 300 characters)
+DECODED_CHARS = 16384  # a token's decode: its length times the decoder's growth
+UNIGRAM_CHARS = 128  # a Unigram piece's length
+PART_CHARS = 32768  # distinct characters a part's strings hold (the probe runs on them)
 SPECIAL_IDS = 1024  # a post-processor's template's pieces and special ids (real ones: 2-8)
 # a probe of what real text holds (letters, digits, space runs, accents, CJK, an NFKC 18-character expansion, an
 # emoji, a combining mark, control characters): each part must leave it at most INSERT_CHARS times as long
@@ -120,27 +122,37 @@ PROBE = ("The movie, 1999:  GREAT\tfun\n\u00e9t\u00e9 na\u0131ve \u4e2d\u6587 \u
          "\x00\x7f ##x \u2581")
 
 
-def _check_components(backend, where: Path) -> None:
+def _check_components(backend, where: Path) -> int:
     """Refuse a normalizer, pre-tokenizer, decoder or post-processor that can grow a text past a small factor
     (the tokenizers library runs them in Rust, where no time or memory bound stops them): by what its
-    components can insert (statically, as a product over chained components: each multiplies what the
-    last wrote), by their count, and by what it makes of PROBE. Warn of a regex that may backtrack long."""
+    components can write (statically, as a product over chained components, the normalizer's and the
+    pre-tokenizer's together: each multiplies what the last wrote; a component pact does not know counts as
+    unbounded), by their count and the distinct characters they hold, and by what they make of probe texts.
+    Warn of a regex that may backtrack long. The decoder's growth is returned (a token's decode is bounded by
+    it times the longest token)."""
+    hostile = "the artifact is faulty or crafted; re-copy it or re-run pact-convert on a trusted model"
+    grows, decoder = 1, 1
     for part in ("normalizer", "pre_tokenizer", "decoder", "post_processor"):
         component = getattr(backend, part, None)
         if component is None:
             continue
         doc = json.loads(component.__getstate__())
-        hostile = ("the artifact is faulty or crafted; re-copy it or re-run pact-convert on a trusted model")
         if (n := _count(doc)) > COMPONENTS:
             raise PactError(f"{where}: the {part} chains {n} components (bound {COMPONENTS}; real tokenizers: "
                             f"1-8): {hostile}")
-        grows = 1
+        if (n := len(set().union(*(set(t) for _, t in _strings(doc))))) > PART_CHARS:
+            raise PactError(f"{where}: the {part} holds {n} distinct characters (bound {PART_CHARS}; a real "
+                            f"charsmap: about 14000): {hostile}")
+        if part == "decoder":
+            grows = 1
         for what, factor in _growth(doc, part):
             grows *= factor
             if grows > INSERT_CHARS:
-                raise PactError(f"{where}: the {part} {what}, which with its other inserts can multiply a text "
+                also = "the normalizer's and " if part == "pre_tokenizer" else ""
+                raise PactError(f"{where}: the {part} {what}, which with {also}its other inserts can multiply a text "
                                 f"{grows} times (bound {INSERT_CHARS}; real tokenizers write a character or two) "
                                 f"in Rust, where no bound stops what it grows to: {hostile}")
+        decoder = grows if part == "decoder" else decoder
         for pattern in _regexes(doc):
             if why := regex_hazard(pattern):  # warned, not refused: a heuristic must never refuse a real model
                 log.warning("%s: the %s's regex %r %s: it may backtrack for very long on some text, in Rust, where "
@@ -157,6 +169,7 @@ def _check_components(backend, where: Path) -> None:
     _check_model(backend, where)
     backend.no_padding()  # (transformers sets both per call as asked; tokenizer.json's own, e.g. a fixed padding
     backend.no_truncation()  # of 10^8 or a stride of 1, would apply to any direct use of the backend)
+    return decoder
 
 
 def _probe(part: str, doc) -> tuple[str, int] | None:
@@ -292,33 +305,71 @@ def _count(doc) -> int:
     return n + sum(_count(v) for v in doc) if isinstance(doc, list) else n
 
 
+# the components each part may hold, as tokenizers 0.2x writes them: one of another type counts as unbounded
+KNOWN = {
+    "normalizer": {"BertNormalizer", "Strip", "StripAccents", "NFC", "NFD", "NFKC", "NFKD", "Lowercase", "Nmt",
+                   "Precompiled", "Replace", "Prepend", "ByteLevel"},
+    "pre_tokenizer": {"BertPreTokenizer", "ByteLevel", "Delimiter", "CharDelimiterSplit", "Metaspace", "Whitespace",
+                      "WhitespaceSplit", "Split", "Punctuation", "Digits", "UnicodeScripts", "FixedLength"},
+    "decoder": {"BPEDecoder", "ByteLevel", "WordPiece", "Metaspace", "CTC", "Replace", "Fuse", "Strip",
+                "ByteFallback"},
+    "post_processor": {"RobertaProcessing", "BertProcessing", "ByteLevel", "TemplateProcessing"},
+}
+_FORMS = {"NFC", "NFD", "NFKC", "NFKD"}
+
+
 def _growth(doc, part: str):
-    """(what, factor) for each component of a tokenizer part's JSON (in Sequences too) that can make a text
-    longer, by the most it can multiply a text's length: a Replace's or Prepend's insert (a Replace whose
-    pattern can match the empty string inserts between every two characters as well: one more), a charsmap's
-    longest replacement (SentencePiece's Precompiled), BertNormalizer's spaces around CJK characters, a
-    byte-level map (up to 4 characters for one). Unicode normal forms and case maps grow a text boundedly
-    once and do not compound, so they count 1."""
-    if isinstance(doc, dict):
-        kind = doc.get("type")
-        for key in ("content", "prepend"):
-            if kind in ("Replace", "Prepend") and isinstance(doc.get(key), str):
-                n = len(doc[key])
-                if kind == "Replace" and _matches_empty(doc.get("pattern")):
-                    yield f"writes a {key} of {n} characters at every position (its pattern matches the empty " \
-                          "string)", n + 1
-                else:
-                    yield f"writes a {key} of {n} characters", max(1, n)
-        if kind == "Precompiled":
-            n = _charsmap_longest(doc.get("precompiled_charsmap"))
+    """(what, factor) for each component of a tokenizer part (Sequences flattened, in order) that can make a
+    text longer, by the most it can multiply a text's length: a Replace's or Prepend's insert (a Replace
+    whose pattern can match the empty string inserts between every two characters too: one more), a
+    charsmap's longest replacement (SentencePiece's Precompiled), BertNormalizer's spaces around CJK
+    characters, a byte-level map (4 characters for one), a decoder that writes a space per character or
+    token (BPEDecoder or CTC with an empty suffix / delimiter, WordPiece). A normal form or case map counts
+    what it makes of the characters the components before it write (NFKC makes 18 of one), since those can
+    be fed to it again and again; of the user's own characters it makes at most 18 once, which is not
+    counted. A component of a type not in KNOWN counts as unbounded."""
+    import unicodedata
+
+    written: set[str] = set()  # what the components so far write: what a later normal form may expand again
+    for leaf in _leaves(doc):
+        kind = leaf.get("type")
+        if kind not in KNOWN[part]:
+            yield f"has a component of type {kind!r}, whose growth pact does not know", INSERT_CHARS + 1
+            continue
+        if kind in ("Replace", "Prepend"):
+            key = "content" if kind == "Replace" else "prepend"
+            text = leaf.get(key) if isinstance(leaf.get(key), str) else ""
+            written.update(text)
+            if kind == "Replace" and _matches_empty(leaf.get("pattern")):
+                yield (f"writes a {key} of {len(text)} characters at every position (its pattern matches the empty "
+                       "string)"), len(text) + 1
+            else:
+                yield f"writes a {key} of {len(text)} characters", max(1, len(text))
+        elif kind == "Precompiled":
+            got = _charsmap_replacements(leaf.get("precompiled_charsmap"))
+            n = 1 << 30 if got is None else max(map(len, got), default=0)
+            written.update("".join(got or ()))
             yield f"maps a character to up to {n} characters (its precompiled_charsmap)", max(1, n)
-        if kind == "BertNormalizer" and doc.get("handle_chinese_chars") is not False:
-            yield "writes spaces around each CJK character (BertNormalizer)", 3
-        if kind == "ByteLevel" and part in ("normalizer", "pre_tokenizer"):  # (a decoder's shrinks the text)
+        elif kind in _FORMS or kind in ("Lowercase", "BertNormalizer"):
+            def made(c, kind=kind):
+                if kind in _FORMS:
+                    return unicodedata.normalize(kind, c)
+                return unicodedata.normalize("NFD", c.lower()) if kind == "BertNormalizer" else c.lower()
+            n = max((len(made(c)) for c in written), default=1)
+            written.update("".join(made(c) for c in list(written)))
+            if kind == "BertNormalizer" and leaf.get("handle_chinese_chars") is not False:
+                yield f"writes spaces around each CJK character and maps a character it is given to up to {n}", 3 * n
+            elif n > 1:
+                yield f"expands a character the components before it write to {n} ({kind})", n
+        elif kind == "ByteLevel" and part in ("normalizer", "pre_tokenizer"):  # (a decoder's shrinks the text)
             yield "maps a character to up to 4 characters (ByteLevel)", 4
-        doc = list(doc.values())
-    for v in doc if isinstance(doc, list) else ():
-        yield from _growth(v, part)
+        elif kind == "Metaspace" and isinstance(leaf.get("replacement"), str):
+            written.update(leaf["replacement"])
+        elif (kind == "BPEDecoder" and leaf.get("suffix") == "") or (
+                kind == "CTC" and leaf.get("cleanup") and leaf.get("word_delimiter_token") == ""):
+            yield f"writes a space between every two characters ({kind} with an empty delimiter)", 3
+        elif kind == "WordPiece" and part == "decoder":
+            yield "writes a space before each token (WordPiece)", 2
 
 
 def _matches_empty(pattern) -> bool:
@@ -355,12 +406,6 @@ def _charsmap_replacements(b64) -> list[str] | None:
     return [seg.decode("utf-8", "replace") for seg in blob[4 + trie:].split(b"\0")]
 
 
-def _charsmap_longest(b64) -> int:
-    """The longest replacement of a charsmap, in characters (one that does not parse: unbounded)."""
-    got = _charsmap_replacements(b64)
-    return 1 << 30 if got is None else max(map(len, got), default=0)
-
-
 def _special_ids(doc) -> int:
     """What a post-processor's templates can add to a text: for its longer template (single or pair), its
     pieces plus the ids its special tokens stand for (TemplateProcessing; Sequences of them summed)."""
@@ -377,15 +422,23 @@ def _special_ids(doc) -> int:
     return n + sum(_special_ids(v) for v in doc) if isinstance(doc, list) else n
 
 
-def _check_token_lengths(tok, backend, where: Path) -> None:
-    """Refuse a vocabulary entry or added token past TOKEN_CHARS characters: decoding one would print
-    megabytes per generated token."""
-    lengths = (len(t) for t in backend.get_vocab(with_added_tokens=True))
-    longest = max(lengths, default=0)
+def _check_token_lengths(tok, backend, where: Path, decoder: int = 1) -> None:
+    """Refuse a vocabulary entry or added token past TOKEN_CHARS characters (decoding one printed megabytes
+    per generated token), one whose decode the decoder grows past DECODED_CHARS, and a Unigram piece past
+    UNIGRAM_CHARS (its lattice grows as the square of the longest piece, per character)."""
+    longest = max(map(len, backend.get_vocab(with_added_tokens=True)), default=0)
+    hostile = "the artifact is faulty or crafted; re-copy it or re-run pact-convert on a trusted model"
     if longest > TOKEN_CHARS:
         raise PactError(f"{where}: a token of the vocabulary is {longest} characters long (bound {TOKEN_CHARS}; "
-                        "real ones are under 300): the artifact is faulty or crafted; re-copy it or re-run "
-                        "pact-convert on a trusted model")
+                        f"real ones are under 300): {hostile}")
+    if longest * decoder > DECODED_CHARS:
+        raise PactError(f"{where}: a token of {longest} characters decodes to up to {longest * decoder} (the decoder "
+                        f"multiplies by {decoder}; bound {DECODED_CHARS}): {hostile}")
+    if type(backend.model).__name__ == "Unigram":
+        pieces = max(map(len, backend.get_vocab(with_added_tokens=False)), default=0)
+        if pieces > UNIGRAM_CHARS:
+            raise PactError(f"{where}: a Unigram piece is {pieces} characters long (bound {UNIGRAM_CHARS}; "
+                            f"SentencePiece's default: 16): {hostile}")
 
 
 def _regexes(doc):

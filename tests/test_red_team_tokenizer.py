@@ -757,6 +757,7 @@ def test_real_tokenizer_parts_pass():
 
 def _hostile(kind):
     from tokenizers import Regex
+    from tokenizers import decoders as D
     from tokenizers import normalizers as N
     from tokenizers import pre_tokenizers as P
     from tokenizers import processors as PP
@@ -772,10 +773,17 @@ def _hostile(kind):
         # (found by a helper past the first form of these checks) a lookahead matches the empty string before
         # each 'z' only: each Replace doubles the z's, and no probe held a 'z'
         "lookahead": ("normalizer", N.Sequence([N.Replace(Regex("(?=z)"), "z")] * 7), "at every position"),
-        # a one-character Replace into a compatibility character NFKC expands 4x, chained: neither character
-        # is in the fixed probe text, so the part's own characters are probed, component by component
+        # a one-character Replace into a compatibility character NFKC expands 4x, chained: a normal form counts
+        # what it makes of the characters written before it
         "nfkc-loop": ("normalizer", N.Sequence([N.Replace("\u222b", "\u2a0c"), N.NFKC()] * 8),
-                      r"makes \d+ characters of the 4-character probe text '\u222b+'"),
+                      r"expands a character the components before it write to 4 \(NFKC\)"),
+        # the same with a first step deleting every character a probe could hold (a helper's second round)
+        "nfkc-deleter": ("normalizer", N.Sequence([N.Replace(Regex(r"\P{Cyrillic}"), ""),
+                                                   N.Replace(Regex(r"\p{Cyrillic}"), "\ufdfa"),
+                                                   *[N.NFKC(), N.Replace(Regex("[\u0600-\u06ff]"), "\ufdfa")] * 2]),
+                         r"expands a character the components before it write to 18 \(NFKC\)"),
+        "bpe-decoder": ("decoder", D.Sequence([D.BPEDecoder(suffix="")] * 4),
+                        r"writes a space between every two characters \(BPEDecoder"),
         "repeated-input": ("post_processor", PP.TemplateProcessing(single=["$A"] * 100, special_tokens=[]),
                            r"single template holds 100 copies of 1 input\(s\) \(\$A\)"),
         "long-special": ("post_processor", PP.TemplateProcessing(
@@ -788,7 +796,8 @@ def _hostile(kind):
 
 
 @pytest.mark.parametrize("kind", ["empty-match", "charsmap", "bert-chain", "byte-chain", "long-chain", "special-ids",
-                                  "lookahead", "nfkc-loop", "repeated-input", "long-special"])
+                                  "lookahead", "nfkc-loop", "repeated-input", "long-special", "nfkc-deleter",
+                                  "bpe-decoder"])
 def test_a_tokenizer_that_grows_the_text_past_the_inserts_is_refused(base, tmp_path, kind):
     """What the insert bound missed in a helper's attack: a Replace whose pattern matches the empty string (each
     doubles the text: 22 chained took 2.7 GB), a SentencePiece charsmap mapping a character to megabytes, chains
@@ -864,3 +873,36 @@ def test_padding_and_truncation_of_the_file_are_cleared():
     tk.enable_truncation(4000, stride=3999)
     _check_components(tk, Path("t.json"))
     assert tk.padding is None and tk.truncation is None
+
+
+def test_growth_across_parts_and_of_decoded_tokens_is_bounded(monkeypatch):
+    """The normalizer's growth and the pre-tokenizer's multiply (64 x a byte-level map's 4: refused); a token's
+    decode is its length times the decoder's growth (4000 characters x 64: refused); a Unigram piece past 128
+    characters (the lattice grows as its square per character); a part holding more distinct characters than
+    any real one (the probe runs on them); a component of a type pact does not know counts as unbounded."""
+    from tokenizers import Tokenizer, models
+    from tokenizers import decoders as D
+    from tokenizers import normalizers as N
+    from tokenizers import pre_tokenizers as P
+
+    from pact.runtime import session
+
+    where = Path("t.json")
+    with pytest.raises(PactError, match=r"the pre_tokenizer maps a character to up to 4 characters \(ByteLevel\), "
+                                        r"which with the normalizer's and its other inserts can multiply a text 256"):
+        session._check_components(_backend(normalizer=N.Replace("a", "b" * 64), pre_tokenizer=P.ByteLevel()), where)
+    tk = Tokenizer(models.WordLevel({"[UNK]": 0, "a" * 4000: 1}, unk_token="[UNK]"))
+    tk.decoder = D.Replace("a", "b" * 64)
+    with pytest.raises(PactError, match=r"a token of 4000 characters decodes to up to 256000 \(the decoder "
+                                        r"multiplies by 64; bound 16384\)"):
+        session._check_token_lengths(None, tk, where, session._check_components(tk, where))
+    uni = Tokenizer(models.Unigram([("<unk>", 0.0), ("a" * 200, -1.0)], unk_id=0))
+    with pytest.raises(PactError, match=r"a Unigram piece is 200 characters long \(bound 128"):
+        session._check_token_lengths(None, uni, where)
+    with pytest.raises(PactError, match=r"the normalizer holds 40000 distinct characters \(bound 32768"):
+        session._check_components(_backend(normalizer=N.Replace("".join(map(chr, range(0x10000, 0x10000 + 40000))),
+                                                                "")), where)
+    monkeypatch.setitem(session.KNOWN, "normalizer", session.KNOWN["normalizer"] - {"NFC"})
+    with pytest.raises(PactError, match=r"the normalizer has a component of type 'NFC', whose growth pact does not "
+                                        r"know"):
+        session._check_components(_backend(normalizer=N.NFC()), where)
