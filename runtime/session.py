@@ -178,17 +178,20 @@ def _probe(part: str, doc) -> tuple[str, int] | None:
     probe itself never grows far: a component alone is bounded by _growth): PROBE; each character the part's
     JSON writes or matches (and its normal forms and case maps), four times (a chain that grows one character
     compounds what the next component does to it: a Replace writing a compatibility character that NFKC
-    expands, again and again); a charsmap's replacement characters, eight to a probe."""
+    expands, again and again), and all of them side by side, forwards and backwards, 64 to a probe (a
+    Replace may fire only between two different characters); a charsmap's replacement characters, eight to
+    a probe. A pre-tokenizer's pieces are carried from step to step as pieces (Metaspace prepends to each)."""
     steps = [_component(part, leaf) for leaf in _leaves(doc)]
     own, mapped = _probe_chars(doc)
-    probes = [PROBE, *(c * 4 for c in own),
+    side = "".join(own)
+    probes = [PROBE, *(c * 4 for c in own), *(t[i:i + 64] for t in (side, side[::-1]) for i in range(0, len(t), 64)),
               *("".join(mapped[i:i + 8]) for i in range(0, len(mapped), 8))]
     for text in probes:
-        out = text
+        out = _start(part, text)
         for step in steps:
-            out = _apply(part, step, out)
-            if len(out) > INSERT_CHARS * len(text):
-                return text, len(out)
+            out, n = _apply(part, step, out)
+            if n > INSERT_CHARS * len(text):
+                return text, n
     return None
 
 
@@ -246,13 +249,26 @@ def _component(part: str, leaf: dict):
         "model": {"type": "WordLevel", "vocab": {"[UNK]": 0}, "unk_token": "[UNK]"}, part: leaf})), part)
 
 
-def _apply(part: str, component, text: str) -> str:
-    """What one component makes of ``text`` (a decoder: of its characters as tokens)."""
-    if part == "normalizer":
-        return component.normalize_str(text)
+def _start(part: str, text: str):
+    """A probe text as the part's first component takes it (a pre-tokenizer: one piece)."""
     if part == "pre_tokenizer":
-        return "".join(piece for piece, _ in component.pre_tokenize_str(text))
-    return component.decode(list(text))
+        from tokenizers import PreTokenizedString
+
+        return PreTokenizedString(text)
+    return text
+
+
+def _apply(part: str, component, text):
+    """What one component makes of ``text`` (a decoder: of its characters as tokens; a pre-tokenizer: of a
+    PreTokenizedString, in place), and its length in characters."""
+    if part == "normalizer":
+        text = component.normalize_str(text)
+    elif part == "pre_tokenizer":
+        component.pre_tokenize(text)
+        return text, sum(len(piece) for piece, *_ in text.get_splits())
+    else:
+        text = component.decode(list(text))
+    return text, len(text)
 
 
 def _check_template(doc, where: Path, hostile: str) -> None:
@@ -384,8 +400,9 @@ def _matches_empty(pattern) -> bool:
         from re import _parser
     except ImportError:  # Python 3.10
         import sre_parse as _parser
-    try:
-        return _parser.parse(pattern.get("Regex")).getwidth()[0] == 0
+    try:  # (Oniguruma reads a lazy fixed count, `x{2}?`, as optional: `(?:x{2})?`; Python as `x{2}`)
+        regex = re.sub(r"(?<!\\)\{\s*(\d+)\s*\}\?", r"{0,\1}", pattern.get("Regex"))
+        return _parser.parse(regex).getwidth()[0] == 0
     except Exception:  # (re.error, TypeError, OverflowError, RecursionError, ...: unreadable)
         return True
 

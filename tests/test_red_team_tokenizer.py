@@ -782,6 +782,14 @@ def _hostile(kind):
                                                    N.Replace(Regex(r"\p{Cyrillic}"), "\ufdfa"),
                                                    *[N.NFKC(), N.Replace(Regex("[\u0600-\u06ff]"), "\ufdfa")] * 2]),
                          r"expands a character the components before it write to 18 \(NFKC\)"),
+        # (a third round) Oniguruma reads a lazy fixed count `x{1}?` as optional, so it matches the empty string
+        "lazy-count": ("normalizer", N.Sequence([N.Replace(Regex("(?=\u03b2)x{1}?"), "\u03b1")] * 7),
+                       "at every position"),
+        # Metaspace prepends to every piece and splits at each replacement: alternating ones grow a Fibonacci
+        # chain, which only pieces carried from step to step show
+        "metaspace-chain": ("pre_tokenizer", P.Sequence([P.Metaspace(replacement=r, prepend_scheme="always", split=True)
+                                                         for r in "ab" * 16]),
+                            r"makes \d+ characters of the \d+-character probe text"),
         "bpe-decoder": ("decoder", D.Sequence([D.BPEDecoder(suffix="")] * 4),
                         r"writes a space between every two characters \(BPEDecoder"),
         "repeated-input": ("post_processor", PP.TemplateProcessing(single=["$A"] * 100, special_tokens=[]),
@@ -797,7 +805,7 @@ def _hostile(kind):
 
 @pytest.mark.parametrize("kind", ["empty-match", "charsmap", "bert-chain", "byte-chain", "long-chain", "special-ids",
                                   "lookahead", "nfkc-loop", "repeated-input", "long-special", "nfkc-deleter",
-                                  "bpe-decoder"])
+                                  "bpe-decoder", "lazy-count", "metaspace-chain"])
 def test_a_tokenizer_that_grows_the_text_past_the_inserts_is_refused(base, tmp_path, kind):
     """What the insert bound missed in a helper's attack: a Replace whose pattern matches the empty string (each
     doubles the text: 22 chained took 2.7 GB), a SentencePiece charsmap mapping a character to megabytes, chains
