@@ -400,6 +400,8 @@ def _matches_empty(pattern) -> bool:
         from re import _parser
     except ImportError:  # Python 3.10
         import sre_parse as _parser
+    if not isinstance(pattern.get("Regex"), str) or len(pattern["Regex"]) > REGEX_CHARS:
+        return True  # (unread: a long pattern would cost Python's parser seconds at load)
     try:  # (Oniguruma reads a lazy fixed count, `x{2}?`, as optional: `(?:x{2})?`; Python as `x{2}`)
         regex = re.sub(r"(?<!\\)\{\s*(\d+)\s*\}\?", r"{0,\1}", pattern.get("Regex"))
         return _parser.parse(regex).getwidth()[0] == 0
