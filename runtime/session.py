@@ -179,10 +179,15 @@ def _probe(part: str, doc) -> tuple[str, int] | None:
     JSON writes or matches (and its normal forms and case maps), four times (a chain that grows one character
     compounds what the next component does to it: a Replace writing a compatibility character that NFKC
     expands, again and again), and all of them side by side, forwards and backwards, 64 to a probe (a
-    Replace may fire only between two different characters); a charsmap's replacement characters, eight to
-    a probe. A pre-tokenizer's pieces are carried from step to step as pieces (Metaspace prepends to each)."""
-    steps = [_component(part, leaf) for leaf in _leaves(doc)]
+    Replace may fire only between two different characters); a charsmap's replacement characters, and where
+    the part has a normal form or case map every character one makes three or more of (a component after
+    it may grow what it made: NFKC makes 18 of U+FDFA, which a Replace then multiplies), eight to a probe.
+    A pre-tokenizer's pieces are carried from step to step as pieces (Metaspace prepends to each)."""
+    leaves = _leaves(doc)
+    steps = [_component(part, leaf) for leaf in leaves]
     own, mapped = _probe_chars(doc)
+    if any(leaf.get("type") in _FORMS or leaf.get("type") in ("Lowercase", "BertNormalizer") for leaf in leaves):
+        mapped = mapped + list(_expanders())  # (the user's characters a normal form expands, grown after it)
     side = "".join(own)
     probes = [PROBE, *(c * 4 for c in own), *(t[i:i + 64] for t in (side, side[::-1]) for i in range(0, len(t), 64)),
               *("".join(mapped[i:i + 8]) for i in range(0, len(mapped), 8))]
@@ -193,6 +198,22 @@ def _probe(part: str, doc) -> tuple[str, int] | None:
             if n > INSERT_CHARS * len(text):
                 return text, n
     return None
+
+
+@functools.lru_cache(maxsize=1)
+def _expanders() -> str:
+    """The characters a Unicode normal form or case map makes three or more of (about 11,600: Hangul
+    syllables, ligatures, squared and compatibility forms, U+FDFA's 18), from the blocks that hold
+    decompositions and case expansions (the Basic Multilingual Plane, U+1D000-U+1FFFF, U+2F800-U+2FA1F)."""
+    import unicodedata
+
+    out = []
+    for lo, hi in ((0, 0xD800), (0xE000, 0x10000), (0x1D000, 0x20000), (0x2F800, 0x2FA20)):
+        for cp in range(lo, hi):
+            c = chr(cp)
+            if max(len(unicodedata.normalize("NFKD", c)), len(c.lower()), len(c.upper())) >= 3:
+                out.append(c)
+    return "".join(out)
 
 
 PROBE_CHARS = 1024  # the characters a part's JSON writes or matches that are probed one by one (the rest: by 8)

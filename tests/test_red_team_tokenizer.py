@@ -790,6 +790,10 @@ def _hostile(kind):
         "metaspace-chain": ("pre_tokenizer", P.Sequence([P.Metaspace(replacement=r, prepend_scheme="always", split=True)
                                                          for r in "ab" * 16]),
                             r"makes \d+ characters of the \d+-character probe text"),
+        # (a fourth round) NFKC makes 18 of the user's U+FDFA, which a Replace after it multiplies by 63
+        "nfkc-then-replace": ("normalizer", N.Sequence([N.NFKC(), N.Replace(
+            Regex("[\u0635\u0644\u0649\u0627\u0647\u0639\u064a\u0648\u0633\u0645]"), "x" * 63)]),
+                              r"makes \d+ characters of the 8-character probe text"),
         "bpe-decoder": ("decoder", D.Sequence([D.BPEDecoder(suffix="")] * 4),
                         r"writes a space between every two characters \(BPEDecoder"),
         "repeated-input": ("post_processor", PP.TemplateProcessing(single=["$A"] * 100, special_tokens=[]),
@@ -805,7 +809,7 @@ def _hostile(kind):
 
 @pytest.mark.parametrize("kind", ["empty-match", "charsmap", "bert-chain", "byte-chain", "long-chain", "special-ids",
                                   "lookahead", "nfkc-loop", "repeated-input", "long-special", "nfkc-deleter",
-                                  "bpe-decoder", "lazy-count", "metaspace-chain"])
+                                  "bpe-decoder", "lazy-count", "metaspace-chain", "nfkc-then-replace"])
 def test_a_tokenizer_that_grows_the_text_past_the_inserts_is_refused(base, tmp_path, kind):
     """What the insert bound missed in a helper's attack: a Replace whose pattern matches the empty string (each
     doubles the text: 22 chained took 2.7 GB), a SentencePiece charsmap mapping a character to megabytes, chains
