@@ -88,7 +88,7 @@ def load_tokenizer(art: Artifact):
                         "re-run pact-convert")
     backend = getattr(tok, "backend_tokenizer", None)
     if backend is not None:
-        _check_token_lengths(tok, backend, where, _check_components(backend, where))
+        _check_token_lengths(backend, where, _check_components(backend, where))
     for name in ("_encode_plus", "_decode"):  # what every encode, __call__, tokenize and decode goes through
         if hasattr(tok, name):
             setattr(tok, name, functools.partial(_unpanicked, getattr(tok, name), where))
@@ -108,6 +108,8 @@ def _unpanicked(fn, where: Path, /, *args, **kw):
                         "past its limit); re-copy the artifact or re-run pact-convert on a trusted model") from None
 
 
+# what each refusal of a tokenizer part says to do
+HOSTILE = "the artifact is faulty or crafted; re-copy it or re-run pact-convert on a trusted model"
 INSERT_CHARS = 64  # the product of what a tokenizer part's components can multiply a text by: a Replace's or
 # Prepend's insert, a charsmap's longest replacement, a byte-level map's 4 characters a character
 COMPONENTS = 32  # components in one part (Sequences counted through; real tokenizers: 1-8)
@@ -130,7 +132,6 @@ def _check_components(backend, where: Path) -> int:
     unbounded), by their count and the distinct characters they hold, and by what they make of probe texts.
     Warn of a regex that may backtrack long. The decoder's growth is returned (a token's decode is bounded by
     it times the longest token)."""
-    hostile = "the artifact is faulty or crafted; re-copy it or re-run pact-convert on a trusted model"
     grows, decoder = 1, 1
     for part in ("normalizer", "pre_tokenizer", "decoder", "post_processor"):
         component = getattr(backend, part, None)
@@ -139,10 +140,11 @@ def _check_components(backend, where: Path) -> int:
         doc = json.loads(component.__getstate__())
         if (n := _count(doc)) > COMPONENTS:
             raise PactError(f"{where}: the {part} chains {n} components (bound {COMPONENTS}; real tokenizers: "
-                            f"1-8): {hostile}")
-        if (n := len(set().union(*(set(t) for _, t in _strings(doc))))) > PART_CHARS:
+                            f"1-8): {HOSTILE}")
+        strings = list(_strings(doc))  # (a charsmap's replacements decoded once, for the bound and the probe)
+        if (n := len(set().union(*(set(t) for _, t in strings)))) > PART_CHARS:
             raise PactError(f"{where}: the {part} holds {n} distinct characters (bound {PART_CHARS}; a real "
-                            f"charsmap: about 14000): {hostile}")
+                            f"charsmap: about 14000): {HOSTILE}")
         if part == "decoder":
             grows = 1
         for what, factor in _growth(doc, part):
@@ -151,7 +153,7 @@ def _check_components(backend, where: Path) -> int:
                 also = "the normalizer's and " if part == "pre_tokenizer" else ""
                 raise PactError(f"{where}: the {part} {what}, which with {also}its other inserts can multiply a text "
                                 f"{grows} times (bound {INSERT_CHARS}; real tokenizers write a character or two) "
-                                f"in Rust, where no bound stops what it grows to: {hostile}")
+                                f"in Rust, where no bound stops what it grows to: {HOSTILE}")
         decoder = grows if part == "decoder" else decoder
         for pattern in _regexes(doc):
             if why := regex_hazard(pattern):  # warned, not refused: a heuristic must never refuse a real model
@@ -160,19 +162,19 @@ def _check_components(backend, where: Path) -> int:
                             "source you trust, re-run pact-convert on a trusted model", where, part, pattern[:200],
                             why)
         if part == "post_processor":
-            _check_template(doc, where, hostile)
+            _check_template(doc, where)
             continue
-        if found := _unpanicked(_probe, where, part, doc):
+        if found := _unpanicked(_probe, where, part, doc, strings):
             text, out = found
             raise PactError(f"{where}: the {part} makes {out} characters of the {len(text)}-character probe text "
-                            f"{text[:40]!r} (bound {INSERT_CHARS}x): {hostile}")
+                            f"{text[:40]!r} (bound {INSERT_CHARS}x): {HOSTILE}")
     _check_model(backend, where)
     backend.no_padding()  # (transformers sets both per call as asked; tokenizer.json's own, e.g. a fixed padding
     backend.no_truncation()  # of 10^8 or a stride of 1, would apply to any direct use of the backend)
     return decoder
 
 
-def _probe(part: str, doc) -> tuple[str, int] | None:
+def _probe(part: str, doc, strings: list[tuple[str, str]]) -> tuple[str, int] | None:
     """A probe text the part grows past INSERT_CHARS times, and the length it reaches, or None. Each probe
     runs through the part's components one at a time, stopping at the first step past the bound (so the
     probe itself never grows far: a component alone is bounded by _growth): PROBE; each character the part's
@@ -185,8 +187,8 @@ def _probe(part: str, doc) -> tuple[str, int] | None:
     A pre-tokenizer's pieces are carried from step to step as pieces (Metaspace prepends to each)."""
     leaves = _leaves(doc)
     steps = [_component(part, leaf) for leaf in leaves]
-    own, mapped = _probe_chars(doc)
-    if any(leaf.get("type") in _FORMS or leaf.get("type") in ("Lowercase", "BertNormalizer") for leaf in leaves):
+    own, mapped = _probe_chars(strings)
+    if any(leaf.get("type") in _REMAPS for leaf in leaves):
         mapped = mapped + list(_expanders())  # (the user's characters a normal form expands, grown after it)
     side = "".join(own)
     probes = [PROBE, *(c * 4 for c in own), *(t[i:i + 64] for t in (side, side[::-1]) for i in range(0, len(t), 64)),
@@ -219,14 +221,14 @@ def _expanders() -> str:
 PROBE_CHARS = 1024  # the characters a part's JSON writes or matches that are probed one by one (the rest: by 8)
 
 
-def _probe_chars(doc) -> tuple[list[str], list[str]]:
-    """The characters of a part's JSON strings (Replace contents and patterns, Prepends, ...; with their
-    NFC/NFD/NFKC/NFKD forms and case maps), and those of its charsmaps' replacements not among them."""
+def _probe_chars(strings: list[tuple[str, str]]) -> tuple[list[str], list[str]]:
+    """The characters of a part's JSON strings (``_strings``: Replace contents and patterns, Prepends, ...; with
+    their NFC/NFD/NFKC/NFKD forms and case maps), and those of its charsmaps' replacements not among them."""
     import unicodedata
 
     own: dict[str, None] = {}
     mapped: dict[str, None] = {}
-    for key, text in _strings(doc):
+    for key, text in strings:
         into = mapped if key == "precompiled_charsmap" else own
         for c in text:
             forms = [c, c.lower(), c.upper(), *(unicodedata.normalize(f, c) for f in ("NFC", "NFD", "NFKC", "NFKD"))]
@@ -292,13 +294,13 @@ def _apply(part: str, component, text):
     return text, len(text)
 
 
-def _check_template(doc, where: Path, hostile: str) -> None:
+def _check_template(doc, where: Path) -> None:
     """A post-processor's templates: at most one copy of each input ($A, $B: a template repeating $A 1000
     times copied the encoding 1000 times), at most SPECIAL_IDS pieces and special ids, special tokens'
     texts at most TOKEN_CHARS long (Sequences of processors: each)."""
     if (n := _special_ids(doc)) > SPECIAL_IDS:
         raise PactError(f"{where}: the post_processor's template for a text has {n} pieces and special ids "
-                        f"(bound {SPECIAL_IDS}; real ones: 2-8): {hostile}")
+                        f"(bound {SPECIAL_IDS}; real ones: 2-8): {HOSTILE}")
     for leaf in _leaves(doc):
         for key in ("single", "pair"):
             pieces = leaf.get(key) if isinstance(leaf.get(key), list) else []
@@ -306,13 +308,13 @@ def _check_template(doc, where: Path, hostile: str) -> None:
             if len(seqs) != len(set(seqs)):
                 raise PactError(f"{where}: the post_processor's {key} template holds {len(seqs)} copies of "
                                 f"{len(set(seqs))} input(s) (${', $'.join(map(str, sorted(set(map(str, seqs)))))}): "
-                                f"each copies the whole encoding; {hostile}")
+                                f"each copies the whole encoding; {HOSTILE}")
         texts = [t for v in (leaf.get("special_tokens") or {}).values() if isinstance(v, dict)
                  for t in v.get("tokens") or () if isinstance(t, str)]
         texts += [v[0] for k in ("cls", "sep") if isinstance(v := leaf.get(k), list) and v and isinstance(v[0], str)]
         if (longest := max(map(len, texts), default=0)) > TOKEN_CHARS:
             raise PactError(f"{where}: the post_processor adds a special token of {longest} characters (bound "
-                            f"{TOKEN_CHARS}): {hostile}")
+                            f"{TOKEN_CHARS}): {HOSTILE}")
 
 
 AFFIX_CHARS = 16  # a BPE / WordPiece subword prefix or suffix ('##', '</w>')
@@ -323,14 +325,13 @@ def _check_model(backend, where: Path) -> None:
     """The tokenizer model's own settings that grow an encode: a subword prefix or suffix written for each
     piece (8 MB one: every character allocated it), WordPiece's longest word (10^9: cubic in a word)."""
     model = backend.model
-    hostile = "the artifact is faulty or crafted; re-copy it or re-run pact-convert on a trusted model"
     for key in ("continuing_subword_prefix", "end_of_word_suffix"):
         if isinstance(v := getattr(model, key, None), str) and len(v) > AFFIX_CHARS:
             raise PactError(f"{where}: the model's {key} is {len(v)} characters (bound {AFFIX_CHARS}; real ones: "
-                            f"'##', '</w>'): {hostile}")
+                            f"'##', '</w>'): {HOSTILE}")
     if isinstance(v := getattr(model, "max_input_chars_per_word", None), int) and v > WORD_CHARS:
         raise PactError(f"{where}: the model's max_input_chars_per_word is {v} (bound {WORD_CHARS}; real ones: "
-                        f"100): {hostile}")
+                        f"100): {HOSTILE}")
 
 
 def _count(doc) -> int:
@@ -353,6 +354,7 @@ KNOWN = {
     "post_processor": {"RobertaProcessing", "BertProcessing", "ByteLevel", "TemplateProcessing"},
 }
 _FORMS = {"NFC", "NFD", "NFKC", "NFKD"}
+_REMAPS = _FORMS | {"Lowercase", "BertNormalizer"}  # a normal form or case map: what it makes of a character
 
 
 def _growth(doc, part: str):
@@ -387,7 +389,7 @@ def _growth(doc, part: str):
             n = 1 << 30 if got is None else max(map(len, got), default=0)
             written.update("".join(got or ()))
             yield f"maps a character to up to {n} characters (its precompiled_charsmap)", max(1, n)
-        elif kind in _FORMS or kind in ("Lowercase", "BertNormalizer"):
+        elif kind in _REMAPS:
             def made(c, kind=kind):
                 if kind in _FORMS:
                     return unicodedata.normalize(kind, c)
@@ -462,23 +464,22 @@ def _special_ids(doc) -> int:
     return n + sum(_special_ids(v) for v in doc) if isinstance(doc, list) else n
 
 
-def _check_token_lengths(tok, backend, where: Path, decoder: int = 1) -> None:
+def _check_token_lengths(backend, where: Path, decoder: int = 1) -> None:
     """Refuse a vocabulary entry or added token past TOKEN_CHARS characters (decoding one printed megabytes
     per generated token), one whose decode the decoder grows past DECODED_CHARS, and a Unigram piece past
     UNIGRAM_CHARS (its lattice grows as the square of the longest piece, per character)."""
     longest = max(map(len, backend.get_vocab(with_added_tokens=True)), default=0)
-    hostile = "the artifact is faulty or crafted; re-copy it or re-run pact-convert on a trusted model"
     if longest > TOKEN_CHARS:
         raise PactError(f"{where}: a token of the vocabulary is {longest} characters long (bound {TOKEN_CHARS}; "
-                        f"real ones are under 300): {hostile}")
+                        f"real ones are under 300): {HOSTILE}")
     if longest * decoder > DECODED_CHARS:
         raise PactError(f"{where}: a token of {longest} characters decodes to up to {longest * decoder} (the decoder "
-                        f"multiplies by {decoder}; bound {DECODED_CHARS}): {hostile}")
+                        f"multiplies by {decoder}; bound {DECODED_CHARS}): {HOSTILE}")
     if type(backend.model).__name__ == "Unigram":
         pieces = max(map(len, backend.get_vocab(with_added_tokens=False)), default=0)
         if pieces > UNIGRAM_CHARS:
             raise PactError(f"{where}: a Unigram piece is {pieces} characters long (bound {UNIGRAM_CHARS}; "
-                            f"SentencePiece's default: 16): {hostile}")
+                            f"SentencePiece's default: 16): {HOSTILE}")
 
 
 def _regexes(doc):

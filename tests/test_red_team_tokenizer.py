@@ -907,10 +907,10 @@ def test_growth_across_parts_and_of_decoded_tokens_is_bounded(monkeypatch):
     tk.decoder = D.Replace("a", "b" * 64)
     with pytest.raises(PactError, match=r"a token of 4000 characters decodes to up to 256000 \(the decoder "
                                         r"multiplies by 64; bound 16384\)"):
-        session._check_token_lengths(None, tk, where, session._check_components(tk, where))
+        session._check_token_lengths(tk, where, session._check_components(tk, where))
     uni = Tokenizer(models.Unigram([("<unk>", 0.0), ("a" * 200, -1.0)], unk_id=0))
     with pytest.raises(PactError, match=r"a Unigram piece is 200 characters long \(bound 128"):
-        session._check_token_lengths(None, uni, where)
+        session._check_token_lengths(uni, where)
     with pytest.raises(PactError, match=r"the normalizer holds 40000 distinct characters \(bound 32768"):
         session._check_components(_backend(normalizer=N.Replace("".join(map(chr, range(0x10000, 0x10000 + 40000))),
                                                                 "")), where)
