@@ -128,7 +128,7 @@ def config_from(cls, params: dict):
 SCORING_HELPS = {"activations": "Precision recipe of the forward's activations, as pact-train's --activations "
                                 "(only what the GEMMs and LoRA read matters here: nothing is saved for backward). "
                                 "Default: the recipe the --adapter's run trained with (its train_config.json), "
-                                "else 'mixed'."}
+                                "else the default."}
 
 
 # what train_config.json adds to the options; --config ignores them

@@ -70,7 +70,8 @@ def demo(workdir: Path | None, train_size: int, test_size: int, with_gptq: bool,
 
     def lora(artifact: Path, name: str) -> Path:
         # named by artifact and recipe, so a run cached under another default is never reused
-        run = workdir / f"run-{name}-{train_size}x{steps}-lr{LR:g}-{parse_recipe(None).spec()}"
+        recipe = parse_recipe(None).spec().replace(",", "+").replace("=", "-")  # mixed,o.saved=fp8: mixed+o.saved-fp8
+        run = workdir / f"run-{name}-{train_size}x{steps}-lr{LR:g}-{recipe}"
         if not (run / "adapter_model.safetensors").is_file():
             shutil.rmtree(run, ignore_errors=True)  # an interrupted run starts over (the demo keeps no checkpoints)
             train(TrainConfig(artifact=str(artifact), data=str(train_f), out=str(run), steps=steps,

@@ -100,11 +100,11 @@ def _uniform(p: str) -> Recipe:
 
 
 PRESETS: dict[str, Recipe] = {
-    # the default: NVFP4 copies only where activations are stored for backward (the memory that buys
-    # the batch), except the MLP's RMSNorm output, saved as E4M3 rows (K + 4 bytes a row): dA of
-    # gate and up reads it, and its NVFP4 copy cost hard tasks points (BENCHMARKS.md, learning
-    # fidelity: epistemic_reasoning -7.1 +- 2.5 against BF16 LoRA, 21 seeds); the frozen GEMMs and the
-    # LoRA branch read the unquantized rows (E4M3 made straight from bf16 on the fp8 backend).
+    # NVFP4 copies only where activations are stored for backward (the memory that buys the batch),
+    # except the MLP's RMSNorm output, saved as E4M3 rows (K + 4 bytes a row): dA of gate and up reads
+    # it, and its NVFP4 copy cost hard tasks points (BENCHMARKS.md, learning fidelity:
+    # epistemic_reasoning -7.1 +- 2.5 against BF16 LoRA, 21 seeds); the frozen GEMMs and the LoRA
+    # branch read the unquantized rows (E4M3 made straight from bf16 on the fp8 backend).
     "mixed": Recipe(*(Site("bf16", "bf16", "fp8" if s == "gate_up" else "nvfp4") for s in SITES)),
     # every saved copy NVFP4: the least memory.
     # Quantized GEMM inputs bend the LoRA gradient (cosine ~0.72 to the bf16 reference, norm ~0.69);
@@ -151,10 +151,13 @@ def parse_recipe(spec: str | Recipe | None, flag: str = "--activations") -> Reci
     return Recipe(**sites, dgrad=dgrad)
 
 
-DEFAULT = "mixed"
+# the default: `mixed` with the attention output saved as E4M3 rows too (dA of o_proj reads it; with
+# its NVFP4 copy arithmetic at lr 1e-3 ended 6.4 +- 2.7 points lower, 13 paired seeds, for +0.22 GiB
+# at 1B bs 16: BENCHMARKS.md, learning fidelity)
+DEFAULT = "mixed,o.saved=fp8"
 HELP = (
-    "Precision recipe of the activations (weights stay NVFP4): a preset, default 'mixed' (NVFP4 copies saved "
-    "for backward, E4M3 for the MLP's RMSNorm output; GEMMs and LoRA read unquantized rows), 'nvfp4-saved' "
+    "Precision recipe of the activations (weights stay NVFP4): a preset, 'mixed' (NVFP4 copies saved for "
+    "backward, E4M3 for the MLP's RMSNorm output; GEMMs and LoRA read unquantized rows), 'nvfp4-saved' "
     "(every saved copy NVFP4: least memory), 'nvfp4' (every use reads the NVFP4 copy) or 'bf16' (nothing "
     "quantized: the reference), optionally followed by SITE.FIELD=VALUE overrides, e.g. "
     "'nvfp4,down.saved=bf16' (SITE: qkv, o, gate_up, down or *; FIELD: gemm, lora, saved; VALUE: nvfp4, bf16, "
@@ -163,5 +166,5 @@ HELP = (
     "--backward-weights forward). "
     "'auto' or 'auto:F': a probe at the start of training picks each site's saved copy (NVFP4, E4M3 or bf16) "
     "from the LoRA gradient's error, within F times the default's saved-copy memory (F = 1). "
-    "See README, Train, 'Precision recipe'."
+    f"Default: '{DEFAULT}' (the attention output's copy E4M3 too). See README, Train, 'Precision recipe'."
 )

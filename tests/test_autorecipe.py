@@ -14,7 +14,7 @@ from pact.runtime.autorecipe import CANDIDATES, _bytes, choose, parse_auto, with
 from pact.runtime.data import batches, collate, pad_id, read_records, tokenize
 from pact.runtime.evaluate import evaluate_artifact
 from pact.runtime.model import PactModel
-from pact.runtime.recipe import SITES, parse_recipe
+from pact.runtime.recipe import DEFAULT, SITES, parse_recipe
 from pact.runtime.trainer import TrainConfig, train
 
 
@@ -79,11 +79,11 @@ def test_probe_measures_each_site_and_respects_the_budget(warmed):
     for s in SITES:
         assert err[s]["bf16"] == 0.0
         assert err[s]["nvfp4"] > err[s]["fp8"] > 0.0  # E4M3 copies are 4x closer than NVFP4 ones
-    mixed = parse_recipe("mixed").on(before.compute)
-    assert rec["budget_bytes_per_token"] == _bytes(model, mixed)
+    default = parse_recipe(DEFAULT).on(before.compute)
+    assert rec["budget_bytes_per_token"] == _bytes(model, default)
     assert rec["bytes_per_token"] == _bytes(model, chosen) <= rec["budget_bytes_per_token"]
-    mixed_error = sum(err[s][mixed.site(s).saved] for s in SITES)
-    assert rec["chosen_error"] <= mixed_error + 1e-12  # the default is one of the assignments it weighed
+    default_error = sum(err[s][default.site(s).saved] for s in SITES)
+    assert rec["chosen_error"] <= default_error + 1e-12  # the default is one of the assignments it weighed
     assert rec["passes"] == len(probe) * (1 + len(SITES) * (len(CANDIDATES) - 1)) and rec["seconds"] > 0
     for s in SITES:  # only the saved copies move; GEMM and LoRA inputs stay the default's
         assert (chosen.site(s).gemm, chosen.site(s).lora) == (before.site(s).gemm, before.site(s).lora)

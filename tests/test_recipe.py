@@ -7,7 +7,9 @@ from pact.runtime.recipe import DEFAULT, PRESETS, SITES, parse_recipe
 
 
 def test_presets_and_overrides_round_trip():
-    assert parse_recipe(None) == PRESETS[DEFAULT] == PRESETS["mixed"]
+    # the default: `mixed` with the attention output's saved copy E4M3 as well
+    assert parse_recipe(None) == parse_recipe(DEFAULT) == parse_recipe("nvfp4-saved,gate_up.saved=fp8,o.saved=fp8")
+    assert parse_recipe(None).spec() == DEFAULT == "mixed,o.saved=fp8"
     r = parse_recipe("nvfp4,qkv.saved=bf16,*.lora=bf16,dgrad=bf16")
     assert r.qkv.saved == "bf16" and all(r.site(s).lora == "bf16" for s in SITES) and r.dgrad == "bf16"
     assert r.o.gemm == "nvfp4" and r.o.saved == "nvfp4"

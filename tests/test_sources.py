@@ -148,9 +148,10 @@ def test_demo_end_to_end_on_tiny_model(tmp_path):
     for line in ("zero-shot, NVFP4 ", "zero-shot, NVFP4 (GPTQ)", "pact LoRA, NVFP4 ", "pact LoRA, NVFP4 (GPTQ)",
                  "training loss over 3 steps"):
         assert line in r.output
-    run = tmp_path / "run-1d-mse-48x3-lr0.001-mixed"  # trained on the converted artifact (default variant)
+    # trained on the converted artifact (default variant), named by the default recipe, mixed,o.saved=fp8
+    run = tmp_path / "run-1d-mse-48x3-lr0.001-mixed+o.saved-fp8"
     assert (run / "adapter_model.safetensors").is_file()
-    assert len(list(tmp_path.glob("run-1d-mse-gptq*-48x3-lr0.001-mixed/adapter_model.safetensors"))) == 1
+    assert len(list(tmp_path.glob("run-1d-mse-gptq*-48x3-lr0.001-mixed+o.saved-fp8/adapter_model.safetensors"))) == 1
     assert (run / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     r = CliRunner().invoke(pact_cli, args)
     # the second run reuses every step: the artifact, the calibrated artifact, both runs and the four scores
