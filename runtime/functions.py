@@ -423,8 +423,8 @@ class MlpFn(torch.autograd.Function):
             h_op, h_lora = hq, h_hat
         else:  # one fused kernel: bf16 h (+ its E4M3 copy for the GEMM), gate and up as the site saves them
             h, gq, uq = ops.silu_mul_rows(gu, nvfp4=site2.saved == "nvfp4", gemm_input=site2.gemm == "bf16",
-                                          act=act)
-            if site2.saved not in ("nvfp4", "bf16"):  # gate and up as E4M3 / stochastically rounded rows
+                                          act=act, e4m3=site2.saved == "fp8")
+            if site2.saved == "nvfp4-sr":  # gate and up as stochastically rounded rows
                 gq, uq = (_saved_copy(ops, site2.saved, t) for t in (gq, uq))
             h_op, h_hat, h_lora, _ = _operands(ops, _H_USES[site2.gemm, site2.lora], h)
         out, xas2, seeds2 = project(ops, down, h_op, h_lora, h_hat)

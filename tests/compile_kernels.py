@@ -63,7 +63,13 @@ def main(capability: int) -> None:
         for act in (0, 1):
             _compile_sm(N._silu_mul_rows_kernel, {"gu_ptr": "*bf16", "stride_gu": "i32", "h_ptr": "*bf16", **two,
                                                   "f8_ptr": "*u8", "f8s_ptr": "*fp32", "K": "i32"},
-                        {"BLOCK_K": 8192, "CHUNK": 2048, "NVFP4": nvfp4, "FP8": fp8, "ACT": act})
+                        {"BLOCK_K": 8192, "CHUNK": 2048, "NVFP4": nvfp4, "FP8": fp8, "ACT": act, "E4M3": 0})
+    # gate and up written as E4M3 rows (down.saved=fp8), with and without h's E4M3 copy
+    two8 = {f"{p}{s}": t for p in "gu" for s, t in (("p", "*u8"), ("s", "*fp32"), ("r", "*fp32"))}
+    for fp8 in (0, e4m3):
+        _compile_sm(N._silu_mul_rows_kernel, {"gu_ptr": "*bf16", "stride_gu": "i32", "h_ptr": "*bf16", **two8,
+                                              "f8_ptr": "*u8", "f8s_ptr": "*fp32", "K": "i32"},
+                    {"BLOCK_K": 8192, "CHUNK": 2048, "NVFP4": False, "FP8": fp8, "ACT": 0, "E4M3": e4m3})
     _compile_sm(N._dequant_rows_kernel, {**rows, "out_ptr": "*fp32", "K": "i32"}, {"BLOCK_K": 8192, "CHUNK": 2048})
     for what in (C.PAIRS_QS, C.PAIRS_ROWS, C.PAIRS_E4M3_W, C.PAIRS_E4M3_ROWS):
         _compile_sm(C._decode_pairs_kernel, {"packed_ptr": "*u8", "scales_ptr": "*u8", "sc_ptr": "*fp32",
@@ -77,13 +83,15 @@ def main(capability: int) -> None:
                     {"BLOCK_K": 2048, "E4M3": saved_e4m3})
     _compile_sm(N._dequant_e4m3_kernel, {"f8_ptr": "*u8", "sc_ptr": "*fp32", "out_ptr": "*bf16", "K": "i32"},
                 {"BLOCK_K": 2048, "CHUNK": 2048})
-    gu = {f"{p}{s}": t for p in "gu" for s, t in (("p", "*u8"), ("s", "*u8"), ("r", "*fp32"))}
-    for act in (0, 1):
-        _compile_sm(N._silu_mul_h_kernel, {**gu, "h_ptr": "*bf16", "K": "i32"}, {"BLOCK_K": 8192, "CHUNK": 2048,
-                                                                                 "ACT": act})
-        _compile_sm(N._silu_mul_backward_kernel,
-                    {"dh_ptr": "*bf16", "stride_dh": "i32", **gu, "dgu_ptr": "*bf16", "K": "i32"},
-                    {"BLOCK_K": 8192, "CHUNK": 2048, "ACT": act})
+    for saved_e4m3 in (False, True):  # gate and up saved as NVFP4 rows, or as E4M3 rows (down.saved=fp8)
+        gu = {f"{p}{s}": t for p in "gu" for s, t in (("p", "*u8"), ("s", "*fp32" if saved_e4m3 else "*u8"),
+                                                        ("r", "*fp32"))}
+        for act in (0, 1) if not saved_e4m3 else (0,):
+            _compile_sm(N._silu_mul_h_kernel, {**gu, "h_ptr": "*bf16", "K": "i32"},
+                        {"BLOCK_K": 8192, "CHUNK": 2048, "ACT": act, "E4M3": saved_e4m3})
+            _compile_sm(N._silu_mul_backward_kernel,
+                        {"dh_ptr": "*bf16", "stride_dh": "i32", **gu, "dgu_ptr": "*bf16", "K": "i32"},
+                        {"BLOCK_K": 8192, "CHUNK": 2048, "ACT": act, "E4M3": saved_e4m3})
     # Gemma's (1 + w) norm weights are bound as fp32
     _compile_sm(N._rmsnorm_rows_kernel, {"x_ptr": "*bf16", "stride_x": "i32", "w_ptr": "*fp32", "eps": "fp32",
                                          "y_ptr": "*bf16", **rows, "rstd_ptr": "*fp32", "f8_ptr": "*u8",

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from pact.formats.nvfp4 import NVFP4Rows, quantize_weight
+from pact.runtime.ops import E4M3Rows
 from pact.runtime.ops import reference as R
 from pact.runtime.ops import triton as K
 
@@ -121,6 +122,18 @@ def test_rows_kept_bf16_with_saved_and_fp8_copies(monkeypatch, rows, k, chunk):
             _rows_equal(ua, ub)
         else:
             assert torch.equal(ga.data, gb.data) and torch.equal(ua.data, ub.data)
+    # gate and up saved as E4M3 rows (down.saved=fp8): exactly e4m3_rows of each bf16 half, written in the same pass
+    (ha, ga, ua), (hb, gb, ub) = (m.silu_mul_rows(gu, False, True, e4m3=True) for m in (K, R))
+    assert (ha.data != hb.data).float().mean() <= 2e-3
+    for a, b, half in ((ga, gb, gu[:, :k]), (ua, ub, gu[:, k:])):
+        assert isinstance(a, E4M3Rows) and a.shape == (rows, k)
+        assert torch.equal(a.data.view(torch.uint8), b.data.view(torch.uint8)) and torch.equal(a.scale, b.scale)
+        assert torch.equal(b.data.view(torch.uint8), R.e4m3_rows(half.contiguous()).data.view(torch.uint8))
+    _close_bf16(K.silu_mul_h(ga, ua), R.silu_mul_h(gb, ub))
+    dh = torch.randn(rows, k)
+    _close_bf16(K.silu_mul_backward(dh, ga, ua), R.silu_mul_backward(dh, gb, ub))
+    with pytest.raises(ValueError, match="not both"):
+        K.silu_mul_rows(gu, True, False, e4m3=True)
 
 
 def _close_bf16(a, b):
@@ -145,6 +158,10 @@ def test_silu_mul_h_and_backward(rows, k):
     _close_bf16(K.silu_mul_h(gq, uq), R.silu_mul_h(gq, uq))
     dh = torch.randn(rows, k)
     _close_bf16(K.silu_mul_backward(dh, gq, uq), R.silu_mul_backward(dh, gq, uq))
+    # E4M3 gate and up (down.saved=fp8) read by the same kernels, not the fp32 torch twins
+    g8, u8 = R.e4m3_rows(_awkward(rows, k, seed=5)), R.e4m3_rows(_awkward(rows, k, seed=6))
+    _close_bf16(K.silu_mul_h(g8, u8), R.silu_mul_h(g8, u8))
+    _close_bf16(K.silu_mul_backward(dh, g8, u8), R.silu_mul_backward(dh, g8, u8))
 
 
 def _gemm_ref64(a, w):
@@ -465,6 +482,10 @@ def test_kernels_native_gpu(m, n, k):
     r8, rs = R.fp8_rows(h.data)
     assert torch.equal(h.fp8.view(torch.uint8), r8.view(torch.uint8)) and torch.equal(h.fp8_scale, rs)
     assert (h.data != R.silu_mul_rows(gu)[0].data).float().mean() <= 2e-3
+    _, g8, u8 = K.silu_mul_rows(gu, False, False, e4m3=True)  # E4M3 gate and up (down.saved=fp8)
+    for a, half in ((g8, gu[:, : gu.shape[1] // 2]), (u8, gu[:, gu.shape[1] // 2 :])):
+        r8, rs = R.fp8_rows(half.contiguous(), pad_to=1)
+        assert torch.equal(a.data.view(torch.uint8), r8.view(torch.uint8)) and torch.equal(a.scale, rs)
     z = torch.randn(64, 128256, device="cuda").to(torch.bfloat16)
     t = torch.randint(0, 128256, (64,), device="cuda")
     zk, zr = z.clone(), z.clone()
@@ -539,8 +560,8 @@ def test_kernels_compile_for_gpus():
     r = subprocess.run([sys.executable, str(script), "90"], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     # 17, the 6 variants of the bf16-rows kernels, the 2 E4M3 readers; GeGLU's 6 gate kernels (ACT=1) and
-    # 2 norm kernels with Gemma's fp32 weights
-    assert r.stdout.count("ok") == 33, r.stdout
+    # 2 norm kernels with Gemma's fp32 weights; E4M3 gate and up: 2 writers, 2 readers
+    assert r.stdout.count("ok") == 37, r.stdout
 
 
 @pytest.mark.parametrize("rows,k", [(6, 16), (42, 96)])

@@ -215,13 +215,14 @@ def test_nvfp4_activations_gradients(tmp_path, family, compute):
     assert values[0] >= 0.93
 
 
-def test_triton_kernels_match_torch_ops(tmp_path):
+@pytest.mark.parametrize("recipe", [None, "mixed,*.saved=fp8"])  # the default; every saved copy E4M3 rows
+def test_triton_kernels_match_torch_ops(tmp_path, recipe):
     """The same model step with the Triton kernels (interpreter) and with the torch twins."""
     art = _artifact(tmp_path, "llama")
     ids, labels = _batch(b=2, s=24)
     results = []
     for kernels in ("torch", "triton"):
-        model = PactModel(art, LoraConfig(r=R, alpha=ALPHA), kernels=kernels)
+        model = PactModel(art, LoraConfig(r=R, alpha=ALPHA), kernels=kernels, activations=recipe)
         _random_adapters(model)
         loss, n = model(ids, labels)
         (loss / n).backward()

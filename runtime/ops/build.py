@@ -56,16 +56,13 @@ _OPS = ("rmsnorm_quant", "silu_mul_quant", "rmsnorm_rows", "silu_mul_rows", "qua
 Rows = NVFP4Rows | DenseRows | E4M3Rows
 # Ops reading saved rows: unquantized rows (DenseRows, a recipe's "bf16" sites) go to the twins,
 # elementwise torch in fp32 on either device; NVFP4 rows to the chosen implementation; E4M3 rows
-# (saved=fp8) to it where it reads them (_E4M3_READERS: the default recipe's MLP norm output), else to the twins.
+# (saved=fp8) to it as well: every reader takes them.
 _ROW_READERS = ("dequant_rows", "rmsnorm_backward", "silu_mul_h", "silu_mul_backward")
-_E4M3_READERS = ("dequant_rows", "rmsnorm_backward")
 
 
 def _dense_aware(op, twin):
-    kinds = DenseRows if op.__name__ in _E4M3_READERS else (DenseRows, E4M3Rows)
-
     def run(*args, **kw):
-        return twin(*args, **kw) if any(isinstance(a, kinds) for a in args) else op(*args, **kw)
+        return twin(*args, **kw) if any(isinstance(a, DenseRows) for a in args) else op(*args, **kw)
 
     run.__name__ = op.__name__
     return run
@@ -167,7 +164,7 @@ class Ops:
     # (x, w, eps, nvfp4=, gemm_input=): gemm_input says a frozen GEMM reads the bf16 rows (the fp8
     # backend then writes their E4M3 copy in the same kernel)
     rmsnorm_rows: Callable[..., tuple[DenseRows, NVFP4Rows | None, torch.Tensor]]
-    silu_mul_rows: Callable[..., tuple[DenseRows, Rows, Rows]]  # (gate_up, nvfp4=, gemm_input=, act=)
+    silu_mul_rows: Callable[..., tuple[DenseRows, Rows, Rows]]  # (gate_up, nvfp4=, gemm_input=, act=, e4m3=)
     quant_rows: Callable[[torch.Tensor], NVFP4Rows]  # a GEMM input (with its E4M3 copy on fp8)
     quant_saved: Callable[[torch.Tensor], NVFP4Rows]  # rows only kept for backward: never an E4M3 copy
     quant_saved_sr: Callable[[torch.Tensor], NVFP4Rows]  # the same, stochastically rounded (saved=nvfp4-sr)

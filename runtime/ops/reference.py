@@ -79,14 +79,20 @@ def rmsnorm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float, nvfp4: bool 
     return _dense(y, fp8), quantize_rows(y.float()) if nvfp4 else None, rstd
 
 
-def silu_mul_rows(gate_up: torch.Tensor, nvfp4: bool = True, fp8: bool = False, act: str = "silu"
-                  ) -> tuple[DenseRows, NVFP4Rows | DenseRows, NVFP4Rows | DenseRows]:
+def silu_mul_rows(gate_up: torch.Tensor, nvfp4: bool = True, fp8: bool = False, act: str = "silu",
+                  e4m3: bool = False) -> tuple[DenseRows, NVFP4Rows | E4M3Rows | DenseRows,
+                                               NVFP4Rows | E4M3Rows | DenseRows]:
     """gate_up [T, 2I] -> (bf16 rows of silu(gate) * up, the product in fp32; gate; up), gate and up
-    as NVFP4 rows (``nvfp4``) or the input's bf16 halves; ``fp8``: h carries its E4M3 copy."""
+    as NVFP4 rows (``nvfp4``), E4M3 rows (``e4m3``: e4m3_rows of each half) or the input's bf16
+    halves; ``fp8``: h carries its E4M3 copy."""
+    if nvfp4 and e4m3:
+        raise ValueError("silu_mul_rows: gate and up are saved as NVFP4 or as E4M3 rows, not both")
     gate, up = gate_up.chunk(2, dim=-1)
     h = (glu_act(gate.float(), act) * up.float()).to(torch.bfloat16)
     if nvfp4:
         g, u = quantize_rows(gate.float()), quantize_rows(up.float())
+    elif e4m3:
+        g, u = e4m3_rows(gate), e4m3_rows(up)
     else:
         g, u = DenseRows(gate.contiguous()), DenseRows(up.contiguous())
     return _dense(h, fp8), g, u

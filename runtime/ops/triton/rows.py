@@ -143,9 +143,11 @@ def _gate_up_chunk(base, c0, K, CHUNK: tl.constexpr):
 
 @triton.jit
 def _silu_mul_rows_kernel(gu_ptr, stride_gu, h_ptr, gp, gs, gr, up, us, ur, f8_ptr, f8s_ptr, K, BLOCK_K: tl.constexpr,
-                          CHUNK: tl.constexpr, NVFP4: tl.constexpr, FP8: tl.constexpr, ACT: tl.constexpr):
+                          CHUNK: tl.constexpr, NVFP4: tl.constexpr, FP8: tl.constexpr, ACT: tl.constexpr,
+                          E4M3: tl.constexpr):
     """h = bf16(silu(gate) * up) stored unquantized, plus (NVFP4) gate and up as NVFP4 rows for
-    backward and (FP8) h's E4M3 copy for the fp8 backend's GEMM."""
+    backward, or (E4M3 = E4M3 mode) as E4M3 rows (gp, up bytes; gr, ur row scales; gs, us unused),
+    and (FP8) h's E4M3 copy for the fp8 backend's GEMM."""
     row = tl.program_id(0)
     base = gu_ptr + row * stride_gu
     am_h, am_g, am_u = 0.0, 0.0, 0.0
@@ -156,13 +158,16 @@ def _silu_mul_rows_kernel(gu_ptr, stride_gu, h_ptr, gp, gs, gr, up, us, ur, f8_p
         am_h = tl.maximum(am_h, tl.max(tl.max(tl.abs(h), axis=1), axis=0))
         am_g = tl.maximum(am_g, tl.max(tl.max(tl.abs(g), axis=1), axis=0))
         am_u = tl.maximum(am_u, tl.max(tl.max(tl.abs(u), axis=1), axis=0))
-    if NVFP4 or FP8:
+    if NVFP4 or FP8 or E4M3:
         sg, su = amax_scale(am_g), amax_scale(am_u)
         for c0 in tl.static_range(0, BLOCK_K, CHUNK):
             offs, g, u = _gate_up_chunk(base, c0, K, CHUNK)
             if NVFP4:
                 store_blocks(row, c0, g, sg, gp, gs, K, CHUNK, f8_ptr, 0)
                 store_blocks(row, c0, u, su, up, us, K, CHUNK, f8_ptr, 0)
+            if E4M3:  # as fp8.py's _fp8_rows_kernel writes each bf16 half (g and u hold bf16 values)
+                _store_fp8_of(row, c0, g, am_g, gp, gr, K, CHUNK, E4M3)
+                _store_fp8_of(row, c0, u, am_u, up, ur, K, CHUNK, E4M3)
             if FP8:  # h recomputed (the same bits) rather than read back from another thread's store
                 _store_fp8_of(row, c0, rne_bf16(_glu(g, ACT) * u), am_h, f8_ptr, f8s_ptr, K, CHUNK, FP8)
         if NVFP4:
@@ -244,26 +249,34 @@ def _rmsnorm_backward_kernel(dy_ptr, stride_dy, yp, ys, yr, rstd_ptr, w_ptr, dx_
 
 
 @triton.jit
+def _saved_row(p, s, r, row, K, c0, CHUNK: tl.constexpr, E4M3: tl.constexpr):
+    """Elements c0 .. c0+CHUNK of a saved row in fp32: E4M3 rows (p bytes, r row scales; s unused) or NVFP4 rows."""
+    if E4M3:
+        return _e4m3_row(p, r, row, K, c0, CHUNK)
+    return load_row_fp32(p, s, r, row, K, c0, CHUNK)
+
+
+@triton.jit
 def _silu_mul_h_kernel(gp, gs, gr, up, us, ur, h_ptr, K, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr,
-                       ACT: tl.constexpr):
+                       ACT: tl.constexpr, E4M3: tl.constexpr):
     row = tl.program_id(0)
     for c0 in tl.static_range(0, BLOCK_K, CHUNK):
         offs = c0 + tl.arange(0, CHUNK)
-        g = load_row_fp32(gp, gs, gr, row, K, c0, CHUNK)
-        u = load_row_fp32(up, us, ur, row, K, c0, CHUNK)
+        g = _saved_row(gp, gs, gr, row, K, c0, CHUNK, E4M3)
+        u = _saved_row(up, us, ur, row, K, c0, CHUNK, E4M3)
         h = _glu(g, ACT) * u
         tl.store(h_ptr + row * K + offs, rne_bf16(h).to(tl.bfloat16), mask=offs < K)
 
 
 @triton.jit
 def _silu_mul_backward_kernel(dh_ptr, stride_dh, gp, gs, gr, up, us, ur, dgu_ptr, K, BLOCK_K: tl.constexpr,
-                              CHUNK: tl.constexpr, ACT: tl.constexpr):
+                              CHUNK: tl.constexpr, ACT: tl.constexpr, E4M3: tl.constexpr):
     row = tl.program_id(0)
     for c0 in tl.static_range(0, BLOCK_K, CHUNK):
         offs = c0 + tl.arange(0, CHUNK)
         mask = offs < K
-        g = load_row_fp32(gp, gs, gr, row, K, c0, CHUNK)
-        u = load_row_fp32(up, us, ur, row, K, c0, CHUNK)
+        g = _saved_row(gp, gs, gr, row, K, c0, CHUNK, E4M3)
+        u = _saved_row(up, us, ur, row, K, c0, CHUNK, E4M3)
         dh = tl.load(dh_ptr + row * stride_dh + offs, mask=mask, other=0.0).to(tl.float32)
         dg = dh * u * _glu_grad(g, ACT)
         du = dh * _glu(g, ACT)
@@ -369,22 +382,30 @@ def rmsnorm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float, nvfp4: bool 
     return y, q, rstd
 
 
-def silu_mul_rows(gate_up: torch.Tensor, nvfp4: bool = True, fp8: bool = False, act: str = "silu"
-                  ) -> tuple[DenseRows, NVFP4Rows | DenseRows, NVFP4Rows | DenseRows]:
+def silu_mul_rows(gate_up: torch.Tensor, nvfp4: bool = True, fp8: bool = False, act: str = "silu",
+                  e4m3: bool = False) -> tuple[DenseRows, NVFP4Rows | E4M3Rows | DenseRows,
+                                               NVFP4Rows | E4M3Rows | DenseRows]:
     """gate_up [T, 2I] -> (bf16 rows of silu(gate) * up, gate, up); gate and up as NVFP4 rows
-    (``nvfp4``) or the bf16 input's halves; ``fp8``: h carries its E4M3 copy."""
+    (``nvfp4``), E4M3 rows (``e4m3``: a recipe's down.saved=fp8, e4m3_rows' bytes of each half) or
+    the bf16 input's halves; ``fp8``: h carries its E4M3 copy."""
+    if nvfp4 and e4m3:
+        raise ValueError("silu_mul_rows: gate and up are saved as NVFP4 or as E4M3 rows, not both")
     gate_up = gate_up if gate_up.stride(-1) == 1 else gate_up.contiguous()
     T, K2 = gate_up.shape
     K = K2 // 2
-    h, f8, f8s, mode = _dense_fp8(torch.empty(T, K, dtype=torch.bfloat16, device=gate_up.device), fp8)
-    g, u = (empty_rows(T, K, gate_up.device) for _ in range(2)) if nvfp4 else (None, None)
+    dev = gate_up.device
+    h, f8, f8s, mode = _dense_fp8(torch.empty(T, K, dtype=torch.bfloat16, device=dev), fp8)
+    g, u = (empty_rows(T, K, dev) for _ in range(2)) if nvfp4 else (None, None)
+    if e4m3:
+        g, u = (E4M3Rows(torch.empty(T, K, dtype=torch.float8_e4m3fn, device=dev),
+                         torch.empty(T, dtype=torch.float32, device=dev)) for _ in range(2))
     bk = block_width(K)
     if T:
         dummy = (gate_up, gate_up, f8s)
-        _silu_mul_rows_kernel[(T,)](gate_up, gate_up.stride(0), h.data, *(row_args(g) if nvfp4 else dummy),
-                                    *(row_args(u) if nvfp4 else dummy), f8, f8s, K, **row_config(bk), NVFP4=nvfp4,
-                                    FP8=mode, ACT=ACTS[act])
-    if not nvfp4:
+        saved = (*row_args(g), *row_args(u)) if nvfp4 else (*_e4m3_args(g), *_e4m3_args(u)) if e4m3 else dummy * 2
+        _silu_mul_rows_kernel[(T,)](gate_up, gate_up.stride(0), h.data, *saved, f8, f8s, K, **row_config(bk),
+                                    NVFP4=nvfp4, FP8=mode, ACT=ACTS[act], E4M3=e4m3_mode(dev) if e4m3 else 0)
+    if not (nvfp4 or e4m3):
         g, u = DenseRows(gate_up[:, :K].contiguous()), DenseRows(gate_up[:, K:].contiguous())
     return h, g, u
 
@@ -429,23 +450,31 @@ def rmsnorm_backward(dy: torch.Tensor, yq: NVFP4Rows | E4M3Rows, rstd: torch.Ten
     return dx
 
 
-def silu_mul_h(gq: NVFP4Rows, uq: NVFP4Rows, act: str = "silu") -> torch.Tensor:
-    """h = silu(g) * u from the saved NVFP4 gate and up, bf16 [T, I]."""
+def _saved_args(q: NVFP4Rows | E4M3Rows) -> tuple[tuple[torch.Tensor, ...], bool]:
+    """Saved rows as a backward kernel's three row arguments, and whether they are E4M3."""
+    return (_e4m3_args(q), True) if isinstance(q, E4M3Rows) else (row_args(q), False)
+
+
+def silu_mul_h(gq: NVFP4Rows | E4M3Rows, uq: NVFP4Rows | E4M3Rows, act: str = "silu") -> torch.Tensor:
+    """h = silu(g) * u from the saved gate and up (NVFP4 or E4M3 rows, both alike), bf16 [T, I]."""
     T, K = gq.shape
-    h = torch.empty(T, K, dtype=torch.bfloat16, device=gq.packed.device)
+    (ga, e4m3), (ua, _) = _saved_args(gq), _saved_args(uq)
+    h = torch.empty(T, K, dtype=torch.bfloat16, device=ga[0].device)
     bk = block_width(K)
     if T:
-        _silu_mul_h_kernel[(T,)](*row_args(gq), *row_args(uq), h, K, **row_config(bk), ACT=ACTS[act])
+        _silu_mul_h_kernel[(T,)](*ga, *ua, h, K, **row_config(bk), ACT=ACTS[act], E4M3=e4m3)
     return h
 
 
-def silu_mul_backward(dh: torch.Tensor, gq: NVFP4Rows, uq: NVFP4Rows, act: str = "silu") -> torch.Tensor:
-    """d(gate | up) [T, 2I] bf16 from dh and the saved NVFP4 gate and up."""
+def silu_mul_backward(dh: torch.Tensor, gq: NVFP4Rows | E4M3Rows, uq: NVFP4Rows | E4M3Rows,
+                      act: str = "silu") -> torch.Tensor:
+    """d(gate | up) [T, 2I] bf16 from dh and the saved gate and up (NVFP4 or E4M3 rows, both alike)."""
     dh = dh if dh.stride(-1) == 1 else dh.contiguous()
     T, K = gq.shape
+    (ga, e4m3), (ua, _) = _saved_args(gq), _saved_args(uq)
     dgu = torch.empty(T, 2 * K, dtype=torch.bfloat16, device=dh.device)
     bk = block_width(K)
     if T:
-        _silu_mul_backward_kernel[(T,)](dh, dh.stride(0), *row_args(gq), *row_args(uq), dgu, K, **row_config(bk),
-                                        ACT=ACTS[act])
+        _silu_mul_backward_kernel[(T,)](dh, dh.stride(0), *ga, *ua, dgu, K, **row_config(bk), ACT=ACTS[act],
+                                        E4M3=e4m3)
     return dgu
