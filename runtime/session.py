@@ -8,7 +8,10 @@ import functools
 import json
 import logging
 import os
+import queue
 import re
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -89,10 +92,85 @@ def load_tokenizer(art: Artifact):
     backend = getattr(tok, "backend_tokenizer", None)
     if backend is not None:
         _check_token_lengths(backend, where, _check_components(backend, where))
+        if getattr(tok, "_tokenizer", None) is backend:  # every encode under a time bound
+            tok._tokenizer = BoundedBackend(backend, where)
     for name in ("_encode_plus", "_decode"):  # what every encode, __call__, tokenize and decode goes through
         if hasattr(tok, name):
             setattr(tok, name, functools.partial(_unpanicked, getattr(tok, name), where))
     return tok
+
+
+ENCODE_GRACE_S = 5.0  # the encode time a tokenizer may spend before its characters' allowance counts
+ENCODE_CHAR_S = 20e-6  # each character encoded allows 20 us (50K characters/s; real tokenizers: 1M and more)
+
+
+class BoundedBackend:
+    """A tokenizers-library Tokenizer whose encodes run under a time bound: a regex can pass every
+    check at load and still work super-linearly in Rust on a crafted text, where nothing interrupts
+    it (12.7 s for one 200-character prompt). ``encode_batch`` (what transformers calls; it releases
+    the GIL) runs on a daemon thread while the caller waits at most ENCODE_GRACE_S plus
+    ENCODE_CHAR_S a character encoded so far, less the encode time spent so far: past that, one
+    PactError naming tokenizer.json (the runaway encode is left to the daemon thread, which ends
+    with the process; every later encode is refused at once). Everything else is the Tokenizer's."""
+
+    def __init__(self, backend, where: Path):
+        object.__setattr__(self, "_bounded", {"backend": backend, "where": where, "chars": 0, "spent": 0.0,
+                                              "jobs": None, "stuck": False})
+
+    def __getattr__(self, name):
+        return getattr(self._bounded["backend"], name)
+
+    def __setattr__(self, name, value):  # (transformers sets e.g. encode_special_tokens on the backend)
+        setattr(self._bounded["backend"], name, value)
+
+    def encode(self, sequence, pair=None, is_pretokenized=False, add_special_tokens=True):
+        return self.encode_batch([sequence if pair is None else (sequence, pair)], is_pretokenized=is_pretokenized,
+                                 add_special_tokens=add_special_tokens)[0]
+
+    def encode_batch(self, inputs, *args, **kw):
+        b = self._bounded
+        if b["stuck"]:
+            raise PactError(f"{b['where']}: an earlier encode with this tokenizer ran past its time bound; "
+                            f"{HOSTILE}")
+        b["chars"] += _chars(inputs)
+        allowed = ENCODE_GRACE_S + ENCODE_CHAR_S * b["chars"] - b["spent"]
+        if b["jobs"] is None:
+            b["jobs"] = queue.SimpleQueue()
+            threading.Thread(target=_encode_worker, args=(b["jobs"],), daemon=True, name="pact-encode").start()
+        done, box = threading.Event(), []
+        t0 = time.perf_counter()
+        b["jobs"].put((functools.partial(b["backend"].encode_batch, inputs, *args, **kw), box, done))
+        finished = done.wait(max(allowed, 0.0))
+        b["spent"] += time.perf_counter() - t0
+        if not finished:
+            b["stuck"] = True
+            raise PactError(f"{b['where']}: encoding {_chars(inputs)} characters took over {allowed:.1f} s (this "
+                            f"tokenizer's bound: {ENCODE_GRACE_S:g} s plus {ENCODE_CHAR_S * 1e6:g} us a character "
+                            f"encoded; real tokenizers take ~1 us): a regex in its normalizer or pre-tokenizer "
+                            f"works super-linearly on this text; {HOSTILE}")
+        ok, value = box[0]
+        if not ok:
+            raise value
+        return value
+
+
+def _encode_worker(jobs: queue.SimpleQueue) -> None:
+    while True:
+        fn, box, done = jobs.get()
+        try:
+            box.append((True, fn()))
+        except BaseException as e:  # (a PanicException too: _unpanicked names it in the caller)
+            box.append((False, e))
+        done.set()
+
+
+def _chars(inputs) -> int:
+    """Characters in an encode's inputs: texts, (text, pair) tuples or pre-tokenized word lists, nested."""
+    if isinstance(inputs, str):
+        return len(inputs)
+    if isinstance(inputs, (list, tuple)):
+        return sum(_chars(x) for x in inputs)
+    return 0
 
 
 def _unpanicked(fn, where: Path, /, *args, **kw):

@@ -617,6 +617,36 @@ def test_a_tokenizer_panic_is_one_error(base, tmp_path):
             call()
 
 
+def test_a_regex_that_works_too_long_is_stopped(base, tmp_path, monkeypatch):
+    """A regex that passes every check at load yet works super-linearly in Rust (this one: 1,000
+    letters take ~1 s, 2,000 ~5 s) is stopped by the encodes' time bound: one error naming tokenizer.json once the
+    bound is spent, and every later encode refused at once. Real text stays far within it."""
+    from pact.runtime import session
+
+    monkeypatch.setattr(session, "ENCODE_GRACE_S", 0.3)
+    art = _with_split(base, tmp_path, r"\w{0,400}\w{0,400}\W\d")
+    tok = load_tokenizer(open_artifact(art))
+    assert isinstance(tok.backend_tokenizer, session.BoundedBackend)
+    assert tok("the movie was fresh")["input_ids"] and tok.encode("fresh", "pair")
+    assert tok.backend_tokenizer.normalizer is None and tok.backend_tokenizer.get_vocab_size() > 0  # the rest: as is
+    t = time.perf_counter()
+    with pytest.raises(PactError, match=r"hf/tokenizer.json: encoding 1000 characters took over 0\.3 s \(this "
+                                        r"tokenizer's bound: 0.3 s plus 20 us a character encoded.*super-linearly"):
+        tok("a" * 1000)
+    assert time.perf_counter() - t < 2
+    with pytest.raises(PactError, match="an earlier encode with this tokenizer ran past its time bound"):
+        tok("fresh")
+    tok = load_tokenizer(open_artifact(art))  # 120K characters of ordinary text: far within the bound
+    assert len(tok(["word, " * 20000])["input_ids"][0]) >= 20000
+
+
+def test_the_encode_bound_counts_every_input_form():
+    from pact.runtime.session import _chars
+
+    assert _chars("abc") == 3 and _chars(["ab", ("cd", "e")]) == 5 and _chars([["pre", "tok"], ["x"]]) == 7
+    assert _chars(None) == 0
+
+
 def test_a_tokenizer_panic_is_one_line_from_pact_generate(base, tmp_path):
     from click.testing import CliRunner
 
