@@ -100,18 +100,21 @@ def load_tokenizer(art: Artifact):
     return tok
 
 
-ENCODE_GRACE_S = 5.0  # the encode time a tokenizer may spend before its characters' allowance counts
+ENCODE_GRACE_S = 5.0  # the encode/decode time a tokenizer may spend before its characters' allowance counts
 ENCODE_CHAR_S = 20e-6  # each character encoded allows 20 us (50K characters/s; real tokenizers: 1M and more)
+DECODE_ID_CHARS = 64  # a token id decoded counts as 64 characters (real tokens: a few)
 
 
 class BoundedBackend:
-    """A tokenizers-library Tokenizer whose encodes run under a time bound: a regex can pass every
-    check at load and still work super-linearly in Rust on a crafted text, where nothing interrupts
-    it (12.7 s for one 200-character prompt). ``encode_batch`` (what transformers calls; it releases
-    the GIL) runs on a daemon thread while the caller waits at most ENCODE_GRACE_S plus
-    ENCODE_CHAR_S a character encoded so far, less the encode time spent so far: past that, one
-    PactError naming tokenizer.json (the runaway encode is left to the daemon thread, which ends
-    with the process; every later encode is refused at once). Everything else is the Tokenizer's."""
+    """A tokenizers-library Tokenizer whose encodes and decodes run under a time bound: a regex can
+    pass every check at load and still work super-linearly in Rust on a crafted text or token, where
+    nothing interrupts it (a normalizer's: 12.7 s for one 200-character prompt; a decoder's Replace:
+    2.8 s for one 2,000-character token). ``encode_batch`` and ``decode_batch`` (they release the
+    GIL; ``encode`` and ``decode`` go through them) run on a daemon thread while the caller waits at
+    most ENCODE_GRACE_S plus ENCODE_CHAR_S a character encoded so far (a decoded id counting
+    DECODE_ID_CHARS), less the time spent so far: past that, one PactError naming tokenizer.json (the
+    runaway call is left to the daemon thread, which ends with the process; every later call is
+    refused at once). Everything else is the Tokenizer's."""
 
     def __init__(self, backend, where: Path):
         object.__setattr__(self, "_bounded", {"backend": backend, "where": where, "chars": 0, "spent": 0.0,
@@ -128,26 +131,40 @@ class BoundedBackend:
                                  add_special_tokens=add_special_tokens)[0]
 
     def encode_batch(self, inputs, *args, **kw):
+        n = _chars(inputs)
+        return self._run(functools.partial(self._bounded["backend"].encode_batch, inputs, *args, **kw), n,
+                         f"encoding {n} characters")
+
+    def decode(self, ids, skip_special_tokens=True):
+        return self.decode_batch([list(ids)], skip_special_tokens=skip_special_tokens)[0]
+
+    def decode_batch(self, sequences, skip_special_tokens=True):
+        sequences = [list(s) for s in sequences]
+        n = sum(len(s) for s in sequences)
+        return self._run(functools.partial(self._bounded["backend"].decode_batch, sequences,
+                                           skip_special_tokens=skip_special_tokens), DECODE_ID_CHARS * n,
+                         f"decoding {n} tokens")
+
+    def _run(self, fn, chars: int, what: str):
         b = self._bounded
         if b["stuck"]:
-            raise PactError(f"{b['where']}: an earlier encode with this tokenizer ran past its time bound; "
-                            f"{HOSTILE}")
-        b["chars"] += _chars(inputs)
+            raise PactError(f"{b['where']}: an earlier call of this tokenizer ran past its time bound; {HOSTILE}")
+        b["chars"] += chars
         allowed = ENCODE_GRACE_S + ENCODE_CHAR_S * b["chars"] - b["spent"]
         if b["jobs"] is None:
             b["jobs"] = queue.SimpleQueue()
-            threading.Thread(target=_encode_worker, args=(b["jobs"],), daemon=True, name="pact-encode").start()
+            threading.Thread(target=_encode_worker, args=(b["jobs"],), daemon=True, name="pact-tokenizer").start()
         done, box = threading.Event(), []
         t0 = time.perf_counter()
-        b["jobs"].put((functools.partial(b["backend"].encode_batch, inputs, *args, **kw), box, done))
+        b["jobs"].put((fn, box, done))
         finished = done.wait(max(allowed, 0.0))
         b["spent"] += time.perf_counter() - t0
         if not finished:
             b["stuck"] = True
-            raise PactError(f"{b['where']}: encoding {_chars(inputs)} characters took over {allowed:.1f} s (this "
-                            f"tokenizer's bound: {ENCODE_GRACE_S:g} s plus {ENCODE_CHAR_S * 1e6:g} us a character "
-                            f"encoded; real tokenizers take ~1 us): a regex in its normalizer or pre-tokenizer "
-                            f"works super-linearly on this text; {HOSTILE}")
+            raise PactError(f"{b['where']}: {what} took over {allowed:.1f} s (this tokenizer's bound: "
+                            f"{ENCODE_GRACE_S:g} s plus {ENCODE_CHAR_S * 1e6:g} us a character encoded, a token "
+                            f"decoded counting {DECODE_ID_CHARS}; real tokenizers take ~1 us a character): a regex in "
+                            f"its normalizer, pre-tokenizer or decoder works super-linearly here; {HOSTILE}")
         ok, value = box[0]
         if not ok:
             raise value

@@ -634,10 +634,40 @@ def test_a_regex_that_works_too_long_is_stopped(base, tmp_path, monkeypatch):
                                         r"tokenizer's bound: 0.3 s plus 20 us a character encoded.*super-linearly"):
         tok("a" * 1000)
     assert time.perf_counter() - t < 2
-    with pytest.raises(PactError, match="an earlier encode with this tokenizer ran past its time bound"):
+    with pytest.raises(PactError, match="an earlier call of this tokenizer ran past its time bound"):
         tok("fresh")
     tok = load_tokenizer(open_artifact(art))  # 120K characters of ordinary text: far within the bound
     assert len(tok(["word, " * 20000])["input_ids"][0]) >= 20000
+
+
+def test_a_decoder_regex_that_works_too_long_is_stopped(base, tmp_path, monkeypatch):
+    """The decoder's regexes run on each token's text: a 2,000-letter token through a super-linear Replace
+    took 2.8 s to decode (4,096 letters, the longest token allowed: ~20 s), once per printed token. Decodes
+    share the encodes' time bound (a token id counting 64 characters)."""
+    from pact.runtime import session
+
+    monkeypatch.setattr(session, "ENCODE_GRACE_S", 0.3)
+    art = _copy(base, tmp_path)
+    f = art / "hf" / "tokenizer.json"
+    tj = json.loads(f.read_text())
+    tj["decoder"] = {"type": "Sequence", "decoders": [
+        tj["decoder"], {"type": "Replace", "pattern": {"Regex": r"\w{0,400}\w{0,400}\W\d"}, "content": "x"}]}
+    top = max([*tj["model"]["vocab"].values(), *(t["id"] for t in tj["added_tokens"])])
+    tj["added_tokens"].append({"id": top + 1, "content": "a" * 2000,
+                               "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
+                               "special": False})
+    f.write_text(json.dumps(tj))
+    rehash_artifact(art)
+    tok = load_tokenizer(open_artifact(art))
+    assert tok.decode(tok("the movie")["input_ids"], skip_special_tokens=True).strip() == "the movie"
+    long_id = tj["added_tokens"][-1]["id"]
+    t = time.perf_counter()
+    with pytest.raises(PactError, match=r"hf/tokenizer.json: decoding 1 tokens took over 0\.3 s .*or decoder works "
+                                        r"super-linearly"):
+        tok.decode([long_id])
+    assert time.perf_counter() - t < 2
+    with pytest.raises(PactError, match="an earlier call of this tokenizer ran past its time bound"):
+        tok.decode([long_id - 1])
 
 
 def test_the_encode_bound_counts_every_input_form():
