@@ -143,8 +143,11 @@ def _load_checkpoint(run: Path, ck: Path, model: PactModel, opt: torch.optim.Opt
     saved_cfg, now = state.pop("config"), cfg.as_json()
     diff = _config_diff(saved_cfg, now, state.pop("world_size", 1), world, may_move)
     if diff:
+        was = saved_cfg.get("activations")
+        hint = (f"\n  (the precision recipe it trained with: pass --activations {was}; the default may have changed "
+                "since)" if was != now.get("activations") and isinstance(was, str) else "")
         raise PactError(f"--resume: {ck} was made with other settings; resume with the same flags or start a new run:\n"
-                        + "\n".join(diff))
+                        + "\n".join(diff) + hint)
     was = {k: _absolute(saved_cfg[k]) for k in may_move if isinstance(saved_cfg.get(k), str)}
     moved = [k for k in was if was[k] != now.get(k)]
     if moved:

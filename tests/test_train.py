@@ -142,6 +142,24 @@ def test_resume_is_bitwise(task, tmp_path):
     assert all(torch.equal(a[k][0], b[k][0]) and torch.equal(a[k][1], b[k][1]) for k in a)
 
 
+def test_resume_names_the_recipe_the_run_trained_with(task, tmp_path, monkeypatch):
+    """A run started under another default recipe (the default may change between versions) is not resumed
+    with the new one: the refusal names the --activations that resumes it as it trained, and that resumes bitwise."""
+    from pact.runtime import recipe as recipe_mod
+
+    kw = dict(steps=6, save_every=3, batch_size=8)
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    monkeypatch.setattr(recipe_mod, "DEFAULT", "nvfp4-saved")  # the default these runs started under
+    train(_cfg(task, full, **kw), progress=False)
+    train(_cfg(task, cut, **kw), progress=False, stop_after=4)
+    monkeypatch.setattr(recipe_mod, "DEFAULT", "mixed,o.saved=fp8")  # a newer version's
+    with pytest.raises(PactError, match=r"activations: checkpoint 'nvfp4-saved' -> now 'mixed,o.saved=fp8'\n  \(the "
+                                        r"precision recipe it trained with: pass --activations nvfp4-saved"):
+        train(_cfg(task, cut, **kw), resume=True, progress=False)
+    train(_cfg(task, cut, activations="nvfp4-saved", **kw), resume=True, progress=False)
+    assert [r["loss"] for r in _metrics(cut)] == [r["loss"] for r in _metrics(full)]
+
+
 def test_resume_a_moved_run(task, tmp_path):
     """A run folder moved elsewhere (its inputs the same files, by fingerprint) resumes where it is and
     ends as it would have; a moved run with other settings is still refused for those."""
