@@ -149,7 +149,7 @@ print('llmc import ok: pyarrow', pyarrow.__version__, 'fsspec', fsspec.__version
     [ -f /tmp/pact-bench/art-llama-1b-2d/zarr.json ] || python3 -c "from pact.convert import convert
 convert('/tmp/pact-bench/src-llama-1b', '/tmp/pact-bench/art-llama-1b-2d', progress=False)" 2>&1 | grep -v Warn | tail -2
   fi
-  IFS=';' read -ra recipes <<< "${RECIPES:-mixed}"
+  IFS=';' read -ra recipes <<< "${RECIPES:-mixed,o.saved=fp8}"
   IFS=';' read -ra layers <<< "${LAYERS:-all}"  # --lora-layers values (top:N: adapters on the N last blocks)
   IFS=';' read -ra bwds <<< "${BWDS:-auto}"  # --backward-weights values
   m=pact-bf16$([ "${FP8:-0}" = 1 ] && echo ,pact-fp8)
@@ -171,7 +171,7 @@ convert('/tmp/pact-bench/src-llama-1b', '/tmp/pact-bench/art-llama-1b-2d', progr
   fi
   if [ "${PROFILE:-0}" = 1 ]; then  # where a step goes (CUDA time by kernel category and launching op), at
     # batch PROFILE_BS (default 6) with each recipe of PROFILE_RECIPES (';'-separated; default: the default)
-    IFS=';' read -ra precipes <<< "${PROFILE_RECIPES:-mixed}"
+    IFS=';' read -ra precipes <<< "${PROFILE_RECIPES:-mixed,o.saved=fp8}"
     for r in "${precipes[@]}"; do
       tag=$(echo "$r" | tr ',=.*:' '+__a_')
       timeout 150 python3 bench_train.py --model llama-1b --warmup 2 --iters 5 --batch ${PROFILE_BS:-6} --methods pact-bf16 \
