@@ -626,6 +626,16 @@ _REPLACED_FILE_KEYS = frozenset({"tokenizer_file", "special_tokens_map_file", "a
 
 
 _CRAFTED = "the artifact is damaged or crafted; re-copy it or re-run pact-convert"
+ADDED_TOKENS = 16384  # added / special tokens one hf/ file may list (supported families: up to a few thousand)
+
+
+def _added_tokens(name: str, doc: Any) -> list[tuple[str, int]]:
+    """(key, count) of the added and special token lists transformers walks at load, in an hf/ JSON file."""
+    if not isinstance(doc, dict):
+        return []
+    keys = ("added_tokens",) if name == "tokenizer.json" else (
+        "added_tokens_decoder", "extra_special_tokens", "additional_special_tokens") if name in _TOKENIZER_ARGS else ()
+    return [(k, len(doc[k])) for k in keys if isinstance(doc.get(k), (list, dict))]
 
 
 def _check_hf_size(f: Path, size: int) -> None:
@@ -656,6 +666,11 @@ def _check_hf(hf: Path) -> None:
         if isinstance(doc, dict) and "auto_map" in doc:
             raise ArtifactError(f"{f}: asks for custom code (auto_map): refusing it (pact never runs code from "
                                 "an artifact); re-run pact-convert on a model that transformers supports natively")
+        for key, many in _added_tokens(f.name, doc):
+            if many > ADDED_TOKENS:
+                raise ArtifactError(f"{f}: '{key}' holds {many} tokens, more than {ADDED_TOKENS} (transformers adds "
+                                    "them one by one, each checked against those before it: 64,000 took 20 s to "
+                                    f"load; real tokenizers hold hundreds to a few thousand); {fix}")
         if f.name in _TOKENIZER_ARGS and (key := file_key(doc, f.name == "tokenizer_config.json")):
             raise ArtifactError(f"{f}: '{key}' names a file for the tokenizer to open: refusing it (transformers "
                                 "opens it as written, outside the artifact too; the tokenizer's files are hf/'s "

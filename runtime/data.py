@@ -576,7 +576,7 @@ def _chat(tokenizer, rec: dict) -> tuple[list[int], list[int], int, str]:
     while start > 0 and mask[start - 1]:
         start -= 1
     eos = tokenizer.eos_token_id
-    if eos is not None and ids[-1] not in set(tokenizer.all_special_ids):  # the template writes no end of turn
+    if eos is not None and ids[-1] not in _special_ids(tokenizer):  # the template writes no end of turn
         ids, mask = ids + [eos], mask + [1]
     labels = [t if m else IGNORE for t, m in zip(ids, mask)]
     content = msgs[-1]["content"]
@@ -592,6 +592,16 @@ def _pair(tokenizer, rec: dict) -> tuple[list[int], list[int], int, str]:
     p = tokenizer(prompt, add_special_tokens=True)["input_ids"]
     c = _with_eos(tokenizer(completion, add_special_tokens=False)["input_ids"], tokenizer)
     return p + c, [IGNORE] * len(p) + c, len(p), completion
+
+
+def _special_ids(tokenizer) -> frozenset:
+    """The tokenizer's special ids, computed once a tokenizer (transformers builds the list anew each time,
+    from every special token the config names: a chat record asked for it once)."""
+    got = getattr(tokenizer, "_pact_special_ids", None)
+    if got is None:
+        got = frozenset(tokenizer.all_special_ids)
+        tokenizer._pact_special_ids = got
+    return got
 
 
 def _with_eos(ids: list[int], tokenizer) -> list[int]:

@@ -5,19 +5,24 @@ pact-train, pact-eval and pact-calibrate."""
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import logging
 import os
 import queue
 import re
+import select
+import signal
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from pact.formats import Artifact, PactError, default_cache, open_artifact
+from pact.formats.files import replace_text
 from pact.formats.peft import LoraConfig
 
 from .distributed import env_world
@@ -72,28 +77,118 @@ def load_tokenizer(art: Artifact):
     valid JSON but not a tokenizer fails inside transformers with a KeyError or the like. Its regexes run
     in Rust, where nothing interrupts them: one that looks able to backtrack for long (regex_hazard) is
     warned of, and a panic there (a regex past its backtracking limit) is one error naming tokenizer.json,
-    from loading and from every encode and decode."""
+    from loading and from every encode and decode. Loading and checking it run first in a child process
+    killed past LOAD_S (`_preflight`), then here; every encode and decode after runs under BoundedBackend's
+    time bound."""
+    _preflight(art.hf_dir)
+    return _load_checked(art.hf_dir)
+
+
+LOAD_S = 30.0  # loading and checking a tokenizer in the child (real ones: 1-3 s on a 2-core CPU)
+
+
+def _preflight(hf: Path) -> None:
+    """Load and check the tokenizer of ``hf`` in a forked child first, killed past LOAD_S: building it runs
+    its regexes in Rust while holding the GIL (transformers normalizes the added tokens marked normalized;
+    pact's own probes run each part on probe texts), where no time bound reaches. A tokenizer that passed
+    is remembered in $PACT_CACHE/tokenizers/ by the digest of hf/'s files, the libraries' versions and
+    this module's source, so the child runs once per tokenizer and machine."""
+    where = hf / "tokenizer.json"
+    stamp = default_cache() / "tokenizers" / _tokenizer_digest(hf)
+    if stamp.is_file():
+        return
+    if not hasattr(os, "fork"):
+        log.warning("%s: this platform cannot fork: the tokenizer's load is not time-bounded", where)
+        return
+    r, w = os.pipe()
+    with warnings.catch_warnings():  # (Python 3.12+: fork() in a process with threads; the child only loads)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
+    if pid == 0:  # the child: load and check, write the verdict, leave without cleanup
+        try:
+            os.close(r)
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, 1)
+            os.dup2(null, 2)
+            logging.disable(logging.CRITICAL)  # (the parent's load says what there is to say)
+            try:
+                _load_checked(hf)
+                verdict = b"ok"
+            except PactError as e:
+                verdict = b"no" + str(e).encode("utf-8", "replace")
+            except BaseException as e:
+                verdict = b"no" + f"{where}: the tokenizer failed to load ({type(e).__name__}: {e})".encode(
+                    "utf-8", "replace")
+            os.write(w, verdict[:32768])  # (below a pipe's capacity: one write, never blocking)
+        finally:
+            os._exit(0)
+    os.close(w)
+    try:
+        got, t0 = b"", time.monotonic()
+        while True:
+            left = LOAD_S - (time.monotonic() - t0)
+            if left <= 0 or not select.select([r], [], [], left)[0]:
+                os.kill(pid, signal.SIGKILL)
+                raise PactError(f"{where}: loading and checking the tokenizer took over {LOAD_S:g} s (real ones "
+                                f"take 1-3 s): a regex in it works super-linearly on its own tokens or pact's "
+                                f"probe texts; {HOSTILE}")
+            chunk = os.read(r, 65536)
+            if not chunk:
+                break
+            got += chunk
+    finally:
+        os.close(r)
+        os.waitpid(pid, 0)
+    if got.startswith(b"no"):
+        raise PactError(got[2:].decode("utf-8", "replace"))
+    if got != b"ok":
+        raise PactError(f"{where}: loading the tokenizer ended its process without a verdict (killed: out of "
+                        f"memory?); {HOSTILE}")
+    try:
+        stamp.parent.mkdir(parents=True, exist_ok=True)
+        replace_text(stamp, "checked\n")
+    except OSError as e:  # a read-only cache: the next load checks again
+        log.debug("%s: not remembered (%s)", stamp, e)
+
+
+def _tokenizer_digest(hf: Path) -> str:
+    import tokenizers
+    import transformers
+
+    h = hashlib.sha256(f"{tokenizers.__version__}\0{transformers.__version__}\0".encode())
+    h.update(Path(__file__).read_bytes())
+    for f in sorted(p for p in hf.rglob("*") if p.is_file()):  # (sizes bounded by the artifact's checks)
+        h.update(f"{f.relative_to(hf).as_posix()}\0{f.stat().st_size}\0".encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()
+
+
+def _load_checked(hf: Path):
+    """The tokenizer of ``hf`` loaded and checked (load_tokenizer's work, in whichever process runs it)."""
+    from tokenizers import Tokenizer
     from transformers import AutoTokenizer
 
-    where = art.hf_dir / "tokenizer.json"
+    where = hf / "tokenizer.json"
     try:
-        tok = _unpanicked(AutoTokenizer.from_pretrained, where, art.hf_dir, trust_remote_code=False)
+        tok = _unpanicked(AutoTokenizer.from_pretrained, where, hf, trust_remote_code=False)
     except PactError:
         raise
     except Exception as e:  # (OSError, ValueError, KeyError, ..., strict_errors(), and the tokenizers library's
         # bare Exception for a tokenizer.json field of the wrong type: all "these files are not a tokenizer")
-        raise PactError(f"{art.hf_dir}: the tokenizer cannot be loaded from its files and config.json "
+        raise PactError(f"{hf}: the tokenizer cannot be loaded from its files and config.json "
                         f"({type(e).__name__}: {e}): the artifact is damaged or crafted; re-copy it or re-run "
                         "pact-convert") from None
     if not isinstance(tok.model_max_length, (int, float)) or isinstance(tok.model_max_length, bool):
-        raise PactError(f"{art.hf_dir / 'tokenizer_config.json'}: 'model_max_length' is "
+        raise PactError(f"{hf / 'tokenizer_config.json'}: 'model_max_length' is "
                         f"{tok.model_max_length!r}, not a number: the artifact is damaged or crafted; re-copy it or "
                         "re-run pact-convert")
     backend = getattr(tok, "backend_tokenizer", None)
-    if backend is not None:
-        _check_token_lengths(backend, where, _check_components(backend, where))
-        if getattr(tok, "_tokenizer", None) is backend:  # every encode under a time bound
-            tok._tokenizer = BoundedBackend(backend, where)
+    if not isinstance(backend, Tokenizer) or getattr(tok, "_tokenizer", None) is not backend:
+        raise PactError(f"{hf}: the tokenizer loads as {type(tok).__name__}, not one backed by tokenizer.json "
+                        "(tokenizer_config.json's 'tokenizer_class' names a Python tokenizer?): pact checks and "
+                        f"time-bounds only tokenizer.json's; {HOSTILE}")
+    _check_token_lengths(backend, where, _check_components(backend, where))
+    tok._tokenizer = BoundedBackend(backend, where)  # every encode and decode under a time bound
     for name in ("_encode_plus", "_decode"):  # what every encode, __call__, tokenize and decode goes through
         if hasattr(tok, name):
             setattr(tok, name, functools.partial(_unpanicked, getattr(tok, name), where))
@@ -118,10 +213,15 @@ class BoundedBackend:
 
     def __init__(self, backend, where: Path):
         object.__setattr__(self, "_bounded", {"backend": backend, "where": where, "chars": 0, "spent": 0.0,
-                                              "jobs": None, "stuck": False})
+                                              "jobs": None, "pid": None, "stuck": False})
 
     def __getattr__(self, name):
+        if name == "_bounded" or name.startswith("__"):  # (a copy being built has no state yet)
+            raise AttributeError(name)
         return getattr(self._bounded["backend"], name)
+
+    def __reduce__(self):  # copied or pickled: the same Tokenizer, a fresh allowance and worker
+        return BoundedBackend, (self._bounded["backend"], self._bounded["where"])
 
     def __setattr__(self, name, value):  # (transformers sets e.g. encode_special_tokens on the backend)
         setattr(self._bounded["backend"], name, value)
@@ -151,8 +251,8 @@ class BoundedBackend:
             raise PactError(f"{b['where']}: an earlier call of this tokenizer ran past its time bound; {HOSTILE}")
         b["chars"] += chars
         allowed = ENCODE_GRACE_S + ENCODE_CHAR_S * b["chars"] - b["spent"]
-        if b["jobs"] is None:
-            b["jobs"] = queue.SimpleQueue()
+        if b["jobs"] is None or b["pid"] != os.getpid():  # (a forked child has no worker thread: its own)
+            b["jobs"], b["pid"] = queue.SimpleQueue(), os.getpid()
             threading.Thread(target=_encode_worker, args=(b["jobs"],), daemon=True, name="pact-tokenizer").start()
         done, box = threading.Event(), []
         t0 = time.perf_counter()

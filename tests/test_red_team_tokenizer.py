@@ -670,6 +670,101 @@ def test_a_decoder_regex_that_works_too_long_is_stopped(base, tmp_path, monkeypa
         tok.decode([long_id - 1])
 
 
+def test_a_tokenizer_whose_load_works_too_long_is_stopped(base, tmp_path, monkeypatch):
+    """Building a tokenizer runs its regexes in Rust holding the GIL (a normalized added token goes through
+    the normalizer at load: three 4,000-letter ones took 20 s; pact's own probes run each part too): the
+    load and the checks run first in a forked child, killed past LOAD_S, with one error naming the file."""
+    from pact.runtime import session
+
+    monkeypatch.setattr(session, "LOAD_S", 0.5)
+    art = _copy(base, tmp_path)
+    f = art / "hf" / "tokenizer.json"
+    tj = json.loads(f.read_text())
+    tj["normalizer"] = {"type": "Replace", "pattern": {"Regex": r"\w{0,400}\w{0,400}\W\d"}, "content": "x"}
+    top = max([*tj["model"]["vocab"].values(), *(t["id"] for t in tj["added_tokens"])])
+    tj["added_tokens"].append({"id": top + 1, "content": "\u4e00" + "a" * 2999, "single_word": False,
+                               "lstrip": False, "rstrip": False, "normalized": True, "special": False})
+    f.write_text(json.dumps(tj))
+    rehash_artifact(art)
+    t = time.perf_counter()
+    with pytest.raises(PactError, match=r"hf/tokenizer.json: loading and checking the tokenizer took over 0.5 s "
+                                        r"\(real ones take 1-3 s\).*super-linearly"):
+        load_tokenizer(open_artifact(art))
+    assert time.perf_counter() - t < 3
+
+
+def test_a_checked_tokenizer_is_remembered(base, tmp_path, monkeypatch):
+    """The child runs once per tokenizer: a second load of the same files forks nothing; a changed file
+    (another tokenizer) is checked again; the child's refusal is the parent's error, word for word."""
+    import os
+
+    from pact.runtime import session
+
+    monkeypatch.setenv("PACT_CACHE", str(tmp_path / "cache"))
+    art = _copy(base, tmp_path)
+    forks = []
+    real_fork = os.fork
+    monkeypatch.setattr(os, "fork", lambda: forks.append(1) or real_fork())
+    assert load_tokenizer(open_artifact(art))("fresh")["input_ids"] and len(forks) == 1
+    assert load_tokenizer(open_artifact(art))("fresh")["input_ids"] and len(forks) == 1
+    assert len(list((tmp_path / "cache" / "tokenizers").iterdir())) == 1
+    _edit_json(art / "hf" / "tokenizer_config.json", model_max_length="many")
+    with pytest.raises(PactError, match=r"tokenizer_config.json: 'model_max_length' is 'many', not a number"):
+        load_tokenizer(open_artifact(art))
+    assert len(forks) == 2 and len(list((tmp_path / "cache" / "tokenizers").iterdir())) == 1
+    assert session._tokenizer_digest(art / "hf") != session._tokenizer_digest(base / "art" / "hf")
+
+
+def test_a_python_tokenizer_class_is_refused(base, tmp_path):
+    """tokenizer_config.json's tokenizer_class may name a Python tokenizer (ByT5Tokenizer needs no vocabulary
+    file): none of tokenizer.json's checks or bounds would reach it (an added token of 200,000 letters made
+    transformers' Python trie take 15.8 s on a 20,000-letter prompt)."""
+    art = _copy(base, tmp_path)
+    _edit_json(art / "hf" / "tokenizer_config.json", tokenizer_class="ByT5Tokenizer", extra_ids=0)
+    with pytest.raises(PactError, match=r"hf: the tokenizer loads as ByT5Tokenizer, not one backed by "
+                                        r"tokenizer.json .*tokenizer_class"):
+        load_tokenizer(open_artifact(art))
+
+
+@pytest.mark.parametrize("file,key,many", [("tokenizer_config.json", "extra_special_tokens", 16385),
+                                           ("special_tokens_map.json", "additional_special_tokens", 20000)])
+def test_thousands_of_added_tokens_are_refused(base, tmp_path, file, key, many):
+    """transformers adds a config's special tokens one by one, each checked against a list of those before it:
+    64,000 took 20 s to load, and every chat record asked for their ids again."""
+    art = _copy(base, tmp_path)
+    _edit_json(art / "hf" / file, **{key: [f"<x{i}>" for i in range(many)]})
+    with pytest.raises(ArtifactError, match=rf"hf/{file}: '{key}' holds {many} tokens, more than 16384"):
+        open_artifact(art)
+
+
+def test_the_bounded_tokenizer_copies_pickles_and_forks(base, tmp_path):
+    """The time-bounded backend stays a usable tokenizer: deep copies and pickles (a fresh allowance and
+    worker each), a forked child encodes with a worker of its own, and transformers can wrap it again."""
+    import copy
+    import os
+    import pickle
+
+    from transformers import PreTrainedTokenizerFast
+
+    tok = load_tokenizer(open_artifact(_copy(base, tmp_path)))
+    want = tok("the movie was fresh")["input_ids"]
+    for twin in (copy.deepcopy(tok), pickle.loads(pickle.dumps(tok))):
+        assert twin("the movie was fresh")["input_ids"] == want
+    assert PreTrainedTokenizerFast(tokenizer_object=tok.backend_tokenizer)("the movie was fresh")["input_ids"] == want
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.write(w, json.dumps(tok("the movie was fresh")["input_ids"]).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    t = time.perf_counter()
+    got = os.read(r, 65536)
+    os.waitpid(pid, 0)
+    assert json.loads(got) == want and time.perf_counter() - t < 3  # (not the 5 s wait for the parent's worker)
+
+
 def test_the_encode_bound_counts_every_input_form():
     from pact.runtime.session import _chars
 
