@@ -356,12 +356,28 @@ def _filter_hazard(node) -> str | None:
     return None
 
 
+TEMPLATES_MAX = 8  # named chat templates a tokenizer may carry (real ones: 1-3)
+TEMPLATE_CHARS = 256 << 10  # their characters together (real ones: a few thousand; 1 MiB took ~3.5 s to check)
+
+
 def check_templates(tokenizer, where: str) -> None:
-    """Each of the tokenizer's chat templates free of template_hazard's operations (one error naming it)."""
+    """Each of the tokenizer's chat templates free of template_hazard's operations (one error naming it), once a
+    tokenizer (a record renders three times; 17 templates of 1 MiB each, parsed each time, took 128 s a record)."""
     t = getattr(tokenizer, "chat_template", None)
+    key = (id(t), tuple(t.items()) if isinstance(t, dict) else t)
+    if getattr(tokenizer, "_pact_templates_checked", None) == key:
+        return
+    if isinstance(t, dict) and len(t) > TEMPLATES_MAX:
+        raise PactError(f"{where}: the tokenizer carries {len(t)} chat templates, more than {TEMPLATES_MAX}: "
+                        f"{TEMPLATE_FIX}")
+    chars = sum(len(v) for v in (t.values() if isinstance(t, dict) else [t]) if isinstance(v, str))
+    if chars > TEMPLATE_CHARS:
+        raise PactError(f"{where}: the tokenizer's chat templates hold {chars} characters, more than {TEMPLATE_CHARS} "
+                        f"(each is parsed before it renders): {TEMPLATE_FIX}")
     for name, src in (t.items() if isinstance(t, dict) else [(None, t)]):
         if isinstance(src, str) and (why := template_hazard(src)):
             raise PactError(f"{where}: the chat template{f' {name!r}' if name else ''} {why}: {TEMPLATE_FIX}")
+    tokenizer._pact_templates_checked = key
 
 
 def _bounded_render(tokenizer, where: str, render):

@@ -4,6 +4,7 @@ pact-train, pact-eval and pact-calibrate."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -80,21 +81,24 @@ def load_tokenizer(art: Artifact):
     from loading and from every encode and decode. Loading and checking it run first in a child process
     killed past LOAD_S (`_preflight`), then here; every encode and decode after runs under BoundedBackend's
     time bound."""
-    _preflight(art.hf_dir)
+    _preflight(art)
     return _load_checked(art.hf_dir)
 
 
-LOAD_S = 30.0  # loading and checking a tokenizer in the child (real ones: 1-3 s on a 2-core CPU)
+LOAD_S = 15.0  # loading and checking a tokenizer in the child (real ones: 1-3 s on a 2-core CPU)
+LOAD_BYTES = 4 << 30  # the address space the child may add to what it was forked with
 
 
-def _preflight(hf: Path) -> None:
-    """Load and check the tokenizer of ``hf`` in a forked child first, killed past LOAD_S: building it runs
-    its regexes in Rust while holding the GIL (transformers normalizes the added tokens marked normalized;
-    pact's own probes run each part on probe texts), where no time bound reaches. A tokenizer that passed
-    is remembered in $PACT_CACHE/tokenizers/ by the digest of hf/'s files, the libraries' versions and
-    this module's source, so the child runs once per tokenizer and machine."""
+def _preflight(art: Artifact) -> None:
+    """Load and check the artifact's tokenizer in a forked child first, killed past LOAD_S (and limited to
+    LOAD_S of CPU and LOAD_BYTES more address space): building it runs its regexes in Rust while holding the
+    GIL (transformers normalizes the added tokens marked normalized; pact's own probes run each part on probe
+    texts), where no time bound reaches. The parent's own load then repeats what the child finished in
+    time. A tokenizer that passed is remembered in $PACT_CACHE/tokenizers/ (`_tokenizer_digest`), so the
+    child runs once per tokenizer and machine."""
+    hf = art.hf_dir
     where = hf / "tokenizer.json"
-    stamp = default_cache() / "tokenizers" / _tokenizer_digest(hf)
+    stamp = default_cache() / "tokenizers" / _tokenizer_digest(art)
     if stamp.is_file():
         return
     if not hasattr(os, "fork"):
@@ -107,6 +111,7 @@ def _preflight(hf: Path) -> None:
     if pid == 0:  # the child: load and check, write the verdict, leave without cleanup
         try:
             os.close(r)
+            _limit_child()
             null = os.open(os.devnull, os.O_WRONLY)
             os.dup2(null, 1)
             os.dup2(null, 2)
@@ -116,34 +121,40 @@ def _preflight(hf: Path) -> None:
                 verdict = b"ok"
             except PactError as e:
                 verdict = b"no" + str(e).encode("utf-8", "replace")
-            except BaseException as e:
+            except BaseException as e:  # (MemoryError past LOAD_BYTES too)
                 verdict = b"no" + f"{where}: the tokenizer failed to load ({type(e).__name__}: {e})".encode(
                     "utf-8", "replace")
             os.write(w, verdict[:32768])  # (below a pipe's capacity: one write, never blocking)
         finally:
             os._exit(0)
     os.close(w)
+    got, done = b"", False
     try:
-        got, t0 = b"", time.monotonic()
+        poller, t0 = select.poll(), time.monotonic()
+        poller.register(r, select.POLLIN | select.POLLHUP)
         while True:
             left = LOAD_S - (time.monotonic() - t0)
-            if left <= 0 or not select.select([r], [], [], left)[0]:
-                os.kill(pid, signal.SIGKILL)
+            if left <= 0 or not poller.poll(left * 1000):
                 raise PactError(f"{where}: loading and checking the tokenizer took over {LOAD_S:g} s (real ones "
                                 f"take 1-3 s): a regex in it works super-linearly on its own tokens or pact's "
-                                f"probe texts; {HOSTILE}")
+                                f"probe texts, or its files list too much; {HOSTILE}")
             chunk = os.read(r, 65536)
             if not chunk:
                 break
             got += chunk
+        done = True
     finally:
         os.close(r)
-        os.waitpid(pid, 0)
+        if not done:  # timed out or interrupted (Ctrl-C): the child goes too
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):  # (SIGCHLD ignored: reaped already)
+            os.waitpid(pid, 0)
     if got.startswith(b"no"):
         raise PactError(got[2:].decode("utf-8", "replace"))
     if got != b"ok":
-        raise PactError(f"{where}: loading the tokenizer ended its process without a verdict (killed: out of "
-                        f"memory?); {HOSTILE}")
+        raise PactError(f"{where}: loading the tokenizer ended its process without a verdict (past its memory or "
+                        f"CPU bound, or killed); {HOSTILE}")
     try:
         stamp.parent.mkdir(parents=True, exist_ok=True)
         replace_text(stamp, "checked\n")
@@ -151,15 +162,37 @@ def _preflight(hf: Path) -> None:
         log.debug("%s: not remembered (%s)", stamp, e)
 
 
-def _tokenizer_digest(hf: Path) -> str:
+def _limit_child() -> None:
+    """The forked child's bounds: CPU seconds, address space, and death with its parent (Linux)."""
+    import resource
+
+    from .data import _address_space
+
+    with contextlib.suppress(ValueError, OSError):
+        resource.setrlimit(resource.RLIMIT_CPU, (int(LOAD_S) + 2, int(LOAD_S) + 2))
+    with contextlib.suppress(ValueError, OSError):
+        resource.setrlimit(resource.RLIMIT_AS, (_address_space() + LOAD_BYTES, resource.RLIM_INFINITY))
+    with contextlib.suppress(OSError, AttributeError):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if os.getppid() == 1:  # the parent died before the call
+            os._exit(0)
+
+
+def _tokenizer_digest(art: Artifact) -> str:
+    """What a tokenizer check depends on: the libraries' versions, this module's source, and hf/'s files as the
+    manifest lists them (their sha256, verified against the bytes when the artifact is) with each file's size,
+    modification time and inode now (a file rewritten since is checked again)."""
     import tokenizers
     import transformers
 
     h = hashlib.sha256(f"{tokenizers.__version__}\0{transformers.__version__}\0".encode())
     h.update(Path(__file__).read_bytes())
-    for f in sorted(p for p in hf.rglob("*") if p.is_file()):  # (sizes bounded by the artifact's checks)
-        h.update(f"{f.relative_to(hf).as_posix()}\0{f.stat().st_size}\0".encode())
-        h.update(f.read_bytes())
+    for rel, digest in sorted(art.meta["files"].items()):
+        f = art.hf_dir / rel
+        st = f.stat() if f.is_file() else None
+        h.update(f"{rel}\0{digest}\0{st and (st.st_size, st.st_mtime_ns, st.st_ino)}\n".encode())
     return h.hexdigest()
 
 
@@ -169,6 +202,9 @@ def _load_checked(hf: Path):
     from transformers import AutoTokenizer
 
     where = hf / "tokenizer.json"
+    if not where.is_file():  # (transformers would build one from vocab/merges files or config keys, unchecked)
+        raise PactError(f"{where}: missing: pact loads an artifact's tokenizer from its tokenizer.json only; "
+                        f"{HOSTILE}")
     try:
         tok = _unpanicked(AutoTokenizer.from_pretrained, where, hf, trust_remote_code=False)
     except PactError:

@@ -525,6 +525,24 @@ def test_a_template_that_allocates_in_c_is_stopped(tok, monkeypatch, template):
     assert data.render_chat(tok, [{"role": "user", "content": "hi"}], "x") == "hi"  # and the next one renders
 
 
+def test_many_or_huge_templates_are_refused_and_checks_run_once(tok, monkeypatch):
+    """Every template is parsed before a render (17 of 1 MiB each, three renders a record: 128 s a record): at
+    most 8 of at most 256K characters together, checked once per tokenizer."""
+    plain = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    monkeypatch.setattr(tok, "chat_template", {f"t{i}": plain for i in range(9)})
+    with pytest.raises(PactError, match="d.jsonl:1: the tokenizer carries 9 chat templates, more than 8"):
+        data.check_templates(tok, "d.jsonl:1")
+    monkeypatch.setattr(tok, "chat_template", {"default": plain + "{# " + "x" * (300 << 10) + " #}"})
+    with pytest.raises(PactError, match=r"chat templates hold \d+ characters, more than 262144"):
+        data.check_templates(tok, "d.jsonl:1")
+    monkeypatch.setattr(tok, "chat_template", plain + "{# once #}")  # (a template no other test has checked)
+    calls = []
+    monkeypatch.setattr(data, "template_hazard", lambda src: calls.append(src))
+    data.check_templates(tok, "d.jsonl:1")
+    data.check_templates(tok, "d.jsonl:2")
+    assert len(calls) == 1
+
+
 def test_a_named_template_is_checked_and_named(tok, monkeypatch):
     monkeypatch.setattr(tok, "chat_template", {"default": SMOLLM2, "tool_use": "{{ 2 ** 99999999 }}"})
     with pytest.raises(PactError, match=r"^x: the chat template 'tool_use' raises to a power"):
@@ -712,7 +730,24 @@ def test_a_checked_tokenizer_is_remembered(base, tmp_path, monkeypatch):
     with pytest.raises(PactError, match=r"tokenizer_config.json: 'model_max_length' is 'many', not a number"):
         load_tokenizer(open_artifact(art))
     assert len(forks) == 2 and len(list((tmp_path / "cache" / "tokenizers").iterdir())) == 1
-    assert session._tokenizer_digest(art / "hf") != session._tokenizer_digest(base / "art" / "hf")
+    assert session._tokenizer_digest(open_artifact(art)) != session._tokenizer_digest(open_artifact(base / "art"))
+
+
+def test_a_tokenizer_built_from_config_keys_is_refused(base, tmp_path):
+    """Without tokenizer.json transformers builds the tokenizer from other files or from config keys (a
+    'vocab' dict made it compute merges in O(L^2) time and memory a token: 6.4 GB from a 2 MB config)."""
+    art = _copy(base, tmp_path)
+    _edit_json(art / "hf" / "tokenizer_config.json", vocab={"a": 0})
+    with pytest.raises(ArtifactError, match=r"tokenizer_config.json: 'vocab' names a file for the tokenizer"):
+        open_artifact(art)
+    from pact.runtime.session import _load_checked
+
+    hf = tmp_path / "hf"  # (an artifact missing a listed file is refused at open; the loader refuses it too)
+    shutil.copytree(base / "art" / "hf", hf)
+    (hf / "tokenizer.json").unlink()
+    with pytest.raises(PactError, match=r"hf/tokenizer.json: missing: pact loads an artifact's tokenizer from its "
+                                        r"tokenizer.json only"):
+        _load_checked(hf)
 
 
 def test_a_python_tokenizer_class_is_refused(base, tmp_path):
@@ -726,14 +761,22 @@ def test_a_python_tokenizer_class_is_refused(base, tmp_path):
         load_tokenizer(open_artifact(art))
 
 
-@pytest.mark.parametrize("file,key,many", [("tokenizer_config.json", "extra_special_tokens", 16385),
-                                           ("special_tokens_map.json", "additional_special_tokens", 20000)])
+@pytest.mark.parametrize("file,key,many", [("tokenizer_config.json", "extra_special_tokens", 600),
+                                           ("special_tokens_map.json", "additional_special_tokens", 600),
+                                           ("tokenizer_config.json", "k{}_token", 600),
+                                           ("added_tokens.json", "<x{}>", 20000)])
 def test_thousands_of_added_tokens_are_refused(base, tmp_path, file, key, many):
     """transformers adds a config's special tokens one by one, each checked against a list of those before it:
-    64,000 took 20 s to load, and every chat record asked for their ids again."""
+    64,000 took 20 s to load (65,536 `k_token` keys too; 300,000 in added_tokens.json 6 s and 1 GB), 4,000 special
+    tokens beside 4,000 added ones 15 s, and every chat record asked for their ids again."""
     art = _copy(base, tmp_path)
-    _edit_json(art / "hf" / file, **{key: [f"<x{i}>" for i in range(many)]})
-    with pytest.raises(ArtifactError, match=rf"hf/{file}: '{key}' holds {many} tokens, more than 16384"):
+    if "{}" in key:  # one key per token
+        _edit_json(art / "hf" / file, **{key.format(i): (f"<x{i}>" if file != "added_tokens.json" else 50000 + i)
+                                         for i in range(many)})
+    else:
+        _edit_json(art / "hf" / file, **{key: [f"<x{i}>" for i in range(many)]})
+    with pytest.raises(ArtifactError, match=rf"hf/{file}: lists \d+ added tokens, or hf/'s files \d+ special tokens "
+                                            r"so far, more than 16384 / 512"):
         open_artifact(art)
 
 
