@@ -364,7 +364,7 @@ def check_templates(tokenizer, where: str) -> None:
     """Each of the tokenizer's chat templates free of template_hazard's operations (one error naming it), once a
     tokenizer (a record renders three times; 17 templates of 1 MiB each, parsed each time, took 128 s a record)."""
     t = getattr(tokenizer, "chat_template", None)
-    key = (id(t), tuple(t.items()) if isinstance(t, dict) else t)
+    key = tuple(t.items()) if isinstance(t, dict) else t
     if getattr(tokenizer, "_pact_templates_checked", None) == key:
         return
     if isinstance(t, dict) and len(t) > TEMPLATES_MAX:

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from pact.formats import Artifact, PactError, default_cache, open_artifact
+from pact.formats.artifact import _stat_key
 from pact.formats.files import replace_text
 from pact.formats.peft import LoraConfig
 
@@ -182,17 +183,15 @@ def _limit_child() -> None:
 
 def _tokenizer_digest(art: Artifact) -> str:
     """What a tokenizer check depends on: the libraries' versions, this module's source, and hf/'s files as the
-    manifest lists them (their sha256, verified against the bytes when the artifact is) with each file's size,
-    modification time and inode now (a file rewritten since is checked again)."""
+    manifest lists them (their sha256, verified against the bytes when the artifact is) with each file's stat
+    now, as the verified-artifact stamp keys it (`_stat_key`: a file rewritten since is checked again)."""
     import tokenizers
     import transformers
 
     h = hashlib.sha256(f"{tokenizers.__version__}\0{transformers.__version__}\0".encode())
     h.update(Path(__file__).read_bytes())
     for rel, digest in sorted(art.meta["files"].items()):
-        f = art.hf_dir / rel
-        st = f.stat() if f.is_file() else None
-        h.update(f"{rel}\0{digest}\0{st and (st.st_size, st.st_mtime_ns, st.st_ino)}\n".encode())
+        h.update(f"{rel}\0{digest}\0{_stat_key(art.hf_dir / rel)}\n".encode())
     return h.hexdigest()
 
 

@@ -229,16 +229,21 @@ def _dequant_e4m3_kernel(f8_ptr, sc_ptr, out_ptr, K, BLOCK_K: tl.constexpr, CHUN
 
 
 @triton.jit
+def _saved_row(p, s, r, row, K, c0, CHUNK: tl.constexpr, E4M3: tl.constexpr):
+    """Elements c0 .. c0+CHUNK of a saved row in fp32: E4M3 rows (p bytes, r row scales; s unused) or NVFP4 rows."""
+    if E4M3:
+        return _e4m3_row(p, r, row, K, c0, CHUNK)
+    return load_row_fp32(p, s, r, row, K, c0, CHUNK)
+
+
+@triton.jit
 def _rmsnorm_backward_kernel(dy_ptr, stride_dy, yp, ys, yr, rstd_ptr, w_ptr, dx_ptr, K, BLOCK_K: tl.constexpr,
                              E4M3: tl.constexpr):
     """E4M3: the saved rows are E4M3 (yp bytes, yr row scales; ys unused), else NVFP4 rows."""
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK_K)
     mask = offs < K
-    if E4M3:
-        y = _e4m3_row(yp, yr, row, K, 0, BLOCK_K)
-    else:
-        y = load_row_fp32(yp, ys, yr, row, K, 0, BLOCK_K)
+    y = _saved_row(yp, ys, yr, row, K, 0, BLOCK_K, E4M3)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     dy = tl.load(dy_ptr + row * stride_dy + offs, mask=mask, other=0.0).to(tl.float32)
     n = tl.where(w == 0, 0.0, y / tl.where(w == 0, 1.0, w))
@@ -246,14 +251,6 @@ def _rmsnorm_backward_kernel(dy_ptr, stride_dy, yp, ys, yr, rstd_ptr, w_ptr, dx_
     dot = tl.sum(gw * n, axis=0) / K
     dx = tl.load(rstd_ptr + row) * (gw - n * dot)
     tl.store(dx_ptr + row * K + offs, rne_bf16(dx).to(tl.bfloat16), mask=mask)
-
-
-@triton.jit
-def _saved_row(p, s, r, row, K, c0, CHUNK: tl.constexpr, E4M3: tl.constexpr):
-    """Elements c0 .. c0+CHUNK of a saved row in fp32: E4M3 rows (p bytes, r row scales; s unused) or NVFP4 rows."""
-    if E4M3:
-        return _e4m3_row(p, r, row, K, c0, CHUNK)
-    return load_row_fp32(p, s, r, row, K, c0, CHUNK)
 
 
 @triton.jit
@@ -436,6 +433,11 @@ def dequant_rows(q: NVFP4Rows | E4M3Rows, dtype: torch.dtype = torch.bfloat16) -
     return out.to(dtype)
 
 
+def _saved_args(q: NVFP4Rows | E4M3Rows) -> tuple[tuple[torch.Tensor, ...], bool]:
+    """Saved rows as a backward kernel's three row arguments, and whether they are E4M3."""
+    return (_e4m3_args(q), True) if isinstance(q, E4M3Rows) else (row_args(q), False)
+
+
 def rmsnorm_backward(dy: torch.Tensor, yq: NVFP4Rows | E4M3Rows, rstd: torch.Tensor,
                      weight: torch.Tensor) -> torch.Tensor:
     """dx [T, H] bf16 from dY and the saved NVFP4 or E4M3 RMSNorm output (see the twin's formula)."""
@@ -444,15 +446,10 @@ def rmsnorm_backward(dy: torch.Tensor, yq: NVFP4Rows | E4M3Rows, rstd: torch.Ten
     dx = torch.empty(T, K, dtype=torch.bfloat16, device=dy.device)
     bk = block_width(K)
     if T:
-        e4m3 = isinstance(yq, E4M3Rows)
-        _rmsnorm_backward_kernel[(T,)](dy, dy.stride(0), *(_e4m3_args(yq) if e4m3 else row_args(yq)), rstd, weight,
-                                       dx, K, BLOCK_K=bk, E4M3=e4m3, num_warps=warps_for(bk))
+        args, e4m3 = _saved_args(yq)
+        _rmsnorm_backward_kernel[(T,)](dy, dy.stride(0), *args, rstd, weight, dx, K, BLOCK_K=bk, E4M3=e4m3,
+                                       num_warps=warps_for(bk))
     return dx
-
-
-def _saved_args(q: NVFP4Rows | E4M3Rows) -> tuple[tuple[torch.Tensor, ...], bool]:
-    """Saved rows as a backward kernel's three row arguments, and whether they are E4M3."""
-    return (_e4m3_args(q), True) if isinstance(q, E4M3Rows) else (row_args(q), False)
 
 
 def silu_mul_h(gq: NVFP4Rows | E4M3Rows, uq: NVFP4Rows | E4M3Rows, act: str = "silu") -> torch.Tensor:
